@@ -1,0 +1,5 @@
+import sys
+
+from rlbits.cli import main
+
+sys.exit(main())

@@ -1,0 +1,47 @@
+"""Pure tensor math for RL on language models. Imports torch only (no tensordict, no torch.distributed)."""
+
+from rlbits.functional.advantages import (
+    gae,
+    group_normalize,
+    next_action_values,
+    rloo_baseline,
+    token_rewards,
+)
+from rlbits.functional.ilql import (
+    awac_loss,
+    cql_loss,
+    expectile_loss,
+    ilql_logits,
+    ilql_targets,
+    q_loss,
+)
+from rlbits.functional.kl import KL_ESTIMATORS, kl_penalty
+from rlbits.functional.logprobs import entropy_from_logits, logprobs_from_logits
+from rlbits.functional.losses import aggregate_loss, ppo_loss, reinforce_loss, value_loss
+from rlbits.functional.masked import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "aggregate_loss",
+    "awac_loss",
+    "cql_loss",
+    "entropy_from_logits",
+    "expectile_loss",
+    "gae",
+    "group_normalize",
+    "ilql_logits",
+    "ilql_targets",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "next_action_values",
+    "ppo_loss",
+    "q_loss",
+    "reinforce_loss",
+    "rloo_baseline",
+    "token_rewards",
+    "value_loss",
+]

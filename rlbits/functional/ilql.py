@@ -1,0 +1,202 @@
+"""Implicit Language Q-Learning (Snell 2022, "Offline RL for natural language generation with implicit
+language Q learning"): targets, the Q / V / CQL / AWAC losses, and steered logits.
+
+Per action token t of a response: two Q heads give Q(s_t, .) over the vocabulary, a V head gives V(s_t).
+The losses follow the paper's eq. 1-4 and trlx's ``ILQLConfig.loss``; targets skip non-action tokens as
+``gae`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlbits.functional import _checks
+from rlbits.functional.advantages import next_action_values
+from rlbits.functional.logprobs import logprobs_from_logits
+from rlbits.functional.losses import aggregate_loss
+from rlbits.functional.masked import masked_mean
+
+
+def ilql_targets(
+    token_rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """Bellman targets for the Q heads: ``r_t + gamma V(s_next)``.
+
+    ``s_next`` is the state before the next action token (non-action positions skipped, as in ``gae``);
+    after a row's last action token V = 0 (terminal). Usually called with target-free, detached V.
+
+    Args:
+        token_rewards: [B, R] per-token rewards.
+        values: [B, R] V(s_t) from the V head.
+        action_mask: [B, R] bool.
+        gamma: discount per action token.
+
+    Returns:
+        [B, R] in the promoted input dtype; 0 where ``action_mask`` is False.
+
+    Raises:
+        ValueError: inputs are not all [B, R] of one shape.
+    """
+    for name, t in (("token_rewards", token_rewards), ("values", values), ("action_mask", action_mask)):
+        _checks.ndim(name, t, 2, "[B, R]")
+    _checks.same_shape(token_rewards=token_rewards, values=values, action_mask=action_mask)
+    out_dtype = torch.promote_types(token_rewards.dtype, values.dtype)
+    dtype = _checks.compute_dtype(token_rewards, values)
+    mask = action_mask.to(torch.bool)
+    next_v = next_action_values(values.to(dtype), mask)
+    targets = token_rewards.to(dtype) + gamma * next_v
+    return torch.where(mask, targets, torch.zeros((), dtype=dtype, device=targets.device)).to(out_dtype)
+
+
+def _check(action_mask: torch.Tensor, **tensors: torch.Tensor) -> torch.dtype:
+    _checks.ndim("action_mask", action_mask, 2, "[B, R]")
+    for name, t in tensors.items():
+        _checks.floating(name, t)
+    _checks.same_shape(action_mask=action_mask, **tensors)
+    return _checks.compute_dtype(*tensors.values())
+
+
+def q_loss(
+    q_values: torch.Tensor,
+    targets: torch.Tensor,
+    action_mask: torch.Tensor,
+    num_tokens: int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Q regression: masked mean of ``(Q(s_t, a_t) - target_t)^2`` (Snell 2022, eq. 2). ``targets`` detached.
+
+    Args:
+        q_values: [B, R] Q of the taken tokens (one head; call once per head).
+        targets: [B, R] from ``ilql_targets``.
+        action_mask: [B, R] bool.
+        num_tokens: global denominator (see ``aggregate_loss``).
+
+    Returns:
+        ``(loss, metrics)`` with metrics ``q_mean``, ``target_mean``.
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    dtype = _check(action_mask, q_values=q_values, targets=targets)
+    mask = action_mask.to(torch.bool)
+    q = q_values.to(dtype)
+    t = targets.detach().to(dtype)
+    loss = aggregate_loss((q - t) ** 2, mask, "token-mean", num_tokens)
+    return loss, {"q_mean": masked_mean(q.detach(), mask), "target_mean": masked_mean(t, mask)}
+
+
+def expectile_loss(
+    values: torch.Tensor,
+    target_q: torch.Tensor,
+    action_mask: torch.Tensor,
+    tau: float = 0.7,
+    num_tokens: int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Expectile regression of V towards the target Q: masked mean of ``|tau - 1(u < 0)| u^2``,
+    ``u = target_q - V`` (Kostrikov 2021, IQL, eq. 5; Snell 2022, eq. 3). ``target_q`` detached.
+
+    Args:
+        values: [B, R] V(s_t), with grad.
+        target_q: [B, R] target-network Q of the taken tokens (min over the two heads).
+        action_mask: [B, R] bool.
+        tau: expectile in (0, 1); 0.5 is plain regression, larger tracks the upper tail.
+        num_tokens: global denominator.
+
+    Returns:
+        ``(loss, metrics)`` with metric ``v_mean``.
+
+    Raises:
+        ValueError: mismatched shapes, ``tau`` outside (0, 1).
+    """
+    if not 0 < tau < 1:
+        raise ValueError(f"tau must be in (0, 1), got {tau}")
+    dtype = _check(action_mask, values=values, target_q=target_q)
+    mask = action_mask.to(torch.bool)
+    v = values.to(dtype)
+    u = target_q.detach().to(dtype) - v
+    weight = torch.where(u < 0, 1.0 - tau, tau)
+    loss = aggregate_loss(weight * u * u, mask, "token-mean", num_tokens)
+    return loss, {"v_mean": masked_mean(v.detach(), mask)}
+
+
+def _masked_nll(
+    logits: torch.Tensor, actions: torch.Tensor, action_mask: torch.Tensor, num_tokens, name: str
+) -> torch.Tensor:
+    _checks.ndim("action_mask", action_mask, 2, "[B, R]")
+    _checks.ndim(name, logits, 3, "[B, R, V]")
+    if logits.shape[:2] != action_mask.shape or actions.shape != action_mask.shape:
+        raise ValueError(
+            f"{name} {tuple(logits.shape)}, actions {tuple(actions.shape)} and action_mask "
+            f"{tuple(action_mask.shape)} must agree on [B, R]"
+        )
+    nll = -logprobs_from_logits(logits, actions)
+    return aggregate_loss(nll, action_mask, "token-mean", num_tokens)
+
+
+def cql_loss(
+    q_logits: torch.Tensor,
+    actions: torch.Tensor,
+    action_mask: torch.Tensor,
+    num_tokens: int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Conservative Q penalty: cross-entropy of the taken token under ``softmax(Q(s_t, .))``.
+
+    ``logsumexp_a Q(s, a) - Q(s, a_t)``, masked mean (Kumar 2020, CQL(H); Snell 2022, eq. 4): pushes down
+    Q of tokens the dataset did not take.
+
+    Args:
+        q_logits: [B, R, V] Q values over the vocabulary (one head; call once per head).
+        actions: [B, R] int64 taken tokens.
+        action_mask: [B, R] bool.
+        num_tokens: global denominator.
+
+    Returns:
+        ``(loss, {})``.
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    return _masked_nll(q_logits, actions, action_mask, num_tokens, "q_logits"), {}
+
+
+def awac_loss(
+    logits: torch.Tensor,
+    actions: torch.Tensor,
+    action_mask: torch.Tensor,
+    num_tokens: int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Language-model NLL of the dataset tokens, masked mean (ILQL's AWAC term as in trlx, weight 1).
+
+    Args:
+        logits: [B, R, V] policy logits aligned with ``actions``.
+        actions: [B, R] int64.
+        action_mask: [B, R] bool.
+        num_tokens: global denominator.
+
+    Returns:
+        ``(loss, {})``.
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    return _masked_nll(logits, actions, action_mask, num_tokens, "logits"), {}
+
+
+def ilql_logits(logits: torch.Tensor, q: torch.Tensor, v: torch.Tensor, beta: float) -> torch.Tensor:
+    """Steered decoding logits ``logits + beta (Q(s, .) - V(s))`` (Snell 2022, eq. 5).
+
+    Args:
+        logits: [..., V] policy logits.
+        q: [..., V] Q values (typically min of the two target heads).
+        v: [...] V(s).
+        beta: steering strength (0 = the policy itself).
+
+    Returns:
+        [..., V] in the dtype of ``logits``.
+
+    Raises:
+        ValueError: shapes disagree.
+    """
+    _checks.same_shape(logits=logits, q=q)
+    if v.shape != logits.shape[:-1]:
+        raise ValueError(f"v has shape {tuple(v.shape)} but must be logits.shape[:-1] = {tuple(logits.shape[:-1])}")
+    return (logits + beta * (q - v.unsqueeze(-1))).to(logits.dtype)

@@ -1,0 +1,1 @@
+"""Training loops: PPO, REINFORCE/RLOO/GRPO and ILQL."""

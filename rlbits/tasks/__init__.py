@@ -1,0 +1,1 @@
+"""Built-in tasks: prompts, rewards and base-model corpora."""

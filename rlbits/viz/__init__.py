@@ -1,0 +1,1 @@
+"""Plots, dashboards and metric sinks. Nothing in the core imports this package."""
