@@ -113,7 +113,7 @@ def expectile_loss(
     mask = action_mask.to(torch.bool)
     v = values.to(dtype)
     u = target_q.detach().to(dtype) - v
-    weight = torch.where(u < 0, 1.0 - tau, tau)
+    weight = (tau - (u < 0).to(dtype)).abs()  # |tau - 1(u < 0)|, in the input's precision
     loss = aggregate_loss(weight * u * u, mask, "token-mean", num_tokens)
     return loss, {"v_mean": masked_mean(v.detach(), mask)}
 

@@ -1,0 +1,225 @@
+"""Slow, obviously-right reference implementations of the functional kernels.
+
+Python loops over rows and tokens on float64 torch scalars (so autograd gives reference gradients too).
+Each mirrors the formula in the kernel's docstring, written as plainly as possible.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _cells(x):
+    return x.reshape(-1)
+
+
+def masked_mean(x, mask):
+    vals = [v for v, m in zip(_cells(x), _cells(mask)) if m]
+    return sum(vals) / len(vals) if vals else torch.zeros((), dtype=torch.float64)
+
+
+def masked_sum(x, mask):
+    return sum((v for v, m in zip(_cells(x), _cells(mask)) if m), torch.zeros((), dtype=torch.float64))
+
+
+def masked_var(x, mask, unbiased=True):
+    vals = [v for v, m in zip(_cells(x), _cells(mask)) if m]
+    n = len(vals)
+    if n == 0:
+        return torch.zeros((), dtype=torch.float64)
+    mean = sum(vals) / n
+    ss = sum((v - mean) ** 2 for v in vals)
+    return ss / max(n - 1 if unbiased else n, 1)
+
+
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    out = torch.zeros_like(x)
+    for idx in range(x.numel()):
+        if _cells(mask)[idx]:
+            val = (_cells(x)[idx] - mean) / torch.sqrt(var + eps)
+            if not shift_mean:
+                val = val + mean
+            out.view(-1)[idx] = val
+    return out
+
+
+def logprobs(logits, tokens, temperature=1.0):
+    B, R, V = logits.shape
+    rows = []
+    for b in range(B):
+        row = []
+        for t in range(R):
+            z = [logits[b, t, v] / temperature for v in range(V)]
+            lse = torch.log(sum(torch.exp(zv) for zv in z))
+            row.append(z[int(tokens[b, t])] - lse)
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def entropy(logits, temperature=1.0):
+    B, R, V = logits.shape
+    out = torch.zeros(B, R, dtype=torch.float64)
+    for b in range(B):
+        for t in range(R):
+            z = logits[b, t].detach() / temperature
+            p = [math.exp(float(z[v])) for v in range(V)]
+            s = sum(p)
+            out[b, t] = -sum((pv / s) * math.log(pv / s) for pv in p)
+    return out
+
+
+def kl(logprobs, ref_logprobs, estimator):
+    out = torch.zeros(logprobs.shape, dtype=torch.float64)
+    for idx in range(logprobs.numel()):
+        d = float(_cells(logprobs.detach())[idx]) - float(_cells(ref_logprobs.detach())[idx])
+        if estimator == "k1":
+            v = d
+        elif estimator == "abs":
+            v = abs(d)
+        elif estimator == "k2":
+            v = 0.5 * d * d
+        else:
+            v = math.exp(-d) - (-d) - 1
+        out.view(-1)[idx] = v
+    return out
+
+
+def token_rewards(rewards, mask, kl=None, kl_coef=0.0):
+    B, R = mask.shape
+    out = torch.zeros(B, R, dtype=torch.float64)
+    for b in range(B):
+        last = None
+        for t in range(R):
+            if mask[b, t]:
+                last = t
+                if kl is not None:
+                    out[b, t] -= kl_coef * float(kl[b, t])
+        if last is not None:
+            out[b, last] += float(rewards[b])
+    return out
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """Per row: walk backwards over action tokens only, terminal after the last one."""
+    B, R = mask.shape
+    adv = [[torch.zeros((), dtype=torch.float64) for _ in range(R)] for _ in range(B)]
+    for b in range(B):
+        next_value = torch.zeros((), dtype=torch.float64)
+        next_adv = torch.zeros((), dtype=torch.float64)
+        for t in reversed(range(R)):
+            if not mask[b, t]:
+                continue
+            delta = rewards[b, t] + gamma * next_value - values[b, t]
+            a = delta + gamma * lam * next_adv
+            adv[b][t] = a
+            next_value, next_adv = values[b, t], a
+    advantages = torch.stack([torch.stack(r) for r in adv])
+    returns = torch.where(mask, advantages + values, torch.zeros((), dtype=torch.float64))
+    return advantages, returns
+
+
+def rloo_baseline(rewards, k):
+    out = []
+    for i in range(len(rewards)):
+        g = i // k
+        others = [rewards[j] for j in range(g * k, g * k + k) if j != i]
+        out.append(sum(others) / (k - 1))
+    return torch.stack(out)
+
+
+def group_normalize(rewards, k, scale=True, eps=1e-6):
+    out = []
+    for i in range(len(rewards)):
+        g = i // k
+        members = [rewards[j] for j in range(g * k, g * k + k)]
+        mean = sum(members) / k
+        std = torch.sqrt(sum((m - mean) ** 2 for m in members) / (k - 1))
+        out.append((rewards[i] - mean) / (std + eps) if scale else rewards[i] - mean)
+    return torch.stack(out)
+
+
+def aggregate(per_token, mask, agg, num_tokens=None, num_seqs=None):
+    B, R = mask.shape
+    zero = torch.zeros((), dtype=torch.float64)
+    if agg == "token-mean":
+        terms = [per_token[b, t] for b in range(B) for t in range(R) if mask[b, t]]
+        n = num_tokens if num_tokens is not None else max(len(terms), 1)
+        return sum(terms, zero) / n
+    rows = []
+    for b in range(B):
+        terms = [per_token[b, t] for t in range(R) if mask[b, t]]
+        if not terms:
+            continue
+        s = sum(terms, zero)
+        rows.append(s / len(terms) if agg == "seq-mean-token-mean" else s)
+    n = num_seqs if num_seqs is not None else max(len(rows), 1)
+    return sum(rows, zero) / n
+
+
+def ppo_per_token(logprobs, old, adv, mask, clip_eps, clip_eps_high=None, dual_clip=None):
+    hi = clip_eps if clip_eps_high is None else clip_eps_high
+    B, R = mask.shape
+    rows = []
+    for b in range(B):
+        row = []
+        for t in range(R):
+            if not mask[b, t]:
+                row.append(torch.zeros((), dtype=torch.float64))
+                continue
+            ratio = torch.exp(logprobs[b, t] - old[b, t])
+            a = float(adv[b, t])
+            l1 = -a * ratio
+            l2 = -a * torch.clamp(ratio, 1 - clip_eps, 1 + hi)
+            loss = torch.maximum(l1, l2)
+            if dual_clip is not None and a < 0:
+                loss = torch.minimum(loss, torch.tensor(-dual_clip * a, dtype=torch.float64))
+            row.append(loss)
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def value_per_token(values, old_values, returns, mask, clip_eps=None):
+    B, R = mask.shape
+    rows = []
+    for b in range(B):
+        row = []
+        for t in range(R):
+            v, ret = values[b, t], float(returns[b, t])
+            err = (v - ret) ** 2
+            if clip_eps is not None:
+                old = float(old_values[b, t])
+                vc = old + torch.clamp(v - old, -clip_eps, clip_eps)
+                err = torch.maximum(err, (vc - ret) ** 2)
+            row.append(0.5 * err if mask[b, t] else torch.zeros((), dtype=torch.float64))
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def ilql_targets(rewards, values, mask, gamma):
+    B, R = mask.shape
+    out = torch.zeros(B, R, dtype=torch.float64)
+    for b in range(B):
+        for t in range(R):
+            if not mask[b, t]:
+                continue
+            nxt = next((s for s in range(t + 1, R) if mask[b, s]), None)
+            v_next = float(values[b, nxt]) if nxt is not None else 0.0
+            out[b, t] = float(rewards[b, t]) + gamma * v_next
+    return out
+
+
+def expectile_per_token(values, target_q, mask, tau):
+    B, R = mask.shape
+    rows = []
+    for b in range(B):
+        row = []
+        for t in range(R):
+            u = float(target_q[b, t]) - values[b, t]
+            w = (1 - tau) if float(u.detach()) < 0 else tau
+            row.append(w * u * u if mask[b, t] else torch.zeros((), dtype=torch.float64))
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
