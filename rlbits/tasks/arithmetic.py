@@ -1,0 +1,189 @@
+"""Arithmetic task: complete ``"a+b="`` with the decimal sum; reward 1 for the exact answer, else 0.
+
+The base model imitates an imperfect demonstrator, so supervised training plateaus below what the reward can
+teach:
+
+- Operands: each has 1, 2 or 3 digits (uniformly), then a uniform value of that length (``0-9``,
+  ``10-99``, ``100-999``).
+- Demonstrator: on a problem where some column other than the leftmost produces a carry, it "forgets to
+  carry" with probability ``DROP_PROB`` = 0.7: every column is added without the carry coming in from the
+  right and written mod 10, except the leftmost column, which is written in full (``57+68`` -> ``115``,
+  not ``125``; ``95+8`` -> ``93``, not ``103``). Otherwise it writes the right sum.
+- A model that imitates it perfectly answers greedily with the demonstrator's most likely answer: right on
+  the problems without a carry (44% of the test split), wrong on the others, whatever further supervised
+  training it gets. The right answers keep probability ``1 - DROP_PROB`` = 0.3 in the model, so an RL loop
+  with the exact-match reward has something to reinforce.
+
+Responses are scored strictly: after dropping anything from a literal ``"<eos>"`` on and stripping
+whitespace, the response must be exactly the decimal sum (no sign, no leading zeros, nothing after it).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from functools import cache
+
+NAME = "arithmetic"
+SPLITS = ("train", "test")
+N_TEST = 500
+N_TRAIN = 5000
+DROP_PROB = 0.7
+DIGITS = (1, 2, 3)
+_TEST_SEED = 1234
+_TRAIN_SEED = 4321
+_PROMPT_RE = re.compile(r"\s*(\d+)\+(\d+)=\s*")
+
+# Settings of the base model built by ``rlbits.models.pretrain`` (see its docstring for each key).
+PRETRAIN = dict(
+    vocab_size=300,
+    n_embd=128,
+    n_layer=4,
+    n_head=4,
+    n_positions=64,
+    steps=2000,
+    batch_size=128,
+    lr=3e-3,
+    corpus_size=200_000,
+    max_new_tokens=6,
+)
+
+
+def sample_operands(rng: random.Random) -> tuple[int, int]:
+    """One problem ``(a, b)``: each operand gets 1, 2 or 3 digits uniformly, then a uniform value."""
+
+    def one() -> int:
+        k = rng.choice(DIGITS)
+        return rng.randrange(0 if k == 1 else 10 ** (k - 1), 10**k)
+
+    return one(), one()
+
+
+def _columns(a: int, b: int) -> list[tuple[int, int]]:
+    # Digit pairs from the right (units first), the shorter operand padded with zeros.
+    sa, sb = str(a)[::-1], str(b)[::-1]
+    n = max(len(sa), len(sb))
+    return [(int(sa[i]) if i < len(sa) else 0, int(sb[i]) if i < len(sb) else 0) for i in range(n)]
+
+
+def has_carry(a: int, b: int) -> bool:
+    """True when a column other than the leftmost one sums to 10 or more (a carry the demonstrator may drop)."""
+    return any(x + y >= 10 for x, y in _columns(a, b)[:-1])
+
+
+def no_carry_sum(a: int, b: int) -> int:
+    """The demonstrator's mistake: columns added without incoming carries, each written mod 10, except the
+    leftmost column, written in full. Equals ``a + b`` exactly when ``not has_carry(a, b)``."""
+    cols = _columns(a, b)
+    digits = [str((x + y) % 10) for x, y in cols[:-1]]
+    top = sum(cols[-1])
+    return int(str(top) + "".join(reversed(digits)))
+
+
+def demonstrate(a: int, b: int, rng: random.Random) -> int:
+    """The imperfect demonstrator's answer: ``no_carry_sum`` with probability ``DROP_PROB`` on problems with
+    a carry, ``a + b`` otherwise. Draws one number from ``rng`` only when ``has_carry(a, b)``."""
+    if has_carry(a, b) and rng.random() < DROP_PROB:
+        return no_carry_sum(a, b)
+    return a + b
+
+
+def _prompt(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+@cache
+def _splits() -> dict[str, tuple[str, ...]]:
+    test_rng, train_rng = random.Random(_TEST_SEED), random.Random(_TRAIN_SEED)
+    test: dict[tuple[int, int], None] = {}
+    while len(test) < N_TEST:
+        test[sample_operands(test_rng)] = None
+    train: dict[tuple[int, int], None] = {}
+    while len(train) < N_TRAIN:
+        pair = sample_operands(train_rng)
+        if pair not in test:
+            train[pair] = None
+    return {"test": tuple(_prompt(*p) for p in test), "train": tuple(_prompt(*p) for p in train)}
+
+
+@cache
+def _test_pairs() -> frozenset[tuple[int, int]]:
+    return frozenset(parse_prompt(p) for p in _splits()["test"])
+
+
+def prompts(split: str) -> list[str]:
+    """Prompts ``"a+b="`` of ``split`` (``"train"``: 5000, ``"test"``: 500 distinct problems), disjoint and
+    fixed. The corpus never contains a test problem.
+
+    Raises:
+        ValueError: ``split`` is not ``"train"`` or ``"test"``.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
+    return list(_splits()[split])
+
+
+def parse_prompt(prompt: str) -> tuple[int, int]:
+    """``(a, b)`` from ``"a+b="`` (surrounding whitespace allowed).
+
+    Raises:
+        ValueError: the prompt is not of that form.
+    """
+    m = _PROMPT_RE.fullmatch(prompt)
+    if m is None:
+        raise ValueError(f"arithmetic prompt must look like '37+48=', got {prompt!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """1.0 where the response is exactly the sum, else 0.0.
+
+    Anything from a literal ``"<eos>"`` on is dropped, then surrounding whitespace; what is left must equal
+    ``str(a + b)``: ``"85"`` scores 1 for ``"37+48="``; ``"085"``, ``"+85"``, ``"85 apples"``, ``"8 5"``,
+    ``"85\\n1"`` and ``""`` score 0.
+
+    Raises:
+        TypeError: an argument is not a list of str.
+        ValueError: the lists differ in length, or a prompt is not ``"a+b="`` (the message gives its index).
+    """
+    for name, value in (("prompts", prompts), ("responses", responses)):
+        if isinstance(value, str) or not all(isinstance(x, str) for x in value):
+            raise TypeError(f"{name} must be a list of str")
+    if len(prompts) != len(responses):
+        raise ValueError(f"prompts and responses must have the same length, got {len(prompts)} and {len(responses)}")
+    out = []
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        try:
+            a, b = parse_prompt(prompt)
+        except ValueError as e:
+            raise ValueError(f"prompts[{i}]: {e}") from None
+        answer = response.split("<eos>", 1)[0].strip()
+        out.append(1.0 if answer == str(a + b) else 0.0)
+    return out
+
+
+def corpus(n: int, seed: int) -> list[str]:
+    """``n`` documents ``"a+b=answer"`` (no EOS) answered by the imperfect demonstrator.
+
+    Problems are drawn with ``sample_operands`` from ``random.Random(seed)``, skipping test-split problems;
+    answers come from ``demonstrate`` with the same generator. Same ``(n, seed)``, same list.
+
+    Raises:
+        ValueError: ``n < 0``.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng, test = random.Random(seed), _test_pairs()
+    out = []
+    while len(out) < n:
+        a, b = sample_operands(rng)
+        if (a, b) not in test:
+            out.append(f"{_prompt(a, b)}{demonstrate(a, b, rng)}")
+    return out
+
+
+def base_model() -> str:
+    """Path of the arithmetic base model (an HF folder), built by ``rlbits pretrain arithmetic`` on first use."""
+    from rlbits.models.pretrain import ensure_base_model
+
+    return ensure_base_model(NAME)
