@@ -1,0 +1,194 @@
+"""Teacher-forced forward passes over a generated batch: per-token logprobs and critic values.
+
+Both read the batch layout of DESIGN.md (``input_ids = cat(prompts, responses)``: prompts left-padded to
+P, responses right-padded to R) and use the position ids ``generate`` used, so that
+``policy_logprobs(policy, generate(policy, ...))`` reproduces the sampler's ``logprobs``. The logits at
+position ``P - 1 + t`` predict response token ``t``; only those R positions go through the LM head
+(``logits_to_keep``), which at R << P saves most of the [B, P + R, V] logits.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+import torch
+
+from rlbits.functional import entropy_from_logits, logprobs_from_logits
+
+_BATCH_KEYS = ("input_ids", "attention_mask", "responses", "action_mask")
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token among the real tokens of its row: ``cumsum(mask) - 1``, clamped at 0.
+
+    The same rule as HF ``generate`` for left-padded batches, so a padded row gets the positions it would
+    have unpadded. Padding positions get 0 (they are masked out anyway).
+
+    Args:
+        attention_mask: [B, T] bool or integer, True / 1 on real tokens.
+
+    Returns:
+        [B, T] int64.
+
+    Raises:
+        ValueError: ``attention_mask`` is not 2-D.
+    """
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be [B, T] (2-D) but has shape {tuple(attention_mask.shape)}")
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward`` takes HF's ``logits_to_keep`` (apply the LM head to the last positions only)."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _read_batch(batch: Mapping) -> tuple[torch.Tensor, ...]:
+    missing = [k for k in _BATCH_KEYS if k not in batch.keys()]
+    if missing:
+        raise ValueError(f"batch is missing key(s) {', '.join(missing)}; it needs {', '.join(_BATCH_KEYS)}")
+    input_ids, attention_mask, responses, action_mask = (batch[k] for k in _BATCH_KEYS)
+    if input_ids.dim() != 2 or responses.dim() != 2:
+        raise ValueError(
+            f"input_ids and responses must be 2-D, got {tuple(input_ids.shape)} and {tuple(responses.shape)}"
+        )
+    b, t = input_ids.shape
+    r = responses.shape[1]
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has shape {tuple(input_ids.shape)}"
+        )
+    if responses.shape[0] != b or action_mask.shape != responses.shape:
+        raise ValueError(
+            f"responses {tuple(responses.shape)} and action_mask {tuple(action_mask.shape)} must both be "
+            f"[B, R] with B = {b} (the rows of input_ids)"
+        )
+    if r >= t:
+        raise ValueError(
+            f"responses has R = {r} columns but input_ids has only {t}; input_ids must be cat(prompts, "
+            "responses) with at least one prompt column"
+        )
+    return input_ids, attention_mask, responses, action_mask
+
+
+def _microbatches(n: int, microbatch_size: int | None) -> list[slice]:
+    if microbatch_size is None:
+        return [slice(0, n)]
+    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
+        raise ValueError(f"microbatch_size must be a positive int or None, got {microbatch_size!r}")
+    return [slice(s, s + microbatch_size) for s in range(0, n, microbatch_size)]
+
+
+def response_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+    """Logits that predict the last ``response_len`` tokens of ``input_ids`` in one teacher-forced forward.
+
+    Args:
+        model: HF causal LM (returns ``.logits``; takes ``input_ids, attention_mask, position_ids, use_cache``).
+        input_ids: [B, P + R] int64, prompts left-padded, responses right-padded.
+        attention_mask: [B, P + R] bool.
+        response_len: R.
+
+    Returns:
+        [B, R, V] logits in the model's dtype; ``[:, t]`` predicts ``input_ids[:, P + t]``.
+    """
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    # Positions P-1 .. P+R-1 through the head; the last one predicts past the end and is dropped.
+    if accepts_logits_to_keep(model):
+        logits = model(**kwargs, logits_to_keep=response_len + 1).logits
+    else:
+        logits = model(**kwargs).logits[:, -(response_len + 1) :]
+    return logits[:, :-1]
+
+
+def policy_logprobs(
+    model: torch.nn.Module,
+    batch: Mapping,
+    *,
+    temperature: float = 1.0,
+    microbatch_size: int | None = None,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each response token under ``model`` at ``temperature``, teacher-forced.
+
+    ``log softmax(logits_{P-1+t} / T)[responses_t]`` for each response token t, from one forward pass over
+    ``input_ids`` with ``attention_mask`` and ``position_ids_from_mask(attention_mask)`` (the positions
+    ``generate`` decodes with). Use it for the current policy in the update (differentiable), the old
+    policy, or the reference policy (under ``torch.no_grad()``). Dropout follows ``model.training``.
+
+    Microbatching bounds the peak memory of the forward pass under ``torch.no_grad()``. With gradients it
+    saves nothing (every microbatch's graph is kept until backward): split the batch yourself and
+    accumulate gradients instead.
+
+    Args:
+        model: HF causal LM.
+        batch: TensorDict (or dict) with ``input_ids`` [B, P + R], ``attention_mask`` [B, P + R],
+            ``responses`` [B, R], ``action_mask`` [B, R] (the layout ``generate`` returns).
+        temperature: > 0; the temperature the responses were sampled at (1.0 for greedy decoding).
+        microbatch_size: rows per forward pass; None for one pass.
+        return_entropy: also return the entropy of ``softmax(logits / T)`` at each response position.
+
+    Returns:
+        logprobs [B, R] float32, 0 where ``action_mask`` is False; with ``return_entropy``,
+        ``(logprobs, entropy)``, entropy [B, R] float32 and 0 where ``action_mask`` is False.
+
+    Raises:
+        ValueError: a key is missing, shapes disagree, ``temperature <= 0`` or a bad ``microbatch_size``.
+    """
+    input_ids, attention_mask, responses, action_mask = _read_batch(batch)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    r = responses.shape[1]
+    mask = action_mask.bool()
+    logps, ents = [], []
+    for mb in _microbatches(input_ids.shape[0], microbatch_size):
+        logits = response_logits(model, input_ids[mb], attention_mask[mb], r)
+        logps.append(logprobs_from_logits(logits, responses[mb], temperature))
+        if return_entropy:
+            ents.append(entropy_from_logits(logits, temperature))
+    zero = torch.zeros((), device=input_ids.device)
+    logprobs = torch.where(mask, torch.cat(logps), zero)
+    if return_entropy:
+        return logprobs, torch.where(mask, torch.cat(ents), zero)
+    return logprobs
+
+
+def critic_values(
+    value_model: torch.nn.Module, batch: Mapping, *, microbatch_size: int | None = None
+) -> torch.Tensor:
+    """Critic values V(s_t) of the state before each response token t: the value output at ``P - 1 + t``.
+
+    Args:
+        value_model: called as ``value_model(input_ids, attention_mask=..., position_ids=...)`` and
+            returning [B, P + R] values, one per position (``rlbits.models.heads.ValueModel``).
+        batch: TensorDict (or dict) with ``input_ids``, ``attention_mask``, ``responses``, ``action_mask``.
+        microbatch_size: rows per forward pass; None for one pass (see ``policy_logprobs`` on gradients).
+
+    Returns:
+        [B, R] float32, 0 where ``action_mask`` is False; differentiable.
+
+    Raises:
+        ValueError: a key is missing, shapes disagree, or the model returns a tensor that is not [B, P + R].
+    """
+    input_ids, attention_mask, responses, action_mask = _read_batch(batch)
+    t = input_ids.shape[1]
+    r = responses.shape[1]
+    parts = []
+    for mb in _microbatches(input_ids.shape[0], microbatch_size):
+        values = value_model(
+            input_ids[mb], attention_mask=attention_mask[mb].long(), position_ids=position_ids_from_mask(attention_mask[mb])
+        )
+        if values.shape != input_ids[mb].shape:
+            raise ValueError(
+                f"value_model returned shape {tuple(values.shape)}; expected [B, P + R] = {tuple(input_ids[mb].shape)}"
+            )
+        parts.append(values[:, t - r - 1 : t - 1].float())
+    return torch.where(action_mask.bool(), torch.cat(parts), torch.zeros((), device=input_ids.device))

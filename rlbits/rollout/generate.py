@@ -1,0 +1,363 @@
+"""Sampling responses from a causal LM with a KV cache: ``generate``.
+
+The decode loop is a chain of small functions, after gpt-fast's ``generate.py``:
+``_prefill`` (one forward over the left-padded prompts) -> ``_decode_one_token`` (one token per step, reusing
+the cache) -> ``_next_token`` (logits processor, temperature, top-k, top-p, sample) -> ``_sample``
+(inverse-CDF sampling on uniform noise from the caller's generator). Nothing in the loop reads a value on
+the host except one "have all rows finished?" check per step on CPU (every ``_EOS_CHECK_EVERY`` steps on
+an accelerator).
+
+KV cache: a ``transformers.StaticCache`` allocated up front for ``P + max_new_tokens`` positions when the
+model supports it (fixed shapes: no ``torch.cat`` per step and no reallocation), with the attention mask
+kept as a [B, P + max_new_tokens] buffer whose future columns are 0. Left padding works with it because
+the padding is masked in every step and positions come from ``position_ids``, not the cache index.
+Models without static-cache support fall back to HF's ``DynamicCache``.
+
+The ``logprobs`` returned are the log-probabilities of the sampled tokens under
+``softmax(raw_logits / temperature)``: the untruncated policy distribution, which is what a
+teacher-forced training forward at the same temperature computes (``rlbits.models.forward.policy_logprobs``).
+``top_k``, ``top_p`` and ``logits_processor`` change which tokens are *sampled* but not these logprobs,
+so with them the samples come from a different distribution than the logprobs describe (as in TRL,
+OpenRLHF and verl). Greedy decoding (``temperature=0``) reports logprobs at temperature 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tensordict import TensorDict
+
+from rlbits.models.forward import accepts_logits_to_keep, position_ids_from_mask
+
+# On an accelerator the host-side "all finished?" check stalls the launch queue, so run it every few steps
+# (the few extra steps it may decode are trimmed from the output).
+_EOS_CHECK_EVERY = 8
+# Block size of the two-level inverse-CDF sampler (see ``_sample``).
+_SAMPLE_BLOCK = 256
+
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# --- sampling -------------------------------------------------------------------------------------------
+
+
+def _top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Set every logit below the k-th largest of its row to -inf (ties with the k-th are kept, as HF)."""
+    k = min(k, logits.shape[-1])
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter as HF's ``TopPLogitsWarper``: keep the smallest set of most likely tokens whose
+    probability sums to >= p (at least one token); the rest get -inf (Holtzman 2020)."""
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cum <= (1 - p)
+    remove[..., -1] = False
+    return logits.masked_fill(remove.scatter(-1, sorted_idx, remove), float("-inf"))
+
+
+def _sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw one index per row with probability proportional to ``weights``, by inverting the CDF at ``u``.
+
+    Two levels: pick a block of ``_SAMPLE_BLOCK`` tokens from the cumulative block masses, then the token
+    inside it from the block's own cumulative sum. A one-level float32 cumsum over V = 32k tokens rounds
+    each token's mass to ~6e-8 of the total (a total-variation error up to V * 3e-8 ~ 1e-3); two levels
+    bound it near ``(_SAMPLE_BLOCK + V / _SAMPLE_BLOCK) * 3e-8``. Tokens of weight 0 are never drawn.
+    Unlike ``torch.multinomial`` it needs only one uniform per row (from the caller's generator) and no
+    host sync.
+
+    Args:
+        weights: [B, V] float, >= 0, each row with a positive entry (e.g. ``exp(logits - max)``).
+        u: [B, 1] uniform in (0, 1].
+
+    Returns:
+        [B] int64 in ``[0, V)``.
+    """
+    batch, vocab = weights.shape
+    block = min(_SAMPLE_BLOCK, vocab)
+    n_blocks = -(-vocab // block)
+    w = torch.nn.functional.pad(weights, (0, n_blocks * block - vocab)).view(batch, n_blocks, block)
+    block_cdf = w.sum(-1).cumsum(-1)  # [B, n_blocks]
+    x = u * block_cdf[:, -1:]  # in (0, total]: > 0, so a leading zero-weight token is never hit
+    b = torch.searchsorted(block_cdf, x).clamp(max=n_blocks - 1)  # first block whose cdf >= x
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(x))
+    inner_cdf = w.gather(1, b[:, :, None].expand(batch, 1, block)).squeeze(1).cumsum(-1)  # [B, block]
+    # x - before > 0; rounding may push it past the block's own total, so cap it there.
+    rest = torch.minimum(x - before, inner_cdf[:, -1:])
+    i = torch.searchsorted(inner_cdf, rest)
+    return (b * block + i).squeeze(1)
+
+
+def _next_token(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    logits_processor: LogitsProcessor | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the next token of each row and its logprob under the raw policy at ``temperature``.
+
+    Args:
+        logits: [B, V] float32 raw logits of the last position.
+        input_ids: [B, T] the ids so far (prompt and response), for ``logits_processor``.
+
+    Returns:
+        ``(tokens [B] int64, logprobs [B] float32)``.
+    """
+    scaled = logits if temperature in (0, 1) else logits / temperature
+    logprob_all = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+    z = logits_processor(input_ids, logits).float() if logits_processor is not None else logits
+    if temperature == 0:
+        tokens = z.argmax(dim=-1)
+    else:
+        z = scaled if logits_processor is None else z / temperature
+        if top_k is not None:
+            z = _top_k_filter(z, top_k)
+        if top_p is not None and top_p < 1:
+            z = _top_p_filter(z, top_p)
+        weights = torch.exp(z - z.amax(dim=-1, keepdim=True))
+        u = 1 - torch.rand(z.shape[0], 1, generator=generator, device=z.device)
+        tokens = _sample(weights, u)
+    return tokens, logprob_all.gather(1, tokens[:, None]).squeeze(1)
+
+
+# --- model calls ----------------------------------------------------------------------------------------
+
+
+def _make_cache(policy: torch.nn.Module, max_len: int):
+    """A StaticCache for ``max_len`` positions, or None (the model then builds a DynamicCache)."""
+    from transformers import StaticCache
+
+    config = getattr(policy, "config", None)
+    if config is None or not getattr(policy, "_can_compile_fullgraph", False):
+        return None
+    try:
+        return StaticCache(config=config, max_cache_len=max_len)
+    except Exception:  # a config the static layers do not understand: use the dynamic cache
+        return None
+
+
+def _forward_last(policy, input_ids, attention_mask, position_ids, cache, keep_last: bool):
+    """Logits of the last position, [B, V] float32, and the (updated) cache."""
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    out = policy(**kwargs, logits_to_keep=1) if keep_last else policy(**kwargs)
+    return out.logits[:, -1].float(), out.past_key_values
+
+
+# --- generate -------------------------------------------------------------------------------------------
+
+
+def _check_args(prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id):
+    for key in ("prompts", "prompt_mask"):
+        if key not in prompts_td.keys():
+            raise ValueError(f"prompts_td must have keys 'prompts' and 'prompt_mask'; {key!r} is missing")
+    prompts, mask = prompts_td["prompts"], prompts_td["prompt_mask"]
+    if prompts.dim() != 2:
+        raise ValueError(f"prompts must be [B, P] (2-D) but has shape {tuple(prompts.shape)}")
+    if mask.shape != prompts.shape:
+        raise ValueError(
+            f"prompt_mask has shape {tuple(mask.shape)} but prompts has shape {tuple(prompts.shape)}; they must match"
+        )
+    if prompts.is_floating_point() or prompts.dtype == torch.bool:
+        raise ValueError(f"prompts must be integer token ids, got dtype {prompts.dtype}")
+    if prompts.shape[0] == 0:
+        raise ValueError("prompts is empty (B = 0); pass at least one prompt")
+    if prompts.shape[1] == 0:
+        raise ValueError("prompts has no columns (P = 0); every prompt needs at least one token")
+    for name, v, lo in (("max_new_tokens", max_new_tokens, 1), ("num_samples", num_samples, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p}")
+    for name, v in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"{name} must be an int token id or None, got {v!r}")
+    if pad_token_id is None:
+        raise ValueError("pad_token_id must be an int token id (it fills responses after EOS)")
+
+
+def _max_positions(policy: torch.nn.Module) -> int | None:
+    config = getattr(policy, "config", None)
+    return getattr(config, "max_position_embeddings", None) if config is not None else None
+
+
+@torch.no_grad()
+def generate(
+    policy: torch.nn.Module,
+    prompts_td: TensorDict,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    num_samples: int = 1,
+    logits_processor: LogitsProcessor | None = None,
+    generator: torch.Generator | None = None,
+    stop_token_ids: list[int] | tuple[int, ...] | None = None,
+    return_entropy: bool = False,
+) -> TensorDict:
+    """Sample ``num_samples`` responses per prompt with a KV cache.
+
+    Prefills the left-padded prompts with position ids ``cumsum(mask) - 1`` (clamped at 0), then decodes
+    one token per step from the cache, growing the attention mask. Each step: raw logits ->
+    ``logits_processor`` -> ``/ temperature`` -> top-k -> top-p -> sample (the order of HF's warpers).
+    Decoding stops after ``max_new_tokens`` or once every row has emitted a stop token; the response
+    columns are trimmed to the longest response. Runs under ``torch.no_grad()`` with the policy switched to
+    eval mode (restored after), so dropout never perturbs sampling.
+
+    Args:
+        policy: an HF causal LM (``.logits``; accepts ``input_ids, attention_mask, position_ids,
+            past_key_values, use_cache``).
+        prompts_td: TensorDict with ``prompts`` [B, P] int64 left-padded and ``prompt_mask`` [B, P] bool.
+            Every row needs at least one real token.
+        max_new_tokens: most tokens per response; ``P + max_new_tokens`` must fit the model's
+            ``max_position_embeddings``.
+        temperature: > 0 samples from ``softmax(logits / temperature)``; 0 is greedy (argmax of the
+            processed logits; ``top_k``/``top_p`` have no effect, logprobs are reported at temperature 1).
+        top_k: sample among the k most likely tokens only (ties at the k-th are kept).
+        top_p: nucleus sampling as HF's ``TopPLogitsWarper``: the smallest set of most likely tokens with
+            cumulative probability >= top_p, always at least one.
+        eos_token_id: ends a response (kept as its last action token); None never stops early.
+        pad_token_id: fills responses after their end.
+        num_samples: K responses per prompt; rows ``i*K .. i*K+K-1`` belong to prompt i (``group`` = i).
+        logits_processor: ``f(input_ids [B, P + t], logits [B, V]) -> logits`` applied to the raw logits
+            before temperature/top-k/top-p (e.g. ILQL steering). It changes sampling only, not ``logprobs``.
+            It must leave at least one finite logit per row.
+        generator: source of the sampling noise; the same generator state gives the same samples (one
+            ``torch.rand(B, 1)`` draw per step, on the policy's device).
+        stop_token_ids: more ids that end a response like ``eos_token_id``.
+        return_entropy: also return ``entropy`` [B, R]: entropy of ``softmax(raw_logits / T)`` per step.
+
+    Returns:
+        TensorDict with batch size [B * K]:
+        ``prompts`` [B*K, P], ``prompt_mask`` [B*K, P], ``responses`` [B*K, R] int64 right-padded with
+        ``pad_token_id``, ``action_mask`` [B*K, R] bool (True up to and including the stop token),
+        ``input_ids`` = cat(prompts, responses), ``attention_mask`` = cat(prompt_mask, action_mask),
+        ``logprobs`` [B*K, R] float32 (0 where ``action_mask`` is False), ``group`` [B*K] int64,
+        ``truncated`` [B*K] bool (True when the response hit ``max_new_tokens`` without a stop token; for
+        overlong filtering), and ``entropy`` with ``return_entropy``. R <= ``max_new_tokens``.
+
+    Raises:
+        ValueError: missing keys, mismatched shapes, an empty batch, a row without prompt tokens, bad
+            sampling arguments, or ``P + max_new_tokens`` beyond the model's context.
+    """
+    _check_args(prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id)
+    prompts = prompts_td["prompts"].long()
+    prompt_mask = prompts_td["prompt_mask"].bool()
+    P = prompts.shape[1]
+    limit = _max_positions(policy)
+    if limit is not None and P + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt length P = {P} plus max_new_tokens = {max_new_tokens} exceeds the model's context "
+            f"(max_position_embeddings = {limit}); lower max_new_tokens or truncate the prompts"
+        )
+    empty = (~prompt_mask.any(dim=1)).nonzero().flatten()
+    if empty.numel():
+        raise ValueError(f"prompt row(s) {empty.tolist()[:10]} have no real token (prompt_mask all False)")
+    stop_ids = [eos_token_id] if eos_token_id is not None else []
+    stop_ids += list(stop_token_ids or [])
+
+    device = prompts.device
+    if num_samples > 1:
+        prompts = prompts.repeat_interleave(num_samples, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
+    B = prompts.shape[0]
+    total = P + max_new_tokens
+    input_ids = torch.full((B, total), pad_token_id, dtype=torch.long, device=device)
+    input_ids[:, :P] = prompts
+    attention_mask = torch.zeros((B, total), dtype=torch.bool, device=device)
+    attention_mask[:, :P] = prompt_mask
+    logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+    entropy = torch.zeros_like(logprobs) if return_entropy else None
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    position = prompt_mask.long().sum(dim=1, keepdim=True)  # position of the first response token
+
+    was_training = policy.training
+    policy.eval()
+    try:
+        cache = _make_cache(policy, total)
+        static = cache is not None
+        keep_last = accepts_logits_to_keep(policy)
+        check_every = 1 if device.type == "cpu" else _EOS_CHECK_EVERY
+        logits, cache = _forward_last(
+            policy,
+            prompts,
+            attention_mask if static else attention_mask[:, :P],
+            position_ids_from_mask(prompt_mask),
+            cache,
+            keep_last,
+        )
+        steps = 0
+        for t in range(max_new_tokens):
+            tokens, lp = _next_token(
+                logits,
+                input_ids[:, : P + t],
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                logits_processor=logits_processor,
+                generator=generator,
+            )
+            alive = ~finished
+            input_ids[:, P + t] = torch.where(alive, tokens, pad_token_id)
+            attention_mask[:, P + t] = alive
+            logprobs[:, t] = torch.where(alive, lp, 0.0)
+            if entropy is not None:
+                from rlbits.functional import entropy_from_logits
+
+                ent = entropy_from_logits(logits, temperature if temperature > 0 else 1.0)
+                entropy[:, t] = torch.where(alive, ent, 0.0)
+            if stop.numel():
+                finished = finished | torch.isin(tokens, stop)
+            steps = t + 1
+            if t + 1 == max_new_tokens or (stop.numel() and steps % check_every == 0 and bool(finished.all())):
+                break
+            # Finished rows keep decoding (their outputs are discarded); their new token is masked out.
+            logits, cache = _forward_last(
+                policy,
+                input_ids[:, P + t : P + t + 1],
+                attention_mask if static else attention_mask[:, : P + t + 1],
+                position + t,
+                cache,
+                keep_last,
+            )
+    finally:
+        policy.train(was_training)
+
+    action_mask = attention_mask[:, P : P + steps].bool()
+    R = int(action_mask.sum(dim=1).max())  # the only other sync: trim to the longest response
+    action_mask = action_mask[:, :R]
+    responses = input_ids[:, P : P + R]
+    out = {
+        "prompts": prompts,
+        "prompt_mask": prompt_mask,
+        "responses": responses,
+        "action_mask": action_mask,
+        "input_ids": input_ids[:, : P + R],
+        "attention_mask": torch.cat([prompt_mask, action_mask], dim=1),
+        "logprobs": logprobs[:, :R],
+        "group": torch.arange(B // num_samples, device=device).repeat_interleave(num_samples),
+        "truncated": action_mask[:, -1] & ~finished if R == max_new_tokens else torch.zeros_like(finished),
+    }
+    if entropy is not None:
+        out["entropy"] = entropy[:, :R]
+    return TensorDict(out, batch_size=[B], device=prompts_td.device)
