@@ -1,0 +1,528 @@
+"""Reward server and client: score (prompt, response) pairs over HTTP with JSON, standard library only.
+
+Protocol (also in ``docs/reward_server.md``):
+
+- ``POST /score`` with body ``{"prompts": [str, ...], "responses": [str, ...], "columns": {name: [...]}}``
+  (``columns`` optional; each column holds one JSON value per sample) answers ``200`` with
+  ``{"rewards": [number, ...]}``, one finite number per sample, in order.
+- ``GET /health`` answers ``200`` with ``{"status": "ok"}`` (no token needed).
+- When the server has a token, ``/score`` requires the header ``Authorization: Bearer <token>``.
+- Errors are JSON ``{"error": "<message>"}``: ``400`` malformed request, ``401`` missing or wrong token,
+  ``404`` unknown path, ``405`` wrong method, ``411`` no Content-Length, ``413`` body over the size cap,
+  ``500`` the reward function raised or returned an invalid value (the message names the sample).
+
+``RewardServer``/``serve`` run any reward that ``score_texts`` accepts (a callable ``(prompts, responses,
+**columns)``, a ``RewardModel``) behind that protocol with ``http.server.ThreadingHTTPServer``; they bind
+127.0.0.1 unless another host is named. ``RewardClient`` is the client ``score`` uses for ``http(s)://``
+rewards: ``urllib.request``, retries with exponential backoff on connection errors and 5xx answers, no retry
+on 4xx or on a timeout, and a ``RewardServerError`` for any malformed answer.
+
+    with RewardServer(my_reward, port=0) as server:      # port 0: any free port
+        rewards = score(batch, server.url)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import ipaddress
+import json
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from rlbits.rollout.score import RewardError, RewardServerError, _resolve, score_texts
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # 16 MiB of JSON: tens of thousands of typical samples
+_MAX_RESPONSE_BYTES = 64 * 2**20
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def _is_loopback(host: str) -> bool:
+    if host in _LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ client
+
+
+class RewardClient:
+    """Client of a reward server, called like a reward function: ``client(prompts, responses, **columns)``.
+
+    Args:
+        url: the server's base URL, ``http(s)://host:port`` (a trailing ``/score`` is accepted and dropped).
+        token: bearer token sent as ``Authorization: Bearer <token>``; never shown in messages or ``repr``.
+        timeout: seconds to wait for the connection and for each read of the answer.
+        retries: extra attempts after the first on a connection error or a 5xx answer (0: no retry).
+        backoff: the wait before retry k (k = 0, 1, ...) is ``backoff * 2**k`` seconds.
+
+    Proxies from the environment are used except for loopback hosts.
+
+    Raises:
+        ValueError: ``url`` is not ``http(s)://host[:port]``, or a bad ``timeout``/``retries``/``backoff``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+    ):
+        if not isinstance(url, str):
+            raise TypeError(f"url must be a str, got {type(url).__name__}")
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url must look like http://host:port or https://host:port, got {url!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not (isinstance(retries, int) and retries >= 0):
+            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
+        if not (isinstance(backoff, (int, float)) and backoff >= 0):
+            raise ValueError(f"backoff must be a number of seconds >= 0, got {backoff!r}")
+        path = parts.path.rstrip("/")
+        path = path[: -len("/score")] if path.endswith("/score") else path
+        self.url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+        self.token = token
+        self.timeout = float(timeout)
+        self.retries = retries
+        self.backoff = float(backoff)
+        handlers = [urllib.request.ProxyHandler({})] if _is_loopback(parts.hostname) else []
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def __repr__(self) -> str:
+        token = ", token=***" if self.token else ""
+        return f"RewardClient({self.url!r}{token}, timeout={self.timeout}, retries={self.retries})"
+
+    def health(self) -> dict:
+        """``GET /health``; the server's JSON answer (``{"status": "ok"}``)."""
+        return self._request("GET", "/health", None)
+
+    def __call__(self, prompts: list[str], responses: list[str], **columns: Any) -> list[float]:
+        """``POST /score``: one reward per sample, as floats (NaN/inf pass through for ``score`` to name).
+
+        Raises:
+            TypeError: a column is not JSON-serialisable.
+            RewardServerError: unreachable after the retries, timeout, an HTTP error (the server's message
+                included), or an answer that is not JSON, lacks ``rewards``, has the wrong length or holds
+                non-numbers.
+        """
+        cols = {}
+        for name, values in columns.items():
+            values = values.tolist() if hasattr(values, "tolist") else list(values)
+            try:
+                json.dumps(values)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"column {name!r} cannot be sent to the reward server as JSON: {e}") from e
+            cols[name] = values
+        payload = {"prompts": list(prompts), "responses": list(responses)}
+        if cols:
+            payload["columns"] = cols
+        body = json.dumps(payload).encode()
+        answer = self._request("POST", "/score", body)
+        where = f"POST {self.url}/score"
+        if not isinstance(answer, dict) or "rewards" not in answer:
+            raise RewardServerError(
+                f"{where} answered {_show(answer)}; expected a JSON object with 'rewards'", 200
+            )
+        rewards = answer["rewards"]
+        if not isinstance(rewards, list):
+            raise RewardServerError(
+                f"{where} answered 'rewards' of type {type(rewards).__name__}; expected a list", 200
+            )
+        if len(rewards) != len(prompts):
+            raise RewardServerError(
+                f"{where} answered {len(rewards)} rewards for {len(prompts)} samples; expected {len(prompts)}",
+                200,
+            )
+        for i, r in enumerate(rewards):
+            if isinstance(r, bool) or not isinstance(r, (int, float)):
+                raise RewardServerError(
+                    f"{where} answered reward {_show(r)} for sample {i}; expected a number", 200
+                )
+        return [float(r) for r in rewards]
+
+    def _request(self, method: str, path: str, body: bytes | None) -> Any:
+        url = self.url + path
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        where = f"{method} {url}"
+        last, status = "", None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(url, data=body, headers=headers, method=method)
+            try:
+                with self._opener.open(request, timeout=self.timeout) as response:
+                    raw = response.read(_MAX_RESPONSE_BYTES + 1)
+            except urllib.error.HTTPError as e:
+                message = _error_message(e)
+                if e.code == HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
+                    raise RewardServerError(
+                        f"{where} answered 413 (request of {len(body or b'')} bytes too large for the server: "
+                        f"{message}); send fewer samples per request, e.g. score(..., batch_size=...)",
+                        e.code,
+                    ) from None
+                last = f"HTTP {e.code} {e.reason}: {message}"
+                if e.code < 500:
+                    raise RewardServerError(f"{where} answered {last}", e.code) from None
+                status = e.code
+                continue
+            except TimeoutError as e:
+                raise RewardServerError(
+                    f"{where} timed out: no answer within {self.timeout:g} s", None
+                ) from e
+            except urllib.error.URLError as e:
+                if isinstance(e.reason, (TimeoutError, socket.timeout)):
+                    raise RewardServerError(f"{where} timed out connecting ({self.timeout:g} s)", None) from e
+                last, status = f"could not connect: {e.reason}", None
+                continue
+            except OSError as e:  # connection reset or refused mid-exchange, broken pipe
+                last, status = f"connection failed: {type(e).__name__}: {e}", None
+                continue
+            if len(raw) > _MAX_RESPONSE_BYTES:
+                raise RewardServerError(f"{where} answered more than {_MAX_RESPONSE_BYTES} bytes", 200)
+            try:
+                return json.loads(raw)
+            except (UnicodeDecodeError, ValueError):
+                raise RewardServerError(
+                    f"{where} answered a body that is not JSON: {_show(raw)}", 200
+                ) from None
+        attempts = "1 attempt" if self.retries == 0 else f"{self.retries + 1} attempts"
+        raise RewardServerError(f"{where} failed after {attempts}; last error: {last}", status)
+
+
+def _show(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    """The ``error`` field of an error answer, else its raw body (cut)."""
+    try:
+        raw = e.read(65536)
+    except OSError:
+        return "(no body)"
+    try:
+        data = json.loads(raw)
+        if isinstance(data, dict) and isinstance(data.get("error"), str):
+            return data["error"]
+    except ValueError:
+        pass
+    return _show(raw)
+
+
+# ------------------------------------------------------------------------------------------------ server
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: RewardServer
+    protocol_version = "HTTP/1.0"  # one request per connection: no idle keep-alive threads to wait for
+    server_version = "rlbits-reward"
+
+    def setup(self) -> None:
+        self.timeout = self.server.request_timeout  # StreamRequestHandler applies it to the socket
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (name from the base class)
+        if self.server.log_requests:
+            super().log_message(format, *args)
+
+    def _send(self, status: int, obj: dict, headers: dict | None = None) -> None:
+        body = json.dumps(obj, allow_nan=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # Errors found by http.server itself (bad request line, unsupported method) in the protocol's JSON.
+        self.close_connection = True
+        self._send(code, {"error": message or HTTPStatus(code).phrase})
+
+    def _path(self) -> str:
+        return urllib.parse.urlsplit(self.path).path.rstrip("/") or "/"
+
+    def do_GET(self) -> None:
+        path = self._path()
+        if path == "/health":
+            self._send(200, {"status": "ok"})
+        elif path == "/score":
+            self._send(405, {"error": "use POST /score"}, {"Allow": "POST"})
+        else:
+            self._send(404, {"error": f"unknown path {path!r}; the server has POST /score and GET /health"})
+
+    def do_POST(self) -> None:
+        path = self._path()
+        if path != "/score":
+            if path == "/health":
+                self._send(405, {"error": "use GET /health"}, {"Allow": "GET"})
+            else:
+                self._send(
+                    404, {"error": f"unknown path {path!r}; the server has POST /score and GET /health"}
+                )
+            return
+        token = self.server.token
+        if token is not None:
+            given = self.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                self._send(401, {"error": "missing or wrong bearer token"}, {"WWW-Authenticate": "Bearer"})
+                return
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self._send(411, {"error": "the request needs a Content-Length header"})
+            return
+        try:
+            length = int(length)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self._send(400, {"error": f"bad Content-Length {length!r}"})
+            return
+        cap = self.server.max_request_bytes
+        if length > cap:
+            self._drain(length)
+            self._send(
+                413, {"error": f"request body of {length} bytes is over the server's cap of {cap} bytes"}
+            )
+            return
+        raw = self.rfile.read(length)
+        try:
+            request = json.loads(raw)
+        except (UnicodeDecodeError, ValueError) as e:
+            self._send(400, {"error": f"request body is not valid JSON: {e}"})
+            return
+        error = _check_request(request)
+        if error:
+            self._send(400, {"error": error})
+            return
+        try:
+            with self.server.lock:
+                rewards = score_texts(
+                    request["prompts"],
+                    request["responses"],
+                    self.server.reward,
+                    columns=request.get("columns"),
+                    batch_size=self.server.batch_size,
+                )
+        except RewardError as e:  # the reward raised or returned an invalid value
+            self._send(500, {"error": str(e)})
+            return
+        except (ValueError, TypeError) as e:  # the request's columns do not fit (e.g. a reserved name)
+            self._send(400, {"error": str(e)})
+            return
+        self._send(200, {"rewards": rewards.tolist()})
+
+    def _drain(self, length: int) -> None:
+        # Read (and drop) a too-large body, up to a bound, so the client gets the 413 instead of a reset.
+        self.close_connection = True
+        left = min(length, 4 * self.server.max_request_bytes + 2**20)
+        with contextlib.suppress(OSError):
+            while left > 0:
+                chunk = self.rfile.read(min(left, 2**16))
+                if not chunk:
+                    break
+                left -= len(chunk)
+
+
+def _check_request(request: Any) -> str | None:
+    """Why a decoded /score body is malformed, or None if it is well formed."""
+    if not isinstance(request, dict):
+        return f"request body must be a JSON object, got {type(request).__name__}"
+    unknown = sorted(set(request) - {"prompts", "responses", "columns"})
+    if unknown:
+        return f"unknown field(s) {', '.join(map(repr, unknown))}; expected 'prompts', 'responses', 'columns'"
+    for key in ("prompts", "responses"):
+        if key not in request:
+            return f"missing field {key!r} (a list of strings)"
+        texts = request[key]
+        if not isinstance(texts, list):
+            return f"field {key!r} must be a list of strings, got {type(texts).__name__}"
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                return f"{key}[{i}] must be a string, got {type(t).__name__}"
+    n = len(request["prompts"])
+    if len(request["responses"]) != n:
+        return f"got {n} prompts but {len(request['responses'])} responses; they must pair up"
+    columns = request.get("columns", {})
+    if not isinstance(columns, dict):
+        return f"field 'columns' must be an object of name -> list, got {type(columns).__name__}"
+    for name, values in columns.items():
+        if not isinstance(values, list) or len(values) != n:
+            return f"column {name!r} must be a list of {n} values, one per sample"
+    return None
+
+
+class RewardServer(ThreadingHTTPServer):
+    """An HTTP server that scores with ``reward`` (protocol in the module docstring).
+
+    Args:
+        reward: a callable ``(prompts, responses, **columns) -> rewards``, a ``RewardModel`` or a reward-model
+            folder (anything ``score_texts`` takes). Its output is validated as in ``score``.
+        host: address to bind; ``127.0.0.1`` by default. Binding every interface needs an explicit
+            ``"0.0.0.0"`` (or ``"::"``); a non-loopback host without a token gives a warning.
+        port: TCP port; 0 picks a free one (read it back from ``server.port`` or ``server.url``).
+        token: if set, ``POST /score`` needs ``Authorization: Bearer <token>``.
+        max_request_bytes: larger request bodies get 413.
+        batch_size: at most this many samples per call of ``reward`` (None: one call per request).
+        concurrent: allow concurrent calls of ``reward`` from the request threads; by default calls are
+            serialised (one model on one device; a function need not be thread-safe).
+        request_timeout: seconds a connection may sit idle while the request is read.
+        log_requests: log each request to stderr (as ``http.server`` does).
+
+    ``start()`` serves from a daemon thread and returns the server; ``stop()`` shuts it down and waits for
+    the threads; as a context manager it starts on entry (if not started) and stops on exit.
+
+    Raises:
+        ValueError: empty ``host``, bad ``max_request_bytes``; OSError if the address cannot be bound.
+        TypeError: ``reward`` is of no supported kind.
+    """
+
+    daemon_threads = True
+
+    def __init__(
+        self,
+        reward: Any,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        *,
+        token: str | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        batch_size: int | None = None,
+        concurrent: bool = False,
+        request_timeout: float = 60.0,
+        log_requests: bool = False,
+    ):
+        if not isinstance(host, str) or not host:
+            raise ValueError(
+                f"host must name an address, got {host!r}; use '127.0.0.1' (default) or, to listen on every "
+                "interface, '0.0.0.0' explicitly"
+            )
+        if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be a positive int, got {max_request_bytes!r}")
+        if token is not None and (not isinstance(token, str) or not token):
+            raise ValueError("token must be a non-empty str or None")
+        self.reward, _ = _resolve(reward)
+        if not _is_loopback(host) and token is None:
+            warnings.warn(
+                f"reward server on {host} accepts requests from other machines without a token; pass token=",
+                stacklevel=2,
+            )
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host, port), _Handler)
+        self.token = token
+        self.max_request_bytes = max_request_bytes
+        self.batch_size = batch_size
+        self.lock = contextlib.nullcontext() if concurrent else threading.Lock()
+        self.request_timeout = request_timeout
+        self.log_requests = log_requests
+        self._thread: threading.Thread | None = None
+
+    @property
+    def host(self) -> str:
+        return self.server_address[0]
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> RewardServer:
+        """Serve from a daemon thread; returns ``self``."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                name=f"reward-server:{self.port}",
+                daemon=True,
+            )
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, close the socket and wait for the request threads. Safe to call twice."""
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join()
+            self._thread = None
+        self.server_close()
+
+    def __enter__(self) -> RewardServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def serve(
+    reward: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    token: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    block: bool = True,
+    **kwargs: Any,
+) -> RewardServer:
+    """Serve ``reward`` over HTTP (see ``RewardServer`` for the arguments).
+
+    ``block=True`` serves in this thread until KeyboardInterrupt, then closes the server and returns it;
+    ``block=False`` returns a server already serving from a background thread (call ``stop()``).
+    """
+    server = RewardServer(reward, host, port, token=token, max_request_bytes=max_request_bytes, **kwargs)
+    if not block:
+        return server.start()
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return server
+
+
+def load_reward(target: str) -> Callable:
+    """A task's ``reward`` for a task name (``rlbits.tasks.TASKS``), else a ``RewardModel`` from a folder.
+
+    Raises:
+        ValueError: ``target`` is neither a task name nor a folder (the message lists the tasks).
+    """
+    from rlbits.tasks import TASKS, get_task
+
+    if target in TASKS:
+        return get_task(target).reward
+    if os.path.isdir(target):
+        from rlbits.rollout.score import RewardModel
+
+        return RewardModel.from_pretrained(target)
+    raise ValueError(
+        f"{target!r} is neither a task ({', '.join(sorted(TASKS))}) nor a folder holding a reward model"
+    )
+
+
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "RewardClient", "RewardServer", "load_reward", "serve"]
