@@ -309,7 +309,9 @@ class ILQLModel(nn.Module):
             ``target_q2`` [B, T, V] float32 (target ones without grad; no ``q2``/``target_q2`` when
             ``two_qs=False``) and ``v`` [B, T] float32.
         """
-        kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        kw = dict(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
         out = self.policy(**kw, output_hidden_states=self.trunk is None)
         hidden = out.hidden_states[-1] if self.trunk is None else self.trunk(**kw).last_hidden_state
         hidden = hidden.to(next(self.v.parameters()).dtype)
