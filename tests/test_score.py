@@ -6,6 +6,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -230,9 +231,12 @@ def test_columns_from_batch_and_keyword():
     td = make_batch(answer=ANSWERS, source=["a", "b", "c", "d"])
     assert score(td, with_answer).tolist() == [1.0, 0.0, 0.0, 0.0]
     assert seen["answer"] == ANSWERS
-    override = [" great fun".strip(), "?", "?", "?"]
-    assert score(td, with_answer, columns={"answer": ["?", "great fun", "?", "?"]}).tolist() == [0, 1, 0, 0]
-    assert override  # the keyword column replaced the batch's
+    assert score(td, with_answer, columns={"answer": ["?", "great fun", "?", "?"]}).tolist() == [
+        0,
+        1,
+        0,
+        0,
+    ]  # keyword wins
 
     got = {}
 
@@ -473,7 +477,7 @@ def test_server_rejects_malformed_requests_with_400(body, match):
         status, answer = raw_request(server.url, "POST", "/score", body)
     assert status == 400
     assert set(answer) == {"error"}
-    assert __import__("re").search(match, answer["error"]), answer
+    assert re.search(match, answer["error"]), answer
 
 
 def test_server_paths_methods_and_reward_failures():
