@@ -146,8 +146,22 @@ def test_non_finite_names_the_sample(bad, shown):
         ({"a": 1}, r"returned dict"),
         ("1234", r"returned str"),
         (torch.zeros(4, dtype=torch.complex64), r"complex rewards"),
+        (np.array(["1", "2", "3", "4"]), r"str '1' for sample 0 \(prompt='1\+2='"),
+        (np.array([1.0, None, 2.0, 3.0], dtype=object), r"NoneType 'None' for sample 1"),
     ],
-    ids=["str", "none-item", "nested", "complex-item", "none", "scalar", "dict", "str-out", "complex-tensor"],
+    ids=[
+        "str",
+        "none-item",
+        "nested",
+        "complex-item",
+        "none",
+        "scalar",
+        "dict",
+        "str-out",
+        "complex-tensor",
+        "np-str",
+        "np-object",
+    ],
 )
 def test_wrong_types_are_named(out, match):
     with pytest.raises(InvalidRewardError, match=match):

@@ -140,8 +140,11 @@ def validate_rewards(
         return describe_sample(offset + i, prompts[i], responses[i])
 
     if isinstance(out, torch.Tensor) or (hasattr(out, "__array__") and hasattr(out, "ndim")):
-        if not isinstance(out, torch.Tensor) and getattr(getattr(out, "dtype", None), "kind", "") == "O":
-            out = out.tolist()  # numpy object array: check element by element below
+        if (
+            not isinstance(out, torch.Tensor)
+            and getattr(getattr(out, "dtype", None), "kind", "") not in "biufc"
+        ):
+            out = out.tolist()  # numpy array of objects or strings: checked element by element below
         else:
             t = out.detach() if isinstance(out, torch.Tensor) else torch.as_tensor(out)
             if t.dim() != 1:
