@@ -46,6 +46,12 @@ def _left_pad(ids, n_pad):
     return padded, mask, pos
 
 
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
 def _storages(module):
     return {p.untyped_storage().data_ptr() for p in module.parameters()}
 
@@ -195,8 +201,9 @@ def test_load_bad_folders(tmp_path):
     with pytest.raises(ValueError, match=r"\['GPT2Model'\].*needs a causal LM"):
         load_policy(backbone)
 
-    with pytest.raises(ValueError, match="dtype must be"):
-        save_pretrained(tiny_causal_lm(), None, tmp_path / "ok")
+    save_pretrained(tiny_causal_lm(), None, tmp_path / "ok")
+    assert (tmp_path / "ok").stat().st_mode & 0o777 == 0o777 & ~_umask()
+    with pytest.raises(ValueError, match="dtype must be a torch.dtype, a name such as 'bfloat16'"):
         load_policy(tmp_path / "ok", dtype="float33")
 
 
@@ -476,3 +483,17 @@ def test_ilql_position_ids(arch):
     wrong = model(padded, mask, pos * 2)
     assert (wrong["v"][:, 2:] - plain["v"]).abs().max() > 1e-3
     assert BOS_ID == 1  # the convention the docstrings promise
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_left_padding_matches_unpadded(arch, impl):
+    model = tiny_causal_lm(arch, attn_implementation=impl, initializer_range=0.2)
+    assert model.config._attn_implementation == impl
+    ids = _ids(2, 6)
+    padded, mask, pos = _left_pad(ids, 3)
+    with torch.no_grad():
+        plain = model(ids).logits
+        out = model(padded, attention_mask=mask, position_ids=pos).logits
+    assert not out.isnan().any()  # fully masked pad rows stay finite
+    torch.testing.assert_close(out[:, 3:], plain, rtol=0, atol=2e-6)

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -241,7 +242,9 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
                 "(not a checkpoint); choose a new or empty folder"
             )
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    # mkdir (not mkdtemp, which makes it 0700) so the final folder gets the usual umask permissions.
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
     try:
         yield tmp
         old = None
