@@ -44,6 +44,9 @@ from rlbits.rollout.score import RewardError, RewardServerError, _resolve, score
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # 16 MiB of JSON: tens of thousands of typical samples
 _MAX_RESPONSE_BYTES = 64 * 2**20
+_MAX_DRAIN_BYTES = (
+    64 * 2**20
+)  # a too-large body up to this size is read and dropped, so 413 reaches the client
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
@@ -171,6 +174,7 @@ class RewardClient:
             request = urllib.request.Request(url, data=body, headers=headers, method=method)
             try:
                 with self._opener.open(request, timeout=self.timeout) as response:
+                    code = response.status
                     raw = response.read(_MAX_RESPONSE_BYTES + 1)
             except urllib.error.HTTPError as e:
                 message = _error_message(e)
@@ -190,23 +194,30 @@ class RewardClient:
                     f"{where} timed out: no answer within {self.timeout:g} s", None
                 ) from e
             except urllib.error.URLError as e:
-                if isinstance(e.reason, (TimeoutError, socket.timeout)):
+                if isinstance(e.reason, TimeoutError):
                     raise RewardServerError(f"{where} timed out connecting ({self.timeout:g} s)", None) from e
-                last, status = f"could not connect: {e.reason}", None
+                last, status = f"connection failed: {e.reason}", None
                 continue
             except OSError as e:  # connection reset or refused mid-exchange, broken pipe
                 last, status = f"connection failed: {type(e).__name__}: {e}", None
                 continue
             if len(raw) > _MAX_RESPONSE_BYTES:
-                raise RewardServerError(f"{where} answered more than {_MAX_RESPONSE_BYTES} bytes", 200)
+                raise RewardServerError(f"{where} answered more than {_MAX_RESPONSE_BYTES} bytes", code)
             try:
                 return json.loads(raw)
             except (UnicodeDecodeError, ValueError):
                 raise RewardServerError(
-                    f"{where} answered a body that is not JSON: {_show(raw)}", 200
+                    f"{where} answered a body that is not JSON: {_show(raw)}", code
                 ) from None
         attempts = "1 attempt" if self.retries == 0 else f"{self.retries + 1} attempts"
-        raise RewardServerError(f"{where} failed after {attempts}; last error: {last}", status)
+        hint = ""
+        if status is None and body is not None and len(body) > 2**20:
+            # A server that refuses a large body may close the connection before reading it.
+            hint = (
+                f" (the request was {len(body)} bytes: if the server caps request size, send fewer samples "
+                "per request, e.g. score(..., batch_size=...))"
+            )
+        raise RewardServerError(f"{where} failed after {attempts}; last error: {last}{hint}", status)
 
 
 def _show(value: Any, limit: int = 120) -> str:
@@ -337,7 +348,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _drain(self, length: int) -> None:
         # Read (and drop) a too-large body, up to a bound, so the client gets the 413 instead of a reset.
         self.close_connection = True
-        left = min(length, 4 * self.server.max_request_bytes + 2**20)
+        left = min(length, max(4 * self.server.max_request_bytes, _MAX_DRAIN_BYTES))
         with contextlib.suppress(OSError):
             while left > 0:
                 chunk = self.rfile.read(min(left, 2**16))
