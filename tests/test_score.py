@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 from rlbits.cli import build_parser
 from rlbits.models.tiny import tiny_config, tiny_tokenizer
-from rlbits.rollout.reward_server import RewardClient, RewardServer, load_reward
+from rlbits.rollout.reward_server import RewardClient, RewardServer, load_reward, serve
 from rlbits.rollout.score import (
     InvalidRewardError,
     RewardError,
@@ -614,7 +614,8 @@ def test_client_retries_connection_errors():
         port = s.getsockname()[1]
     start = time.monotonic()
     with pytest.raises(
-        RewardServerError, match=r"failed after 3 attempts; last error: connection failed: .*Connection refused"
+        RewardServerError,
+        match=r"failed after 3 attempts; last error: connection failed: .*Connection refused",
     ) as info:
         RewardClient(f"http://127.0.0.1:{port}", retries=2, backoff=0.05)(["a"], ["b"])
     assert info.value.status is None
@@ -649,6 +650,17 @@ def test_client_and_server_argument_errors():
         RewardServer(42, port=0)
     with pytest.raises(ValueError, match="neither a task .*arithmetic.* nor a folder"):
         load_reward("no-such-task")
+
+
+def test_serve_in_background_then_stop_frees_the_port():
+    server = serve(length_reward, port=0, block=False, concurrent=True)
+    try:
+        assert score_texts(PROMPTS, RESPONSES, server.url).tolist() == length_reward(PROMPTS, RESPONSES)
+    finally:
+        server.stop()
+        server.stop()  # twice is fine
+    with pytest.raises(RewardServerError, match="Connection refused"):
+        RewardClient(server.url, retries=0).health()
 
 
 def test_server_serves_a_reward_model():
