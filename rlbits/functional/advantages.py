@@ -23,15 +23,31 @@ def _check_2d(**tensors: torch.Tensor) -> None:
     _checks.same_shape(**tensors)
 
 
-def _compaction_index(mask: torch.Tensor) -> torch.Tensor:
-    """[B, R] int64 destination of each position when a row's True entries are moved to the front in order.
+def _compaction(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's True entries to the front, in order.
 
-    Action tokens go to ``0..n-1`` (n = row's action count) and the rest to ``n..R-1``, so the index is a
-    permutation of each row: ``compact = zeros.scatter(1, idx, x)`` and ``x = compact.gather(1, idx)``.
+    Returns ``(idx, compact_mask)``: ``idx`` [B, R] int64 is the destination of each position (action
+    tokens go to ``0..n-1``, n = the row's action count, the rest to ``n..R-1``: a permutation of each row,
+    so ``compact = zeros.scatter(1, idx, x)`` and ``x = compact.gather(1, idx)``); ``compact_mask`` [B, R]
+    bool is True on ``0..n-1``.
     """
     m = mask.to(torch.int64)
-    n_actions = m.sum(dim=1, keepdim=True)
-    return torch.where(mask, m.cumsum(1) - 1, n_actions + (1 - m).cumsum(1) - 1)
+    running = m.cumsum(1)
+    n_actions = running[:, -1:]
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    idx = torch.where(mask, running - 1, n_actions + positions - running)
+    return idx, positions[None, :] < n_actions
+
+
+def _compact(x: torch.Tensor, idx: torch.Tensor, compact_mask: torch.Tensor) -> torch.Tensor:
+    """Action-token values of ``x`` moved to the front of each row, zeros after them."""
+    moved = torch.zeros_like(x).scatter(1, idx, x)
+    return torch.where(compact_mask, moved, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _shift_left(x: torch.Tensor) -> torch.Tensor:
+    """``y_t = x_{t+1}``, with 0 after the end."""
+    return torch.nn.functional.pad(x[:, 1:], (0, 1))
 
 
 def next_action_values(values: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
@@ -48,13 +64,12 @@ def next_action_values(values: torch.Tensor, action_mask: torch.Tensor) -> torch
         ValueError: shapes differ or are not 2-D.
     """
     _check_2d(values=values, action_mask=action_mask)
+    if values.shape[1] == 0:
+        return values
     mask = action_mask.to(torch.bool)
-    idx = _compaction_index(mask)
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    compact_mask = torch.zeros_like(mask).scatter(1, idx, mask)
-    compact = torch.where(compact_mask, torch.zeros_like(values).scatter(1, idx, values), zero)
-    shifted = torch.cat([compact[:, 1:], torch.zeros_like(compact[:, :1])], dim=1)
-    return torch.where(mask, shifted.gather(1, idx), zero)
+    idx, compact_mask = _compaction(mask)
+    shifted = _shift_left(_compact(values, idx, compact_mask)).gather(1, idx)
+    return torch.where(mask, shifted, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 def _discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
@@ -165,15 +180,17 @@ def gae(
     _check_2d(token_rewards=token_rewards, values=values, action_mask=action_mask)
     out_dtype = torch.promote_types(token_rewards.dtype, values.dtype)
     dtype = _checks.compute_dtype(token_rewards, values)
+    if values.shape[1] == 0:
+        return token_rewards.to(out_dtype), values.to(out_dtype)
     mask = action_mask.to(torch.bool)
-    rewards = token_rewards.to(dtype)
     vals = values.to(dtype)
     zero = torch.zeros((), dtype=dtype, device=vals.device)
-    next_values = next_action_values(vals, mask)
-    deltas = torch.where(mask, rewards + gamma * next_values - vals, zero)
-    idx = _compaction_index(mask)
-    compact = torch.zeros_like(deltas).scatter(1, idx, deltas)  # non-action deltas are 0, so trailing 0s
-    advantages = torch.where(mask, _discounted_reverse_cumsum(compact, gamma * lam).gather(1, idx), zero)
+    # In compacted rows action tokens are consecutive, so "next action token" is just t + 1.
+    idx, compact_mask = _compaction(mask)
+    compact_rewards = _compact(token_rewards.to(dtype), idx, compact_mask)
+    compact_values = _compact(vals, idx, compact_mask)
+    deltas = compact_rewards + gamma * _shift_left(compact_values) - compact_values  # 0 past the last action
+    advantages = torch.where(mask, _discounted_reverse_cumsum(deltas, gamma * lam).gather(1, idx), zero)
     returns = torch.where(mask, advantages + vals, zero)
     return advantages.to(out_dtype), returns.to(out_dtype)
 
