@@ -1,12 +1,65 @@
 """rlbits: small composable pieces for reinforcement learning on language models.
 
-Pure tensor kernels live in ``rlbits.functional`` and are re-exported here; TensorDict batch helpers in
-``rlbits.batch``; sampling and scoring in ``rlbits.rollout``; loops in ``rlbits.loops``.
+- ``rlbits.functional`` (re-exported here): pure tensor kernels - masked statistics, KL estimators,
+  GAE, RLOO/GRPO baselines, PPO/REINFORCE/value losses, ILQL pieces.
+- ``rlbits.batch``: the TensorDict batch schema and its helpers.
+- ``rlbits.rollout``: ``generate`` (sampling with a KV cache) and ``score`` (rewards).
+- ``rlbits.models``: HF checkpoints in and out, value and ILQL heads, tiny configs.
+- ``rlbits.tasks``: built-in tasks (``sentiment``, ``arithmetic``) and their base models.
+
+Names from the rollout and model layers load lazily (on first use), so ``import rlbits`` stays fast for
+someone who only wants the kernels.
 """
+
+from __future__ import annotations
+
+import importlib
 
 from rlbits.functional import *  # noqa: F403
 from rlbits.functional import __all__ as _functional_all
 
 __version__ = "0.1.0"
 
-__all__ = [*_functional_all]
+_LAZY = {
+    # rollout
+    "generate": "rlbits.rollout.generate",
+    "score": "rlbits.rollout.score",
+    "RewardModel": "rlbits.rollout.score",
+    "RewardError": "rlbits.rollout.score",
+    "RewardClient": "rlbits.rollout.reward_server",
+    "policy_logprobs": "rlbits.models.forward",
+    "critic_values": "rlbits.models.forward",
+    "position_ids_from_mask": "rlbits.models.forward",
+    # models
+    "load_policy": "rlbits.models.load",
+    "load_tokenizer": "rlbits.models.load",
+    "load_pretrained": "rlbits.models.load",
+    "save_pretrained": "rlbits.models.load",
+    "reference_policy": "rlbits.models.load",
+    "freeze": "rlbits.models.load",
+    "CheckpointNotFoundError": "rlbits.models.load",
+    "ValueModel": "rlbits.models.heads",
+    "ILQLModel": "rlbits.models.heads",
+    "tiny_config": "rlbits.models.tiny",
+    "tiny_causal_lm": "rlbits.models.tiny",
+    "tiny_tokenizer": "rlbits.models.tiny",
+    # tasks
+    "get_task": "rlbits.tasks",
+}
+_SUBMODULES = ("batch", "functional", "models", "rollout", "tasks")
+
+__all__ = [*_functional_all, *_LAZY, *_SUBMODULES]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"rlbits.{name}")
+    raise AttributeError(f"module 'rlbits' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
