@@ -398,6 +398,14 @@ def test_reward_model_rejects_bad_models():
         RewardModel.from_pretrained("/no/such/folder")
 
 
+def test_reward_model_empty_text_is_named():
+    with pytest.raises(
+        RewardError,
+        match=r"ValueError: text 0 of the call has no tokens to score .* on sample 1 \(prompt='', response=''\)",
+    ):
+        score_texts(["a", ""], ["b", ""], tiny_reward_model())
+
+
 # ------------------------------------------------------------------------------------------ server + client
 
 

@@ -29,8 +29,9 @@ Errors: ``RewardError`` (a ``RuntimeError``) when the reward source fails: the f
 ``raise ... from``), the server is unreachable or answered an error (``RewardServerError``).
 ``InvalidRewardError`` (a ``RewardError`` and a ``ValueError``) when it returned something unusable: wrong
 length (says expected and got), a non-number or a non-finite value (names the sample index, its prompt and
-its response, each cut to 80 characters). When a plain function raises on a call over several samples, it
-is called again on each of those samples alone, up to the first one that raises, to name that sample.
+its response, each cut to 80 characters). When a function or reward model raises on a call over several samples, it
+is called again on each of those samples alone, up to the first one that raises, to name that sample
+(not for a reward server: the server does that on its side).
 Malformed arguments (missing text keys, a bad ``columns``) raise plain ``ValueError``/``TypeError``.
 """
 
@@ -332,6 +333,9 @@ class RewardModel:
         ids = self.tokenizer(texts)["input_ids"]
         if self.max_length is not None:
             ids = [row[-self.max_length :] for row in ids]
+        for i, row in enumerate(ids):
+            if not row:
+                raise ValueError(f"text {i} of the call has no tokens to score (empty prompt and response)")
         # Longest first, so a microbatch holds texts of similar length (little padding).
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         rewards = torch.zeros(len(ids), dtype=torch.float32)
@@ -378,19 +382,19 @@ def _resolve(reward: Any) -> tuple[Callable, bool]:
         if spec.lower().startswith(("http://", "https://")):
             return RewardClient(spec, token=os.environ.get(TOKEN_ENV) or None), False
         if os.path.isdir(spec):
-            return _load_reward_model(spec), False
+            return _load_reward_model(spec), True
         raise ValueError(
             f"reward {spec!r} is neither an http(s):// URL of a reward server nor a folder holding a "
             "reward model"
         )
-    if isinstance(reward, (RewardModel, RewardClient)):
-        return reward, False
+    if isinstance(reward, RewardClient):
+        return reward, False  # per-sample calls would be one request (with retries) per sample
     if isinstance(reward, torch.nn.Module):
         raise TypeError(
             f"reward is a bare {type(reward).__name__}; wrap it with its tokenizer: "
             "RewardModel(model, tokenizer)"
         )
-    if callable(reward):
+    if callable(reward):  # a function or a RewardModel
         return reward, True
     raise TypeError(
         "reward must be a callable (prompts, responses, **columns) -> rewards, a RewardModel, a reward-model "
