@@ -28,6 +28,8 @@ from collections.abc import Callable
 import torch
 from tensordict import TensorDict
 
+from rlbits.batch import build_batch, group_ids
+from rlbits.functional import entropy_from_logits
 from rlbits.models.forward import accepts_logits_to_keep, position_ids_from_mask
 
 # On an accelerator the host-side "all finished?" check stalls the launch queue, so run it every few steps
@@ -111,20 +113,25 @@ def _next_token(
         ``(tokens [B] int64, logprobs [B] float32)``.
     """
     scaled = logits if temperature in (0, 1) else logits / temperature
-    logprob_all = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
-    z = logits_processor(input_ids, logits).float() if logits_processor is not None else logits
+    peak = scaled.amax(dim=-1, keepdim=True)
+    unnormalised = torch.exp(scaled - peak)  # doubles as the sampling weights when nothing is filtered
+    log_partition = peak + unnormalised.sum(dim=-1, keepdim=True).log()
     if temperature == 0:
+        z = logits_processor(input_ids, logits) if logits_processor is not None else logits
         tokens = z.argmax(dim=-1)
     else:
-        z = scaled if logits_processor is None else z / temperature
-        if top_k is not None:
-            z = _top_k_filter(z, top_k)
-        if top_p is not None and top_p < 1:
-            z = _top_p_filter(z, top_p)
-        weights = torch.exp(z - z.amax(dim=-1, keepdim=True))
-        u = 1 - torch.rand(z.shape[0], 1, generator=generator, device=z.device)
+        weights = unnormalised
+        if logits_processor is not None or top_k is not None or (top_p is not None and top_p < 1):
+            z = scaled if logits_processor is None else logits_processor(input_ids, logits).float() / temperature
+            if top_k is not None:
+                z = _top_k_filter(z, top_k)
+            if top_p is not None and top_p < 1:
+                z = _top_p_filter(z, top_p)
+            weights = torch.exp(z - z.amax(dim=-1, keepdim=True))
+        u = 1 - torch.rand(logits.shape[0], 1, generator=generator, device=logits.device)
         tokens = _sample(weights, u)
-    return tokens, logprob_all.gather(1, tokens[:, None]).squeeze(1)
+    logprobs = scaled.gather(1, tokens[:, None]) - log_partition
+    return tokens, logprobs.squeeze(1)
 
 
 # --- model calls ----------------------------------------------------------------------------------------
@@ -322,8 +329,6 @@ def generate(
             attention_mask[:, P + t] = alive
             logprobs[:, t] = torch.where(alive, lp, 0.0)
             if entropy is not None:
-                from rlbits.functional import entropy_from_logits
-
                 ent = entropy_from_logits(logits, temperature if temperature > 0 else 1.0)
                 entropy[:, t] = torch.where(alive, ent, 0.0)
             if stop.numel():
@@ -343,21 +348,14 @@ def generate(
     finally:
         policy.train(was_training)
 
-    action_mask = attention_mask[:, P : P + steps].bool()
+    action_mask = attention_mask[:, P : P + steps]
     R = int(action_mask.sum(dim=1).max())  # the only other sync: trim to the longest response
-    action_mask = action_mask[:, :R]
-    responses = input_ids[:, P : P + R]
-    out = {
-        "prompts": prompts,
-        "prompt_mask": prompt_mask,
-        "responses": responses,
-        "action_mask": action_mask,
-        "input_ids": input_ids[:, : P + R],
-        "attention_mask": torch.cat([prompt_mask, action_mask], dim=1),
-        "logprobs": logprobs[:, :R],
-        "group": torch.arange(B // num_samples, device=device).repeat_interleave(num_samples),
+    action_mask = action_mask[:, :R].contiguous()
+    columns = {
+        "logprobs": logprobs[:, :R].contiguous(),
+        "group": group_ids(B // num_samples, num_samples, device=device),
         "truncated": action_mask[:, -1] & ~finished if R == max_new_tokens else torch.zeros_like(finished),
     }
     if entropy is not None:
-        out["entropy"] = entropy[:, :R]
-    return TensorDict(out, batch_size=[B], device=prompts_td.device)
+        columns["entropy"] = entropy[:, :R].contiguous()
+    return build_batch(prompts, prompt_mask, input_ids[:, P : P + R].contiguous(), action_mask, **columns)
