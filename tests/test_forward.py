@@ -1,0 +1,184 @@
+"""Teacher-forced forward helpers: position ids, policy_logprobs, critic_values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlbits.batch import build_batch
+from rlbits.models.forward import critic_values, policy_logprobs, position_ids_from_mask
+from rlbits.models.heads import ValueModel
+from rlbits.models.tiny import tiny_causal_lm
+
+V = 64
+PAD = 0
+ARCHS = ("gpt2", "llama", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {arch: tiny_causal_lm(arch, V, seed=5) for arch in ARCHS}
+
+
+# Rows as (prompt tokens, response tokens, action flags); a False flag inside a response is a tool token:
+# attended to (response_mask) but not trained on (action_mask).
+ROWS = [
+    ([5, 6, 7, 8], [10, 11, 12], [True, True, True]),
+    ([9], [13, 14, 15, 16, 17], [True, False, False, True, True]),
+    ([20, 21], [22], [True]),
+]
+
+
+def _batch(rows=ROWS):
+    P = max(len(p) for p, _, _ in rows)
+    R = max(len(r) for _, r, _ in rows)
+    B = len(rows)
+    prompts = torch.full((B, P), PAD)
+    prompt_mask = torch.zeros(B, P, dtype=torch.bool)
+    responses = torch.full((B, R), PAD)
+    response_mask = torch.zeros(B, R, dtype=torch.bool)
+    action_mask = torch.zeros(B, R, dtype=torch.bool)
+    for i, (p, r, a) in enumerate(rows):
+        prompts[i, P - len(p) :] = torch.tensor(p)
+        prompt_mask[i, P - len(p) :] = True
+        responses[i, : len(r)] = torch.tensor(r)
+        response_mask[i, : len(r)] = True
+        action_mask[i, : len(r)] = torch.tensor(a)
+    return build_batch(prompts, prompt_mask, responses, action_mask, response_mask=response_mask)
+
+
+def _reference(model, rows, temperature):
+    """Per row, unpadded: log_softmax(logits / T) of each response token and the entropy, in float64."""
+    lps, ents = [], []
+    for p, r, a in rows:
+        logits = model(input_ids=torch.tensor([p + r])).logits[0].double() / temperature
+        logp = torch.log_softmax(logits[len(p) - 1 : len(p) - 1 + len(r)], -1)
+        lp = logp.gather(1, torch.tensor(r)[:, None]).squeeze(1)
+        ent = -(logp.exp() * logp).sum(-1)
+        keep = torch.tensor(a, dtype=torch.double)
+        lps.append(lp * keep)
+        ents.append(ent * keep)
+    return lps, ents
+
+
+def test_position_ids_from_mask_exact():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2, 2], [0, 1, 2, 3, 4, 5], [0, 0, 0, 0, 0, 0]]
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, T\]"):
+        position_ids_from_mask(mask[0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_policy_logprobs_match_unpadded_reference(models, arch, temperature):
+    model = models[arch]
+    batch = _batch()
+    with torch.no_grad():
+        lp, ent = policy_logprobs(model, batch, temperature=temperature, return_entropy=True)
+        ref_lp, ref_ent = _reference(model, ROWS, temperature)
+    assert lp.dtype == torch.float32 and lp.shape == batch["responses"].shape
+    for i, (_, r, _) in enumerate(ROWS):
+        assert (lp[i, : len(r)].double() - ref_lp[i]).abs().max() <= 1e-5
+        assert (ent[i, : len(r)].double() - ref_ent[i]).abs().max() <= 1e-5
+    assert (lp[~batch["action_mask"]] == 0).all() and (ent[~batch["action_mask"]] == 0).all()
+
+
+def test_microbatches_equal_one_pass(models):
+    model = models["llama"]
+    batch = _batch()
+    with torch.no_grad():
+        full = policy_logprobs(model, batch)
+        for mb in (1, 2, 5):
+            assert torch.allclose(policy_logprobs(model, batch, microbatch_size=mb), full, atol=1e-6)
+
+
+def test_policy_logprobs_gradient_matches_plain_forward(models):
+    model = models["gpt2"]
+    batch = _batch()
+    weights = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(0))
+    params = [p for p in model.parameters() if p.requires_grad]
+    lp = policy_logprobs(model, batch, temperature=0.9, microbatch_size=2)
+    ours = torch.autograd.grad((lp * weights).sum(), params)
+    # plain: full logits, log_softmax, gather
+    out = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+        position_ids=position_ids_from_mask(batch["attention_mask"]),
+    ).logits
+    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
+    plain = torch.log_softmax(out[:, P - 1 : P - 1 + R] / 0.9, -1).gather(2, batch["responses"][..., None]).squeeze(-1)
+    plain = torch.where(batch["action_mask"], plain, 0.0)
+    ref = torch.autograd.grad((plain * weights).sum(), params)
+    for a, b in zip(ours, ref):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_lm_head_sees_response_positions_only(models):
+    model = models["qwen2"]
+    batch = _batch()
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, inp, out: seen.append(inp[0].shape[1]))
+    try:
+        with torch.no_grad():
+            policy_logprobs(model, batch)
+    finally:
+        handle.remove()
+    assert seen == [batch["responses"].shape[1] + 1]
+
+
+class _PositionValue(torch.nn.Module):
+    """values[b, t] = 1000 * b + 10 * t + position_ids[b, t]: the critic slice is checkable by hand."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        B, T = input_ids.shape
+        rows = torch.arange(B)[:, None] * 1000 + torch.arange(T)[None] * 10
+        return (rows + position_ids).float()
+
+
+def test_critic_values_slice_by_hand():
+    batch = _batch()  # P = 4, R = 5
+    values = critic_values(_PositionValue(), batch)
+    # row 0: prompt fills 4 columns; response token t is predicted at column 3 + t with position 3 + t
+    assert values[0].tolist() == [33.0, 44.0, 55.0, 0.0, 0.0]
+    # row 1: one prompt token (position 0 at column 3), action mask [T, F, F, T, T]
+    assert values[1].tolist() == [1030.0, 0.0, 0.0, 1063.0, 1074.0]
+    assert values[2].tolist() == [2031.0, 0.0, 0.0, 0.0, 0.0]
+    # microbatching slices each microbatch by itself (row offsets restart at 0 in each)
+    mb = critic_values(_PositionValue(), batch, microbatch_size=2)
+    assert mb[2].tolist() == [31.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_critic_values_value_model_reference(models):
+    critic = ValueModel.from_policy(models["llama"])
+    batch = _batch()
+    values = critic_values(critic, batch, microbatch_size=2)
+    assert values.requires_grad
+    with torch.no_grad():
+        for i, (p, r, a) in enumerate(ROWS):
+            alone = critic(torch.tensor([p + r]))[0]
+            ref = alone[len(p) - 1 : len(p) - 1 + len(r)] * torch.tensor(a)
+            assert torch.allclose(values[i, : len(r)], ref, atol=1e-5)
+
+
+def test_errors(models):
+    model = models["gpt2"]
+    batch = _batch()
+    with pytest.raises(ValueError, match="missing key"):
+        policy_logprobs(model, batch.exclude("responses"))
+    bad = batch.clone()
+    bad.batch_size = []
+    bad["attention_mask"] = bad["attention_mask"][:, 1:]
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        policy_logprobs(model, bad)
+    with pytest.raises(ValueError, match="temperature"):
+        policy_logprobs(model, batch, temperature=0.0)
+    with pytest.raises(ValueError, match="microbatch_size"):
+        policy_logprobs(model, batch, microbatch_size=0)
+    only_response = TensorDict(
+        input_ids=batch["responses"], attention_mask=batch["action_mask"], responses=batch["responses"],
+        action_mask=batch["action_mask"], batch_size=[3],
+    )
+    with pytest.raises(ValueError, match="at least one prompt column"):
+        policy_logprobs(model, only_response)
+    with pytest.raises(ValueError, match="value_model returned shape"):
+        critic_values(lambda ids, **kw: torch.zeros(ids.shape[0]), batch)
