@@ -319,7 +319,12 @@ def test_top_p_never_samples_outside_nucleus():
 def test_top_p_and_top_k_filters_match_hf():
     g = _gen(0)
     logits = torch.randn(50, 40, generator=g) * 3
-    for p in (0.1, 0.5, 0.9, 0.99):
+    # a row whose cumulative probabilities hit 1 - p exactly (dyadic): the boundary token is dropped
+    dyadic = torch.full((1, 40), -1e4)
+    dyadic[0, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    logits = torch.cat([logits, dyadic])
+    assert _top_p_filter(dyadic, 0.75).isfinite().sum() == 2
+    for p in (0.1, 0.5, 0.75, 0.9, 0.99):
         ours = _top_p_filter(logits, p)
         hf = TopPLogitsWarper(p)(None, logits.clone())
         assert torch.equal(ours.isinf(), hf.isinf())
