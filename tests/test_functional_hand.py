@@ -55,6 +55,14 @@ def test_kl_estimators():
     close(rlbits.kl_penalty(t(0.3), t(0.3), "k3"), 0.0)
 
 
+def test_adaptive_kl_controller():
+    # KL 1.5x the target: error clipped to +0.2; 100 of 1000 horizon samples -> beta * 1.02
+    close(torch.as_tensor(rlbits.adaptive_kl_coef(0.1, 9.0, 6.0, 1000, 100), dtype=torch.float64), 0.1 * 1.02)
+    close(torch.as_tensor(rlbits.adaptive_kl_coef(0.1, 5.4, 6.0, 1000, 100), dtype=torch.float64), 0.1 * 0.99)
+    with pytest.raises(ValueError, match="target and horizon"):
+        rlbits.adaptive_kl_coef(0.1, 1.0, 0.0, 1000, 1)
+
+
 def test_token_rewards():
     mask = torch.tensor([[T, T, F], [F, T, T], [F, F, F]])
     rewards = t(1.0, 2.0, 3.0)

@@ -15,13 +15,14 @@ from rlbits.functional.ilql import (
     ilql_targets,
     q_loss,
 )
-from rlbits.functional.kl import KL_ESTIMATORS, kl_penalty
+from rlbits.functional.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_penalty
 from rlbits.functional.logprobs import entropy_from_logits, logprobs_from_logits
 from rlbits.functional.losses import aggregate_loss, ppo_loss, reinforce_loss, value_loss
 from rlbits.functional.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
     "KL_ESTIMATORS",
+    "adaptive_kl_coef",
     "aggregate_loss",
     "awac_loss",
     "cql_loss",

@@ -49,3 +49,29 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         # exp(ref - logp) - (ref - logp) - 1; expm1 keeps precision where d is near 0.
         kl = torch.expm1(-d) + d
     return kl.to(out_dtype)
+
+
+def adaptive_kl_coef(
+    kl_coef: float | torch.Tensor, current_kl: float | torch.Tensor, target: float, horizon: float, n_steps: int
+) -> float | torch.Tensor:
+    """One update of the adaptive KL controller (Ziegler 2019, "Fine-tuning language models from human
+    preferences", sec. 2.2): ``beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon)``.
+
+    Args:
+        kl_coef: the current beta.
+        current_kl: the observed KL per sequence (nats), a float or 0-dim tensor.
+        target: the KL the controller steers towards (> 0).
+        horizon: how many samples a full proportional correction takes (> 0).
+        n_steps: samples (sequences) seen since the last update.
+
+    Returns:
+        The new beta, the type of ``kl_coef`` (tensor or float).
+
+    Raises:
+        ValueError: ``target <= 0`` or ``horizon <= 0``.
+    """
+    if not target > 0 or not horizon > 0:
+        raise ValueError(f"target and horizon must be > 0, got target={target} and horizon={horizon}")
+    error = current_kl / target - 1
+    error = torch.clamp(error, -0.2, 0.2) if isinstance(error, torch.Tensor) else min(max(error, -0.2), 0.2)
+    return kl_coef * (1 + error * n_steps / horizon)

@@ -1,0 +1,1 @@
+"""Distributed helpers: the only package in rlbits that imports ``torch.distributed``."""

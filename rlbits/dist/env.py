@@ -1,0 +1,60 @@
+"""Process-group set-up: one code path from a notebook (world size 1) to ``torchrun`` (world size N)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process stands: ``rank`` of ``world_size`` processes, on ``device``."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the process that writes logs and exports."""
+        return self.rank == 0
+
+
+def _pick_device(device: str, local_rank: int) -> torch.device:
+    if device == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if device == "cuda":
+        return torch.device(f"cuda:{local_rank}")
+    return torch.device(device)
+
+
+def init(device: str = "auto") -> DistEnv:
+    """Return ``(rank, world_size, device)`` from the torchrun environment, initialising the process group.
+
+    Without torchrun (no ``WORLD_SIZE`` in the environment, or 1) no process group is created and the
+    result is rank 0 of 1: the same code path as N ranks. NCCL on CUDA, gloo on CPU.
+
+    Args:
+        device: ``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda``, or a device string.
+
+    Returns:
+        A ``DistEnv``.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = _pick_device(device, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def barrier(env: DistEnv) -> None:
+    if env.world_size > 1:
+        dist.barrier()

@@ -1,0 +1,236 @@
+"""Loop configs: one flat, frozen dataclass per loop, loaded from YAML with ``key=value`` overrides.
+
+Every field has a docstring (a string literal right under it, as in cleanrl); ``field_docs(cls)`` reads them
+from the source so that errors and ``rlbits train --help-config`` can quote them. Unknown keys and values of
+the wrong type are rejected with a message naming the field, what it is, and what is allowed; each loop's
+``validate()`` adds its range checks. Field names follow NeMo-RL where one exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+C = TypeVar("C", bound="RunConfig")
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names the field and what is allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Fields every loop shares: what to train, where to write, how long, validation and checkpoints."""
+
+    loop: str = "ppo"
+    """Which loop runs this config: ``ppo``, ``reinforce`` or ``ilql``."""
+    task: str = "sentiment"
+    """Built-in task giving prompts, reward and base model: ``sentiment`` or ``arithmetic``."""
+    policy: str | None = None
+    """Local HF folder of the initial policy (and reference); None = the task's base model (built if missing)."""
+    run_dir: str = "runs/default"
+    """Where the run is written: config.yaml, metrics.jsonl, samples.jsonl, TensorBoard events, checkpoints/, final/."""
+    seed: int = 0
+    """Seeds data order, sampling and initialisation; the same seed reproduces a run exactly on one process."""
+    max_num_steps: int = 100
+    """Training steps (one rollout batch and its updates each)."""
+    max_num_epochs: int = 1000
+    """Passes over the training prompts; training stops at whichever limit comes first."""
+    num_prompts_per_step: int = 16
+    """Prompts sampled per step (each generates ``num_generations_per_prompt`` responses)."""
+    num_generations_per_prompt: int = 1
+    """Responses per prompt; groups of one prompt are contiguous (RLOO/GRPO need >= 2)."""
+    max_new_tokens: int = 24
+    """Longest response in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts; behaviour logprobs are computed at it."""
+    learning_rate: float = 1e-5
+    """Adam learning rate of the policy."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (<= 0 disables it)."""
+    microbatch_size: int = 16
+    """Rows per forward/backward pass; gradients accumulate over microbatches."""
+    val_period: int = 10
+    """Validate every this many steps (0 disables periodic validation)."""
+    val_at_start: bool = True
+    """Validate before the first step (the base model's score)."""
+    val_at_end: bool = True
+    """Validate after the last step."""
+    max_val_samples: int = 64
+    """Test-split prompts used by validation."""
+    val_greedy: bool = False
+    """Validate with greedy decoding (True) or sampling at ``temperature`` (False)."""
+    save_period: int = 50
+    """Write a checkpoint every this many steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """How many step checkpoints to keep on disk (older ones are deleted)."""
+    log_samples: int = 4
+    """Decoded rollouts written to samples.jsonl per step."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under run_dir."""
+    wandb: bool = False
+    """Also log to Weights & Biases (``wandb`` must be installed; set WANDB_MODE=offline to run without network)."""
+    wandb_project: str = "rlbits"
+    """W&B project name."""
+    progress: bool = True
+    """Show a tqdm progress bar with step, reward and KL."""
+    device: str = "auto"
+    """``auto`` (CUDA if available), ``cpu`` or ``cuda``."""
+
+    def validate(self) -> None:
+        """Range checks shared by all loops; loops extend this. Raises ConfigError."""
+        positive = ("max_num_steps", "max_num_epochs", "num_prompts_per_step", "num_generations_per_prompt",
+                    "max_new_tokens", "microbatch_size", "max_val_samples", "keep_checkpoints")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)} ({field_docs(type(self))[name]})")
+        for name in ("val_period", "save_period", "log_samples"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.loop not in ("ppo", "reinforce", "ilql"):
+            raise ConfigError(f"loop must be one of ppo, reinforce, ilql; got {self.loop!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Responses per step: ``num_prompts_per_step * num_generations_per_prompt``."""
+        return self.num_prompts_per_step * self.num_generations_per_prompt
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring written under it, for ``cls`` and its dataclass bases."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                    docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(cls: type, name: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp`` (int, float, bool, str, X | None, Literal[...])."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(cls, name, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{name}: bad value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    doc = field_docs(cls).get(name, "")
+    raise ConfigError(
+        f"{name} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})" + (f": {doc}" if doc else "")
+    )
+
+
+def config_from_dict(cls: type[C], values: dict[str, Any]) -> C:
+    """Build and validate a ``cls`` from a dict, rejecting unknown keys and ill-typed values."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r} for {cls.__name__}{hint} (valid keys: {', '.join(fields)})")
+        kwargs[key] = _coerce(cls, key, value, hints[key])
+    cfg = cls(**kwargs)
+    cfg.validate()
+    return cfg
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``["key=value", ...]`` -> dict, each value parsed as YAML (``lr=1e-5``, ``wandb=true``, ``policy=null``)."""
+    out = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from e
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a config YAML file into a dict (empty file -> {}). Raises ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value, got {type(data).__name__}")
+    return data
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> C:
+    """YAML file (optional) + ``key=value`` overrides -> a validated, frozen ``cls``."""
+    values = read_yaml(path) if path is not None else {}
+    values.update(parse_overrides(list(overrides)))
+    return config_from_dict(cls, values)
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write ``cfg`` as YAML (every field, defaults included, so the file alone reproduces the run)."""
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

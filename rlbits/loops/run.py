@@ -1,0 +1,168 @@
+"""A run on disk: ``metrics.jsonl``, ``samples.jsonl``, TensorBoard events, W&B, a progress bar, callbacks.
+
+Only rank 0 writes (``Run(..., env)`` with ``env.is_main`` False makes every method a no-op except the stop
+flag). Callbacks (e.g. a notebook dashboard) are objects with any of ``on_metrics(step, metrics)``,
+``on_samples(step, samples)`` and ``should_stop() -> bool``; the core never imports them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlbits.dist.env import DistEnv
+from rlbits.loops.config import RunConfig, save_config
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().cpu().item())
+    return float(value)
+
+
+class Run:
+    """The run directory of one training run and everything written into it."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        env: DistEnv | None = None,
+        *,
+        callbacks: Sequence[Any] = (),
+        resume: bool = False,
+        total_steps: int | None = None,
+        start_step: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.env = env or DistEnv()
+        self.dir = Path(cfg.run_dir)
+        self.callbacks = list(callbacks)
+        self._stop_requested = False
+        self._writer = None
+        self._wandb = None
+        self._bar = None
+        self._t0 = time.perf_counter()
+        self._old_handlers: dict[int, Any] = {}
+        if not self.env.is_main:
+            return
+        if self.dir.exists() and not resume and (self.dir / "metrics.jsonl").exists():
+            raise FileExistsError(
+                f"run_dir {str(self.dir)!r} already holds a run; resume it with `rlbits train --resume {self.dir}` "
+                "or choose another run_dir"
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.dir / "config.yaml")
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=start_step if resume else None)
+        if cfg.wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("wandb=true needs the wandb package: pip install wandb") from e
+            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(self.dir), config=vars(cfg) if hasattr(cfg, "__dict__") else None, resume="allow")
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps or cfg.max_num_steps, initial=start_step, desc=cfg.loop, dynamic_ncols=True)
+        if resume:
+            self._truncate_after(start_step)
+
+    # --- signals: SIGINT/SIGTERM finish the current step, then checkpoint and exit ---------------------
+
+    def install_signal_handlers(self) -> None:
+        """On SIGINT/SIGTERM set the stop flag instead of dying mid-step (a second SIGINT interrupts)."""
+
+        def handler(signum, frame):
+            if self._stop_requested and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread (e.g. some notebook set-ups): rely on callbacks
+                pass
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+
+    @property
+    def should_stop(self) -> bool:
+        """True once a signal or a callback asked the run to end after the current step."""
+        for cb in self.callbacks:
+            if hasattr(cb, "should_stop") and cb.should_stop():
+                self._stop_requested = True
+        return self._stop_requested
+
+    # --- writing ------------------------------------------------------------------------------------
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume drop lines logged after the checkpoint's step, so the files read as one run."""
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            path = self.dir / name
+            if path.exists():
+                lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+                path.write_text("".join(ln + "\n" for ln in lines))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """Write one line of ``metrics.jsonl`` (with ``step`` and ``time_s``), TensorBoard and W&B scalars."""
+        values = {k: _to_float(v) for k, v in metrics.items()}
+        if not self.env.is_main:
+            return values
+        row = {"step": step, "time_s": round(time.perf_counter() - self._t0, 3), **values}
+        with open(self.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}) + "\n")
+        if self._writer is not None:
+            for k, v in values.items():
+                self._writer.add_scalar(k, v, step)
+            self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+        for cb in self.callbacks:
+            if hasattr(cb, "on_metrics"):
+                cb.on_metrics(step, values)
+        return values
+
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """Append decoded rollouts (dicts of prompt, response, reward, ...) to ``samples.jsonl``."""
+        if not self.env.is_main or not samples:
+            return
+        with open(self.dir / "samples.jsonl", "a") as f:
+            for s in samples:
+                f.write(json.dumps({"step": step, **{k: (_to_float(v) if isinstance(v, torch.Tensor) else v) for k, v in s.items()}}) + "\n")
+        for cb in self.callbacks:
+            if hasattr(cb, "on_samples"):
+                cb.on_samples(step, list(samples))
+
+    def progress(self, step: int, **shown: float) -> None:
+        """Advance the progress bar to ``step`` and show a few numbers (reward, KL)."""
+        if self._bar is None:
+            return
+        self._bar.update(step - self._bar.n)
+        self._bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items()}, refresh=False)
+
+    def close(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+        if self._bar is not None:
+            self._bar.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``run_dir/metrics.jsonl``."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
