@@ -1,0 +1,226 @@
+"""Set-up and phases shared by the loops: models, rollout, scoring, reference logprobs, validation, timing.
+
+Each is a plain function, so a notebook can call one phase at a time and a new algorithm can reuse them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from rlbits.batch import decode, tokenize_prompts
+from rlbits.dist.env import DistEnv, init
+from rlbits.functional import masked_mean
+from rlbits.loops.config import RunConfig
+from rlbits.models.forward import policy_logprobs
+from rlbits.models.load import load_pretrained
+from rlbits.rollout.generate import generate
+from rlbits.rollout.score import score
+from rlbits.tasks import get_task
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (initialisation, dropout); sampling uses its own generator."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def setup(cfg: RunConfig) -> DistEnv:
+    """Process group, seeds (offset by rank), quiet transformers progress bars. Returns the ``DistEnv``."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    env = init(cfg.device)
+    seed_everything(cfg.seed + env.rank)
+    return env
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability to 0: RL needs the sampling and training forward passes to agree."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def policy_path(cfg: RunConfig) -> str:
+    """``cfg.policy``, or the task's base model (built on first use)."""
+    return cfg.policy if cfg.policy is not None else get_task(cfg.task).base_model()
+
+
+def load_policy_and_tokenizer(path: str, env: DistEnv) -> tuple[torch.nn.Module, Any]:
+    """An HF causal LM and its tokenizer from a local folder, dropout off, on ``env.device``."""
+    policy, tokenizer = load_pretrained(path)
+    return disable_dropout(policy).to(env.device), tokenizer
+
+
+def make_optimizer(params: Iterator[torch.nn.Parameter] | Sequence, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the parameters that require grad."""
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay)
+
+
+def clip_and_step(params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_grad_norm: float) -> torch.Tensor:
+    """Clip the gradient's global norm (if ``max_grad_norm > 0``), step and zero the gradients.
+
+    Returns the norm before clipping (0-dim tensor). A non-finite norm raises FloatingPointError and leaves the
+    parameters untouched.
+    """
+    params = [p for p in params if p.grad is not None]
+    if max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])) if params else torch.zeros(())
+    if not torch.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError(f"gradient norm is {norm.item()}; the update was skipped")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm.detach()
+
+
+def rollout(
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    logits_processor: Callable | None = None,
+) -> TensorDictBase:
+    """Tokenize ``prompts``, sample ``num_samples`` responses each with ``generate``, decode the text.
+
+    Returns the batch of DESIGN.md (``prompts`` ... ``logprobs``, ``group``, ``prompt_text``,
+    ``response_text``) with behaviour logprobs at ``temperature`` (greedy when ``temperature == 0``).
+    """
+    device = next(policy.parameters()).device
+    prompts_td = tokenize_prompts(tokenizer, list(prompts)).to(device)
+    was_training = policy.training
+    policy.eval()
+    try:
+        with torch.no_grad():
+            batch = generate(
+                policy,
+                prompts_td,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                num_samples=num_samples,
+                generator=generator,
+                logits_processor=logits_processor,
+            )
+    finally:
+        policy.train(was_training)
+    return decode(batch, tokenizer)
+
+
+def score_rollout(batch: TensorDictBase, reward: Any) -> torch.Tensor:
+    """Write ``rewards`` [B] from ``reward`` (callable, reward model or server URL; see ``rlbits.score``)."""
+    batch["rewards"] = score(batch, reward).to(torch.float32)
+    return batch["rewards"]
+
+
+def reference_logprobs(ref_policy: torch.nn.Module, batch: TensorDictBase, *, temperature: float, microbatch_size: int) -> torch.Tensor:
+    """Write ``ref_logprobs`` [B, R]: the frozen reference policy's logprobs of the sampled tokens."""
+    with torch.no_grad():
+        batch["ref_logprobs"] = policy_logprobs(ref_policy, batch, temperature=temperature, microbatch_size=microbatch_size)
+    return batch["ref_logprobs"]
+
+
+def validate(
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    cfg: RunConfig,
+    *,
+    reward: Any = None,
+    prompts: Sequence[str] | None = None,
+    logits_processor: Callable | None = None,
+) -> tuple[dict[str, float], TensorDictBase]:
+    """Mean reward on the task's test split (first ``max_val_samples`` prompts), one response each.
+
+    Uses its own generator seeded from ``cfg.seed``, so validating never shifts the training RNG streams
+    (a run with and without validation samples the same training rollouts) and every validation of a run
+    sees the same noise. Greedy if ``cfg.val_greedy``.
+
+    Returns:
+        ``({"val_reward", "val_reward_std", "val_response_len"}, batch)``.
+    """
+    task = get_task(cfg.task)
+    prompts = list(prompts if prompts is not None else task.prompts("test"))[: cfg.max_val_samples]
+    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(cfg.seed + 7919)
+    batch = rollout(
+        policy,
+        tokenizer,
+        prompts,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=0.0 if cfg.val_greedy else cfg.temperature,
+        generator=generator,
+        logits_processor=logits_processor,
+    )
+    rewards = score_rollout(batch, reward if reward is not None else task.reward)
+    lengths = batch["action_mask"].sum(-1).float()
+    metrics = {
+        "val_reward": rewards.mean().item(),
+        "val_reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "val_response_len": lengths.mean().item(),
+    }
+    return metrics, batch
+
+
+def sample_rows(batch: TensorDictBase, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` rollouts as dicts (prompt, response, reward) for ``samples.jsonl``."""
+    rows = []
+    for i in range(min(n, batch.batch_size[0])):
+        row = {"prompt": batch["prompt_text"][i], "response": batch["response_text"][i]}
+        if "rewards" in batch.keys():
+            row["reward"] = float(batch["rewards"][i])
+        rows.append(row)
+    return rows
+
+
+def kl_per_sequence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over sequences of the summed k1 KL estimate (nats per sequence): the usual ``init_policy_kl``."""
+    kl = torch.where(action_mask, logprobs - ref_logprobs, torch.zeros((), dtype=logprobs.dtype))
+    return kl.sum(-1).mean()
+
+
+def response_stats(batch: TensorDictBase) -> dict[str, torch.Tensor]:
+    """Response length metrics."""
+    lengths = batch["action_mask"].sum(-1).float()
+    return {"response_len": lengths.mean(), "response_len_max": lengths.max()}
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase: ``with timer("rollout"): ...``; ``timer.metrics()`` -> ``time/rollout``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        out["time/step"] = sum(self.seconds.values())
+        return out
+
+
+def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked mean (re-exported here so loop code reads as the metric it logs)."""
+    return masked_mean(x, mask)
