@@ -1,4 +1,13 @@
-"""Command line: ``rlbits demo`` (and, as they land, ``train``, ``pretrain``, ``eval``, ``plot``)."""
+"""Command line.
+
+    rlbits train [CONFIG] [key=value ...]      train (no CONFIG: configs/ppo_sentiment.yaml, the main job)
+    rlbits train --resume RUN_DIR [key=value]  continue a run from its latest checkpoint
+    rlbits eval RUN_DIR                         test-split reward of the final policy vs the base model
+    rlbits plot RUN_DIR [RUN_DIR ...]           PNG of reward, KL, losses, entropy, throughput
+    rlbits pretrain TASK                        build a task's base model
+    rlbits serve-reward TASK_OR_MODEL_DIR       serve a reward over HTTP
+    rlbits demo                                 the functional core on a random batch
+"""
 
 from __future__ import annotations
 
@@ -49,12 +58,75 @@ def _serve_reward(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from rlbits.loops.api import resolve_config, train
+    from rlbits.loops.config import ConfigError, read_yaml
+
+    overrides = list(args.overrides)
+    config = args.config
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        overrides.insert(0, config)  # `rlbits train key=value` with no CONFIG
+        config = None
+    try:
+        if args.resume:
+            if config is not None:
+                raise ConfigError("give either CONFIG or --resume RUN_DIR, not both (the run's config.yaml is used)")
+            run_config = f"{args.resume}/config.yaml"
+            values = read_yaml(run_config)
+            values["run_dir"] = args.resume
+            cfg = resolve_config(values, overrides)
+        else:
+            cfg = resolve_config(config, overrides)
+    except ConfigError as e:
+        print(f"rlbits train: {e}", file=sys.stderr)
+        return 2
+    run_dir = train(config=cfg, resume=bool(args.resume))
+    print(run_dir)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from rlbits.loops.evaluate import evaluate_run
+
+    result = evaluate_run(args.run_dir, max_val_samples=args.max_val_samples, greedy=args.greedy)
+    for name, metrics in result.items():
+        print(f"{name:>6s}: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rlbits.viz.plots import plot_run
+
+    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "metrics.png"
+    plot_run(args.run_dirs, out=out)
+    print(out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlbits", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="rlbits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the functional core on a random batch and print each step")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+    train = sub.add_parser("train", help="train a policy (default: PPO on the sentiment task)")
+    train.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config (default configs/ppo_sentiment.yaml)")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    train.set_defaults(func=_train)
+    evaluate = sub.add_parser("eval", help="test-split reward of RUN_DIR/final vs the base model")
+    evaluate.add_argument("run_dir", metavar="RUN_DIR")
+    evaluate.add_argument("--max-val-samples", type=int, default=None, help="test prompts (default: the run's)")
+    evaluate.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    evaluate.set_defaults(func=_eval)
+    plot = sub.add_parser("plot", help="plot the metrics of one or more runs to a PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
+    plot.set_defaults(func=_plot)
     serve_reward = sub.add_parser(
         "serve-reward", help="serve a task's reward or a reward model over HTTP (docs/reward_server.md)"
     )

@@ -1,0 +1,105 @@
+"""``rlbits.train(...)``: pick the loop from the config and run it (like ``trlx.train``).
+
+    import rlbits
+    run_dir = rlbits.train(reward_fn=my_reward, prompts=my_prompts, config="configs/ppo_sentiment.yaml",
+                           max_num_steps=50, run_dir="runs/mine")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from rlbits.loops.config import ConfigError, RunConfig, config_from_dict, parse_overrides, read_yaml
+
+# loop name -> (module, config class)
+LOOPS = {
+    "ppo": ("rlbits.loops.ppo", "PPOConfig"),
+    "reinforce": ("rlbits.loops.reinforce", "ReinforceConfig"),
+    "ilql": ("rlbits.loops.ilql", "ILQLConfig"),
+}
+DEFAULT_CONFIG = "ppo_sentiment.yaml"
+
+
+def loop_module(name: str) -> ModuleType:
+    """The module of loop ``name`` (``ppo``, ``reinforce``, ``ilql``)."""
+    if name not in LOOPS:
+        raise ConfigError(f"unknown loop {name!r}; expected one of {', '.join(LOOPS)}")
+    return importlib.import_module(LOOPS[name][0])
+
+
+def config_class(name: str) -> type[RunConfig]:
+    module_name, class_name = LOOPS.get(name, (None, None))
+    return getattr(loop_module(name), class_name)
+
+
+def default_config_path() -> Path | None:
+    """``configs/ppo_sentiment.yaml`` in the working directory, else next to the installed package."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        path = root / "configs" / DEFAULT_CONFIG
+        if path.is_file():
+            return path
+    return None
+
+
+def resolve_config(
+    config: str | Path | dict[str, Any] | RunConfig | None = None, overrides: dict[str, Any] | Sequence[str] = ()
+) -> RunConfig:
+    """A validated loop config from a YAML path, a dict, a config object or None (the default main job),
+    with overrides (a dict, or ``key=value`` strings) applied on top. The ``loop`` key picks the class."""
+    extra = dict(overrides) if isinstance(overrides, dict) else parse_overrides(list(overrides))
+    if isinstance(config, RunConfig):
+        values = {**dataclasses.asdict(config), **extra}
+    else:
+        if config is None:
+            config = default_config_path()
+        if config is None:
+            values = {}
+        elif isinstance(config, dict):
+            values = dict(config)
+        else:
+            values = read_yaml(config)
+        values.update(extra)
+    loop = values.get("loop", "ppo")
+    if not isinstance(loop, str) or loop not in LOOPS:
+        raise ConfigError(f"loop must be one of {', '.join(LOOPS)}; got {loop!r}")
+    return config_from_dict(config_class(loop), values)
+
+
+def train(
+    reward_fn: Callable | str | Any = None,
+    prompts: Sequence[str] | None = None,
+    samples: Sequence[Any] | None = None,
+    config: str | Path | dict[str, Any] | RunConfig | None = None,
+    *,
+    callbacks: Sequence[Any] = (),
+    resume: bool = False,
+    **overrides: Any,
+) -> Path:
+    """Train with the loop named by ``config``'s ``loop`` and return the run directory.
+
+    Args:
+        reward_fn: reward for online loops: a callable ``(prompts, responses, **columns) -> list[float]``, a
+            reward model, or a reward-server URL (see ``rlbits.score``); None = the task's reward.
+        prompts: training prompts; None = the task's train split.
+        samples: offline dataset for ILQL (``(prompt, response, reward)`` triples or dicts).
+        config: YAML path, dict, config object, or None for ``configs/ppo_sentiment.yaml``.
+        callbacks: objects with ``on_metrics``/``on_samples``/``should_stop`` (e.g. a notebook dashboard).
+        resume: continue ``run_dir`` from its latest checkpoint.
+        **overrides: config fields to override (``max_num_steps=20``, ``run_dir="runs/x"``).
+
+    Raises:
+        ConfigError: unknown or invalid config keys; ``samples`` given to an online loop.
+    """
+    cfg = resolve_config(config, overrides)
+    module = loop_module(cfg.loop)
+    kwargs: dict[str, Any] = {"callbacks": callbacks, "resume": resume, "reward": reward_fn, "prompts": prompts}
+    if samples is not None:
+        if cfg.loop != "ilql":
+            raise ConfigError(f"samples= is an offline dataset for the ilql loop; loop {cfg.loop!r} samples its own")
+        kwargs["samples"] = samples
+    return module.train(cfg, **kwargs)
