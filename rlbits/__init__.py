@@ -26,7 +26,12 @@ _LAZY = {
     "score": "rlbits.rollout.score",
     "RewardModel": "rlbits.rollout.score",
     "RewardError": "rlbits.rollout.score",
+    "score_texts": "rlbits.rollout.score",
+    "InvalidRewardError": "rlbits.rollout.score",
+    "RewardServerError": "rlbits.rollout.score",
     "RewardClient": "rlbits.rollout.reward_server",
+    "RewardServer": "rlbits.rollout.reward_server",
+    "serve": "rlbits.rollout.reward_server",
     "policy_logprobs": "rlbits.models.forward",
     "critic_values": "rlbits.models.forward",
     "position_ids_from_mask": "rlbits.models.forward",
@@ -45,8 +50,10 @@ _LAZY = {
     "tiny_tokenizer": "rlbits.models.tiny",
     # tasks
     "get_task": "rlbits.tasks",
+    # loops
+    "train": "rlbits.loops.api",
 }
-_SUBMODULES = ("batch", "functional", "models", "rollout", "tasks")
+_SUBMODULES = ("batch", "functional", "loops", "models", "rollout", "tasks")
 
 __all__ = [*_functional_all, *_LAZY, *_SUBMODULES]
 
