@@ -1,0 +1,264 @@
+"""REINFORCE/RLOO/GRPO loop: phases on hand-made batches, a two-step smoke run, exact resume, config errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlbits.loops.config import ConfigError, config_from_dict
+from rlbits.loops.reinforce import (
+    ReinforceConfig,
+    advantages,
+    informative_groups,
+    init_state,
+    policy_gradient_loss,
+    sample_batch,
+    train,
+    update,
+)
+from rlbits.loops.run import read_metrics
+from rlbits.dist.env import DistEnv
+from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
+
+V = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_policy")
+    tiny_causal_lm("gpt2", V, seed=0).save_pretrained(path)
+    tiny_tokenizer(V).save_pretrained(path)
+    return str(path)
+
+
+def length_reward(prompts, responses):
+    """A reward with spread inside most groups: the response length mod 3."""
+    return [float(len(r) % 3) for r in responses]
+
+
+def make_cfg(tiny_path, tmp_path, **overrides):
+    kw = dict(
+        task="arithmetic",
+        policy=tiny_path,
+        run_dir=str(tmp_path / "run"),
+        max_num_steps=2,
+        num_prompts_per_step=4,
+        num_generations_per_prompt=4,
+        max_new_tokens=5,
+        microbatch_size=8,
+        learning_rate=1e-3,
+        max_val_samples=8,
+        progress=False,
+        tensorboard=False,
+        log_samples=2,
+    )
+    kw.update(overrides)
+    return ReinforceConfig(**kw)
+
+
+# --- advantages on hand-computed tensors ---------------------------------------------------------------
+
+
+def hand_batch(rewards, lengths, truncated=None, kl=0.0):
+    b, r = len(rewards), max(lengths)
+    mask = torch.arange(r)[None, :] < torch.tensor(lengths)[:, None]
+    lp = torch.where(mask, torch.full((b, r), -1.0), 0.0)
+    return TensorDict(
+        {
+            "rewards": torch.tensor(rewards),
+            "action_mask": mask,
+            "logprobs": lp,
+            "ref_logprobs": torch.where(mask, lp - kl, 0.0),
+            "truncated": torch.tensor(truncated or [False] * b),
+        },
+        batch_size=[b],
+    )
+
+
+def test_rloo_advantages_broadcast_over_action_tokens():
+    cfg = ReinforceConfig(num_generations_per_prompt=2, num_prompts_per_step=2)
+    batch = hand_batch([1.0, 0.0, 3.0, 1.0], [2, 3, 1, 2])
+    m = advantages(batch, cfg)
+    # leave-one-out: baseline of row i is the other row of its group
+    expected = torch.tensor([1.0, -1.0, 2.0, -2.0])
+    assert torch.equal(batch["advantages"], torch.where(batch["action_mask"], expected[:, None], 0.0))
+    assert m["baseline"].item() == pytest.approx((0 + 1 + 1 + 3) / 4)
+    assert m["rewards"].item() == pytest.approx(1.25)
+
+
+def test_grpo_and_dr_grpo_advantages():
+    batch = hand_batch([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0], [1] * 8)
+    cfg = ReinforceConfig(num_generations_per_prompt=4, num_prompts_per_step=2, baseline="grpo")
+    advantages(batch, cfg)
+    std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std()
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-6)
+    torch.testing.assert_close(batch["advantages"][:4, 0], expected)
+    assert torch.equal(batch["advantages"][4:], torch.zeros(4, 1))  # zero spread -> zero advantage
+    advantages(batch, dataclasses.replace(cfg, baseline="grpo_unscaled"))
+    torch.testing.assert_close(batch["advantages"][:4, 0], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_kl_in_reward_is_subtracted_before_the_baseline():
+    # k1 KL of 0.5 per token; lengths 2 and 4 -> sequence KL 1 and 2
+    batch = hand_batch([1.0, 1.0], [2, 4], kl=0.5)
+    cfg = ReinforceConfig(num_generations_per_prompt=2, num_prompts_per_step=1, kl_in_reward=True, kl_coef=0.1)
+    m = advantages(batch, cfg)
+    shaped = torch.tensor([1.0 - 0.1, 1.0 - 0.2])
+    assert m["rewards_with_kl"].item() == pytest.approx(shaped.mean().item())
+    assert m["init_policy_kl"].item() == pytest.approx(1.5)
+    torch.testing.assert_close(batch["advantages"][:, 0], torch.tensor([0.1, -0.1]))
+
+
+def test_overlong_filtering_masks_truncated_rows_out_of_the_loss():
+    batch = hand_batch([1.0, 0.0], [3, 1], truncated=[True, False])
+    cfg = ReinforceConfig(num_generations_per_prompt=2, num_prompts_per_step=1, overlong_filtering=True)
+    m = advantages(batch, cfg)
+    assert not batch["loss_mask"][0].any() and batch["loss_mask"][1, 0]
+    assert m["truncated_frac"].item() == 0.5 and m["loss_tokens"].item() == 1
+    advantages(batch, dataclasses.replace(cfg, overlong_filtering=False))
+    assert torch.equal(batch["loss_mask"], batch["action_mask"])
+
+
+def test_informative_groups():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    assert informative_groups(rewards, 2).tolist() == [False, True, False]
+
+
+# --- phases on a tiny model ---------------------------------------------------------------------------
+
+
+def test_dynamic_sampling_keeps_only_informative_groups(tiny_path, tmp_path):
+    cfg = make_cfg(tiny_path, tmp_path, dynamic_sampling=True, dynamic_sampling_max_gen_batches=3)
+    state = init_state(cfg, DistEnv())
+
+    def first_char_reward(prompts, responses):  # depends on the prompt only for half the prompts
+        return [float(len(r)) if p.startswith(("1", "2", "3", "4")) else 0.0 for p, r in zip(prompts, responses)]
+
+    batch, stats = sample_batch(state, cfg, first_char_reward)
+    k = cfg.num_generations_per_prompt
+    assert batch.batch_size[0] % k == 0 and batch.batch_size[0] // k == stats["kept_groups"] <= 4
+    assert informative_groups(batch["rewards"], k).all()
+    assert 1 <= stats["gen_batches"] <= 3
+    assert state.stream.consumed_samples == 4 * stats["gen_batches"]
+    assert batch["group"].tolist() == torch.arange(batch.batch_size[0] // k).repeat_interleave(k).tolist()
+
+
+def test_reinforce_and_unclipped_ppo_give_the_same_gradient(tiny_path, tmp_path):
+    cfg = make_cfg(tiny_path, tmp_path)
+    state = init_state(cfg, DistEnv())
+    batch, _ = sample_batch(state, cfg, length_reward)
+    batch["ref_logprobs"] = batch["logprobs"].clone()
+    advantages(batch, cfg)
+    grads = []
+    for c in (cfg, dataclasses.replace(cfg, ppo_epochs=2)):
+        assert c.clipped == (c is not cfg)
+        state.policy.zero_grad()
+        from rlbits.models.forward import policy_logprobs
+
+        lp = policy_logprobs(state.policy, batch, temperature=c.temperature)
+        n = batch["loss_mask"].sum().float()
+        loss, m = policy_gradient_loss(lp, batch, c, n, torch.tensor(16.0))
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in state.policy.parameters() if p.grad is not None]))
+        assert m["clipfrac"].item() == 0.0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_non_finite_loss_names_step_and_phase(tiny_path, tmp_path):
+    cfg = make_cfg(tiny_path, tmp_path)
+    state = init_state(cfg, DistEnv())
+    batch, _ = sample_batch(state, cfg, length_reward)
+    batch["ref_logprobs"] = batch["logprobs"].clone()
+    advantages(batch, cfg)
+    with torch.no_grad():
+        next(state.policy.parameters()).fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="step 1, phase update"):
+        update(state, batch, cfg, DistEnv())
+
+
+# --- the whole loop ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_step_smoke_run(tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_cfg(tiny_path, tmp_path, baseline="grpo", kl_loss_coef=0.05, tensorboard=True)
+    run_dir = train(cfg, reward=length_reward)
+    assert {"config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "final"} <= {
+        p.name for p in run_dir.iterdir()
+    }
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "val_reward" in rows[0] and "val_reward" in rows[2]
+    names = {"rewards", "rewards_with_kl", "gen_rewards", "baseline", "advantages", "init_policy_kl", "kl_loss",
+             "actor_loss", "clipfrac", "approx_kl", "entropy", "grad_norm", "response_len", "truncated_frac",
+             "zero_std_frac", "kept_groups", "gen_batches", "tokens_per_s", "time/rollout", "time/update"}
+    assert names <= rows[1].keys(), names - rows[1].keys()
+    assert rows[1]["entropy"] > 0 and rows[1]["clipfrac"] == 0.0
+    state = json.loads((run_dir / "checkpoints" / "step_2" / "state.json").read_text())
+    assert state["current_step"] == 2 and state["consumed_samples"] == 8 and state["total_valid_tokens"] > 0
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "final") is not None
+    assert (run_dir / "final" / "tokenizer.json").exists()
+    samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and {"step", "prompt", "response", "reward"} <= samples[0].keys()
+
+
+@pytest.mark.slow
+def test_exact_resume(tiny_path, tmp_path):
+    # every piece of state in play: clipping with minibatch shuffles, dynamic sampling, KL in reward and loss
+    opts = dict(ppo_epochs=2, num_minibatches=2, clip_eps_high=0.28, dynamic_sampling=True, kl_in_reward=True,
+                kl_coef=0.05, kl_loss_coef=0.01, save_period=2, val_at_start=False, val_period=0)
+    full = train(make_cfg(tiny_path, tmp_path / "a", max_num_steps=4, **opts), reward=length_reward)
+    part = make_cfg(tiny_path, tmp_path / "b", max_num_steps=2, **opts)
+    train(part, reward=length_reward)
+    resumed = train(dataclasses.replace(part, max_num_steps=4), reward=length_reward, resume=True)
+
+    def comparable(rows):
+        return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
+                for r in rows if r["step"] >= 3}
+
+    a, b = comparable(read_metrics(full)), comparable(read_metrics(resumed))
+    assert sorted(a) == [3, 4] and a == b
+    assert [r["step"] for r in read_metrics(resumed)] == [1, 2, 3, 4]
+
+
+def test_resume_without_checkpoint_is_an_error(tiny_path, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(make_cfg(tiny_path, tmp_path), resume=True)
+
+
+# --- config errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"baseline": "ppo"}, "baseline must be one of"),
+        ({"num_generations_per_prompt": 1}, "num_generations_per_prompt must be >= 2"),
+        ({"kl_coef": 0.1}, "kl_in_reward"),
+        ({"kl_in_reward": True}, "kl_coef > 0"),
+        ({"kl_estimator": "k4"}, "kl_estimator must be one of"),
+        ({"loss_agg": "sum"}, "loss_agg must be one of"),
+        ({"num_minibatches": 17}, "num_minibatches"),
+        ({"ppo_epochs": 0}, "ppo_epochs"),
+        ({"clip_eps_high": -0.1}, "clip_eps"),
+        ({"loop": "ppo"}, "loop must be 'reinforce'"),
+        ({"num_generation_per_prompt": 4}, "did you mean num_generations_per_prompt"),
+        ({"dynamic_sampling": "yes"}, "dynamic_sampling must be bool"),
+    ],
+)
+def test_config_errors(values, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(ReinforceConfig, values)
+
+
+def test_config_defaults_and_plain_reinforce():
+    cfg = config_from_dict(ReinforceConfig, {"baseline": "none", "num_generations_per_prompt": 1})
+    assert cfg.loop == "reinforce" and not cfg.clipped
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.kl_coef = 1.0  # type: ignore[misc]
