@@ -29,8 +29,9 @@ Papers: Williams 1992 (REINFORCE); Kool 2019 "Buy 4 REINFORCE samples, get a bas
 How rlbits departs from them (details in docs/reinforce.md):
 
 - The sequence advantage is the same on every action token of a response (no per-token reward-to-go): with
-  ``kl_in_reward`` the summed KL is taken off the sequence reward *before* the baseline, as NeMo-Aligner's
-  REINFORCE/RLOO trainer does, so the KL penalty is also baselined within the group.
+  ``kl_in_reward`` the KL summed over the response is taken off the sequence reward *before* the baseline,
+  so the penalty is baselined within the group too (NeMo-Aligner's REINFORCE trainer does the same with the
+  per-token *mean* KL; TRL's RLOO trainer with the sum, as here).
 - ``loss_agg`` defaults to DAPO's ``token-mean`` (GRPO's paper uses ``seq-mean-token-mean``).
 - With ``ppo_epochs == num_minibatches == 1`` the importance ratio is 1 and the loss is plain REINFORCE
   (``reinforce_loss``); its gradient equals the clipped PPO loss's at ratio 1.
