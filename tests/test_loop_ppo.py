@@ -1,0 +1,359 @@
+"""The PPO loop on a tiny GPT-2: phases one by one, a two-step run, exact resume, KL options, warm-up, errors."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlbits.dist.env import DistEnv
+from rlbits.functional import kl_penalty, token_rewards
+from rlbits.loops import common
+from rlbits.loops.config import ConfigError, config_from_dict, load_config
+from rlbits.loops.ppo import (
+    NonFiniteError,
+    PPOConfig,
+    advantages,
+    init_state,
+    reference,
+    rollout,
+    scale_rewards,
+    score,
+    total_steps,
+    train,
+    update,
+    update_kl_coef,
+    values,
+)
+from rlbits.loops.run import read_metrics
+from rlbits.models.load import save_pretrained
+from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
+
+PROMPTS = ["the plot", "a film", "it was", "my day", "so this", "hello", "we saw", "an end"]
+VOLATILE = ("time_s", "tokens_per_s")
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_sentiment.yaml"
+
+
+def reward(prompts, responses):
+    """Likes the letter a: a reward the tiny model can move."""
+    return [min(r.count("a"), 4) / 4 for r in responses]
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ppo") / "policy"
+    save_pretrained(tiny_causal_lm("gpt2", seed=0), tiny_tokenizer(), path)
+    return str(path)
+
+
+def make_cfg(policy_dir, run_dir, **overrides) -> PPOConfig:
+    values = dict(
+        policy=policy_dir,
+        run_dir=str(run_dir),
+        max_num_steps=2,
+        num_prompts_per_step=4,
+        num_generations_per_prompt=2,
+        max_new_tokens=6,
+        microbatch_size=3,
+        ppo_epochs=2,
+        num_minibatches=2,
+        learning_rate=1e-3,
+        max_val_samples=4,
+        val_period=0,
+        val_at_start=False,
+        val_at_end=False,
+        save_period=0,
+        log_samples=2,
+        progress=False,
+        tensorboard=False,
+    )
+    values.update(overrides)
+    return config_from_dict(PPOConfig, values)
+
+
+def flat_weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Phases
+# --------------------------------------------------------------------------------------------------------
+
+
+def phase_batch(cfg):
+    env = common.setup(cfg)
+    state = init_state(cfg, env)
+    batch = rollout(state.policy, state.tokenizer, PROMPTS[:4], cfg, generator=state.sampling_generator)
+    return env, state, batch
+
+
+def test_phases_add_their_keys(policy_dir, tmp_path):
+    cfg = make_cfg(policy_dir, tmp_path / "run")
+    env, state, batch = phase_batch(cfg)
+    rollout_keys = {"prompts", "prompt_mask", "responses", "action_mask", "input_ids", "attention_mask", "logprobs",
+                    "group", "prompt_text", "response_text"}  # fmt: skip
+    assert rollout_keys <= set(batch.keys())
+    assert batch.batch_size == torch.Size([8])
+    assert batch["group"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+
+    score(batch, reward)
+    assert batch["rewards"].shape == (8,) and batch["rewards"].dtype == torch.float32
+    reference(state.reference, batch, cfg)
+    assert batch["ref_logprobs"].shape == batch["logprobs"].shape
+    # Policy and reference start equal: the sampler's logprobs match a teacher-forced forward of the reference.
+    torch.testing.assert_close(batch["ref_logprobs"], batch["logprobs"], atol=1e-5, rtol=0)
+    values(state.value_model, batch, cfg)
+    assert batch["values"].shape == batch["logprobs"].shape and not batch["values"].requires_grad
+
+    metrics = advantages(batch, cfg, env, kl_coef=state.kl_coef)
+    for key in ("token_rewards", "advantages", "returns"):
+        assert batch[key].shape == batch["logprobs"].shape
+        assert (batch[key][~batch["action_mask"]] == 0).all()
+    assert {"rewards", "rewards_with_kl", "init_policy_kl", "advantages", "returns", "values",
+            "explained_variance"} <= set(metrics)  # fmt: skip
+    mask = batch["action_mask"]
+    assert abs(batch["advantages"][mask].mean().item()) < 1e-5  # whitened
+    assert abs(batch["advantages"][mask].std().item() - 1) < 1e-3
+
+    before = flat_weights(state.policy)
+    stats = update(state.policy, state.value_model, state.policy_optimizer, state.value_optimizer, batch, cfg, env,
+                   generator=state.minibatch_generator, kl_coef=state.kl_coef, step=1)  # fmt: skip
+    assert {"actor_loss", "critic_loss", "clipfrac", "approx_kl", "entropy", "grad_norm", "critic_grad_norm",
+            "value_clipfrac"} <= set(stats)  # fmt: skip
+    assert all(torch.isfinite(v) for v in stats.values())
+    assert not torch.equal(before, flat_weights(state.policy))
+
+
+def test_token_rewards_hold_kl_in_reward_only(policy_dir, tmp_path):
+    cfg = make_cfg(policy_dir, tmp_path / "run", kl_coef=0.5)
+    env, state, batch = phase_batch(cfg)
+    score(batch, reward)
+    batch["ref_logprobs"] = batch["logprobs"] - 0.25 * batch["action_mask"]  # a known KL of 0.25 per token
+    values(state.value_model, batch, cfg)
+    advantages(batch, cfg, env, kl_coef=0.5)
+    kl = kl_penalty(batch["logprobs"], batch["ref_logprobs"], "k1")
+    torch.testing.assert_close(batch["token_rewards"], token_rewards(batch["rewards"], batch["action_mask"], kl, 0.5))
+    lengths = batch["action_mask"].sum(-1)
+    torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"] - 0.125 * lengths)
+
+    no_kl = dataclasses.replace(cfg, kl_in_reward=False)
+    advantages(batch, no_kl, env, kl_coef=0.5)
+    torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"])
+
+
+def test_kl_in_loss_changes_the_policy_update(policy_dir, tmp_path):
+    cfg = make_cfg(policy_dir, tmp_path / "run", kl_in_reward=False, kl_estimator="k3", kl_loss_coef=1.0)
+    env, state, batch = phase_batch(cfg)
+    score(batch, reward)
+    values(state.value_model, batch, cfg)
+    batch["ref_logprobs"] = batch["logprobs"] - 0.5 * batch["action_mask"]
+    advantages(batch, cfg, env, kl_coef=1.0)
+    policy0, critic0 = copy.deepcopy(state.policy), copy.deepcopy(state.value_model)
+
+    def run(kl_coef):
+        policy, critic = copy.deepcopy(policy0), copy.deepcopy(critic0)
+        opts = [common.make_optimizer(m.parameters(), 1e-3, 0.0) for m in (policy, critic)]
+        gen = torch.Generator().manual_seed(0)
+        stats = update(policy, critic, *opts, batch, cfg, env, generator=gen, kl_coef=kl_coef, step=1)
+        return flat_weights(policy), flat_weights(critic), stats
+
+    with_kl, critic_a, stats = run(1.0)
+    without, critic_b, stats0 = run(0.0)
+    assert "kl_loss" in stats and "kl_loss" not in stats0
+    assert stats["kl_loss"] > 0
+    assert not torch.allclose(with_kl, without)
+    torch.testing.assert_close(critic_a, critic_b)  # the KL term touches the policy only
+
+
+def test_update_does_not_depend_on_microbatch_size(policy_dir, tmp_path):
+    cfg = make_cfg(policy_dir, tmp_path / "run", loss_agg="seq-mean-token-mean", entropy_coef=0.01)
+    env, state, batch = phase_batch(cfg)
+    score(batch, reward)
+    reference(state.reference, batch, cfg)
+    values(state.value_model, batch, cfg)
+    advantages(batch, cfg, env, kl_coef=state.kl_coef)
+    results = []
+    for mbs in (1, 3, 8):
+        policy, critic = copy.deepcopy(state.policy), copy.deepcopy(state.value_model)
+        opts = [common.make_optimizer(m.parameters(), 1e-3, 0.0) for m in (policy, critic)]
+        c = dataclasses.replace(cfg, microbatch_size=mbs)
+        update(policy, critic, *opts, batch, c, env, generator=torch.Generator().manual_seed(0), step=1)
+        results.append((flat_weights(policy), flat_weights(critic)))
+    for policy_w, critic_w in results[1:]:
+        torch.testing.assert_close(policy_w, results[0][0], atol=2e-6, rtol=0)
+        torch.testing.assert_close(critic_w, results[0][1], atol=2e-6, rtol=0)
+
+
+def test_non_finite_loss_names_step_and_phase(policy_dir, tmp_path):
+    cfg = make_cfg(policy_dir, tmp_path / "run")
+    env, state, batch = phase_batch(cfg)
+    score(batch, reward)
+    reference(state.reference, batch, cfg)
+    values(state.value_model, batch, cfg)
+    advantages(batch, cfg, env, kl_coef=state.kl_coef)
+    batch["advantages"] = torch.where(batch["action_mask"], torch.nan, 0.0)
+    before = flat_weights(state.policy)
+    with pytest.raises(NonFiniteError, match=r"step 7, phase update \(ppo epoch 0, minibatch 0\)"):
+        update(state.policy, state.value_model, state.policy_optimizer, state.value_optimizer, batch, cfg, env,
+               generator=state.minibatch_generator, step=7)  # fmt: skip
+    assert torch.equal(before, flat_weights(state.policy))
+
+
+def test_reward_scaling_order():
+    cfg = PPOConfig(reward_subtract_reference=True, reward_whiten=True, reward_clip=1.5)
+    from tensordict import TensorDict
+
+    batch = TensorDict({"rewards": torch.tensor([1.0, 2.0, 3.0, 10.0]), "reference_rewards": torch.tensor([0.0, 0.0, 1.0, 2.0])}, [4])
+    out = scale_rewards(batch, cfg, DistEnv())
+    diff = torch.tensor([1.0, 2.0, 2.0, 8.0])
+    expected = ((diff - diff.mean()) / diff.std() + diff.mean()).clamp(-1.5, 1.5)
+    torch.testing.assert_close(out, expected)
+    plain = scale_rewards(batch, PPOConfig(), DistEnv())
+    assert torch.equal(plain, batch["rewards"])
+
+
+def test_adaptive_kl_controller():
+    cfg = PPOConfig(adaptive_kl=True, kl_target=1.0, kl_horizon=100)
+    assert update_kl_coef(0.1, 10.0, cfg, 50) == pytest.approx(0.1 * (1 + 0.2 * 0.5))  # KL too high: beta grows
+    assert update_kl_coef(0.1, 0.5, cfg, 50) == pytest.approx(0.1 * (1 - 0.2 * 0.5))  # too low (error clipped at -0.2): beta shrinks
+    assert update_kl_coef(0.1, 10.0, PPOConfig(), 50) == 0.1  # off: unchanged
+
+
+# --------------------------------------------------------------------------------------------------------
+# Whole runs
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_two_step_run_writes_the_run(policy_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = make_cfg(policy_dir, run_dir, val_at_start=True, val_at_end=True, tensorboard=True, save_period=1)
+    assert train(cfg, reward=reward, prompts=PROMPTS) == run_dir
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "final/model.safetensors", "final/tokenizer.json",
+                 "checkpoints/step_1/policy/model.safetensors", "checkpoints/step_2/value/value_head.safetensors",
+                 "checkpoints/step_2/state.json"):  # fmt: skip
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert set(rows[0]) == {"step", "time_s", "val_reward", "val_reward_std", "val_response_len"}
+    expected = {"rewards", "rewards_with_kl", "init_policy_kl", "kl_coef", "advantages", "returns", "values",
+                "actor_loss", "critic_loss", "clipfrac", "approx_kl", "entropy", "value_clipfrac",
+                "explained_variance", "grad_norm", "critic_grad_norm", "response_len", "tokens_per_s",
+                "time/rollout", "time/score", "time/reference", "time/values", "time/advantages", "time/update",
+                "time/step", "epoch"}  # fmt: skip
+    for row in rows[1:]:
+        assert expected <= set(row), expected - set(row)
+        assert all(v is not None and math.isfinite(v) for v in row.values())
+    assert "val_reward" in rows[2] and "val_reward" not in rows[1]
+    state = json.loads((run_dir / "checkpoints/step_2/state.json").read_text())
+    assert state["current_step"] == 2 and state["consumed_samples"] == 8 and state["current_epoch"] == 1
+    assert state["total_valid_tokens"] > 0 and state["val_reward"] == rows[2]["val_reward"]
+    samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {0, 1, 2} and all("response" in s for s in samples)
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    saved = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints/step_2/policy")
+    assert torch.equal(flat_weights(final), flat_weights(saved))
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        train(cfg, reward=reward, prompts=PROMPTS)
+
+
+def test_resume_reproduces_the_uninterrupted_run(policy_dir, tmp_path):
+    options = dict(max_num_steps=4, save_period=2, adaptive_kl=True, kl_target=0.01, kl_horizon=20, val_period=2,
+                   value_clip_eps=0.2)  # fmt: skip
+    full = make_cfg(policy_dir, tmp_path / "full", **options)
+    train(full, reward=reward, prompts=PROMPTS)
+    part = make_cfg(policy_dir, tmp_path / "part", **{**options, "max_num_steps": 2})
+    train(part, reward=reward, prompts=PROMPTS)
+    train(dataclasses.replace(part, max_num_steps=4), resume=True, reward=reward, prompts=PROMPTS)
+
+    def stable(rows):
+        return [{k: v for k, v in r.items() if k not in VOLATILE and not k.startswith("time/")} for r in rows]
+
+    a, b = stable(read_metrics(tmp_path / "full")), stable(read_metrics(tmp_path / "part"))
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert a[2:] == b[2:]
+    assert a[3]["kl_coef"] != a[0]["kl_coef"]  # the controller state went through the checkpoint
+    wa = flat_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "full/final"))
+    wb = flat_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "part/final"))
+    assert torch.equal(wa, wb)
+
+
+def test_critic_warmup_leaves_the_policy_unchanged(policy_dir, tmp_path):
+    cfg = make_cfg(policy_dir, tmp_path / "run", policy_training_start_step=2, save_period=1)
+    train(cfg, reward=reward, prompts=PROMPTS)
+    initial = flat_weights(AutoModelForCausalLM.from_pretrained(policy_dir))
+    assert torch.equal(flat_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "run/final")), initial)
+    rows = read_metrics(tmp_path / "run")
+    assert all("actor_loss" not in r and "critic_loss" in r for r in rows)
+    from rlbits.models.heads import ValueModel
+
+    critic1 = ValueModel.from_pretrained(tmp_path / "run/checkpoints/step_1/value")
+    critic2 = ValueModel.from_pretrained(tmp_path / "run/checkpoints/step_2/value")
+    assert not torch.equal(flat_weights(critic1), flat_weights(critic2))
+
+
+def test_adaptive_kl_and_skip_reference_in_a_run(policy_dir, tmp_path):
+    cfg = make_cfg(policy_dir, tmp_path / "a", adaptive_kl=True, kl_target=1e-4, kl_horizon=10, max_num_steps=3)
+    train(cfg, reward=reward, prompts=PROMPTS)
+    coefs = [r["kl_coef"] for r in read_metrics(tmp_path / "a")]
+    assert coefs[0] == pytest.approx(0.05) and len(set(coefs)) == 3
+
+    skip = make_cfg(policy_dir, tmp_path / "b", skip_reference_policy_logprobs=True)
+    train(skip, reward=reward, prompts=PROMPTS)
+    rows = read_metrics(tmp_path / "b")
+    assert all(r["init_policy_kl"] == 0 for r in rows)
+
+
+def test_reward_subtract_reference_run(policy_dir, tmp_path):
+    cfg = make_cfg(policy_dir, tmp_path / "run", reward_subtract_reference=True, reward_whiten=True, max_num_steps=1)
+    train(cfg, reward=reward, prompts=PROMPTS)
+    (row,) = read_metrics(tmp_path / "run")
+    assert {"reference_rewards", "rewards_scaled"} <= set(row)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Config errors
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"ppo_epochs": 0}, "ppo_epochs must be >= 1"),
+        ({"num_minibatches": 64, "num_prompts_per_step": 8}, "num_minibatches .* must be <= num_prompts_per_step"),
+        ({"clip_eps": -0.1}, "clip_eps must be >= 0"),
+        ({"dual_clip": 1.0}, "dual_clip must be > 1"),
+        ({"lam": 1.5}, r"lam must be in \[0, 1\]"),
+        ({"critic_lam": -1.0}, r"critic_lam must be in \[0, 1\]"),
+        ({"reward_clip": 0.0}, "reward_clip must be > 0 or null"),
+        ({"value_clip_eps": -1.0}, "value_clip_eps must be > 0 or null"),
+        ({"critic_learning_rate": 0.0}, "critic_learning_rate must be > 0"),
+        ({"kl_target": 0.0}, "kl_target must be > 0"),
+        ({"kl_estimator": "k4"}, "kl_estimator must be one of"),
+        ({"loss_agg": "sum"}, "loss_agg must be one of"),
+        ({"adaptive_kl": True, "skip_reference_policy_logprobs": True}, "adaptive_kl needs the reference"),
+        ({"loop": "reinforce"}, "loop must be 'ppo'"),
+        ({"ppo_epoch": 2}, "unknown config key 'ppo_epoch'.*did you mean ppo_epochs"),
+        ({"kl_coef": "big"}, "kl_coef must be float"),
+        ({"policy_training_start_step": -1}, "policy_training_start_step must be >= 0"),
+    ],
+)
+def test_config_errors(values, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(PPOConfig, values)
+
+
+def test_config_file_and_runtime_errors(policy_dir, tmp_path):
+    cfg = load_config(PPOConfig, CONFIG, [f"run_dir={tmp_path / 'r'}"])
+    assert cfg.loop == "ppo" and cfg.task == "sentiment"
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(make_cfg(policy_dir, tmp_path / "none"), resume=True, reward=reward, prompts=PROMPTS)
+    with pytest.raises(ConfigError, match="critic_init"):
+        train(make_cfg(policy_dir, tmp_path / "c", critic_init=str(tmp_path / "missing")), reward=reward, prompts=PROMPTS)
+    assert total_steps(make_cfg(policy_dir, tmp_path, max_num_steps=100, max_num_epochs=2), len(PROMPTS)) == 4
