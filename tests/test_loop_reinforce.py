@@ -262,3 +262,13 @@ def test_config_defaults_and_plain_reinforce():
     assert cfg.loop == "reinforce" and not cfg.clipped
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.kl_coef = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["rloo_arithmetic.yaml", "grpo_arithmetic.yaml"])
+def test_shipped_configs_load(name):
+    from pathlib import Path
+
+    from rlbits.loops.config import load_config
+
+    cfg = load_config(ReinforceConfig, Path(__file__).resolve().parents[1] / "configs" / name)
+    assert cfg.task == "arithmetic" and cfg.val_greedy
