@@ -22,6 +22,14 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pretrain(args: argparse.Namespace) -> int:
+    from rlbits.models import pretrain
+
+    path = pretrain.pretrain(args.task, args.out, seed=args.seed, steps=args.steps, progress=True)
+    print(path)  # last line: the folder, for scripts
+    return 0
+
+
 def _serve_reward(args: argparse.Namespace) -> int:
     import os
 
@@ -113,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the functional core on a random batch and print each step")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+    from rlbits.tasks import TASKS
+
+    pre = sub.add_parser("pretrain", help="build a task's base model (tokenizer + small GPT-2), print its folder")
+    pre.add_argument("task", choices=sorted(TASKS), metavar="TASK", help=f"one of {', '.join(sorted(TASKS))}")
+    pre.add_argument("--out", metavar="DIR", help="output folder (default $RLBITS_CACHE/TASK-base)")
+    pre.add_argument("--seed", type=int, default=0)
+    pre.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the task's)")
+    pre.set_defaults(func=_pretrain)
     train = sub.add_parser("train", help="train a policy (default: PPO on the sentiment task)")
     train.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config (default configs/ppo_sentiment.yaml)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")

@@ -1,0 +1,173 @@
+"""Base-model builder: tokenizer, a few-step pretrain into a temp dir, loading, determinism, cache, evaluate."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlbits.models import pretrain as pt
+from rlbits.tasks import arithmetic, sentiment
+
+TINY = dict(steps=3, batch_size=8, n_embd=16, n_layer=1, n_head=2, corpus_size=300, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_arith(tmp_path_factory):
+    return pt.pretrain("arithmetic", tmp_path_factory.mktemp("a") / "model", seed=0, **TINY)
+
+
+def test_tokenizer_digits_single_tokens_and_specials():
+    tok = pt.train_tokenizer(arithmetic.corpus(500, seed=0) + ["1111111111 2222222222 12341234"] * 50, 300)
+    assert tok.tokenize("123+45=168") == ["1", "2", "3", "+", "4", "5", "=", "1", "6", "8"]
+    # Even digit runs repeated many times are never merged.
+    assert all(len(t.lstrip("Ġ")) <= 1 for t in tok.tokenize("1111111111 2222222222 12341234"))
+    assert (tok.pad_token, tok.pad_token_id, tok.eos_token, tok.eos_token_id) == ("<pad>", 0, "<eos>", 1)
+    assert tok("7+8=")["input_ids"] == tok.convert_tokens_to_ids(["7", "+", "8", "="])  # no specials added
+    assert tok.padding_side == "left"
+
+
+def test_tokenizer_round_trips_text():
+    docs = sentiment.corpus(200, seed=0)
+    tok = pt.train_tokenizer(docs, 400)
+    for doc in docs[:20]:
+        assert tok.decode(tok(doc)["input_ids"]) == doc
+    assert len(tok("I watched it last weekend, and the editing")["input_ids"]) < 20  # merges happened
+    with pytest.raises(ValueError, match="vocab_size must be >= 258"):
+        pt.train_tokenizer(docs, 100)
+
+
+def test_pretrain_folder_loads(tiny_arith):
+    model = AutoModelForCausalLM.from_pretrained(tiny_arith)
+    tok = AutoTokenizer.from_pretrained(tiny_arith)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert model.config.eos_token_id == tok.eos_token_id == 1 and model.config.pad_token_id == tok.pad_token_id == 0
+    assert tok.tokenize("12+3=") == ["1", "2", "+", "3", "="]
+    info = json.loads((pt.Path(tiny_arith) / "base_model.json").read_text())
+    assert info["task"] == "arithmetic" and info["seed"] == 0 and info["steps"] == 3
+    assert info["params"] == sum(p.numel() for p in model.parameters())
+    assert info["final_loss"] > 0 and info["build_seconds"] >= 0
+    assert (pt.Path(tiny_arith) / "model.safetensors").exists()
+    # No temporary folders left beside it.
+    assert [p.name for p in pt.Path(tiny_arith).parent.iterdir()] == ["model"]
+
+
+def test_pretrain_deterministic(tiny_arith, tmp_path):
+    again = pt.pretrain("arithmetic", tmp_path / "again", seed=0, **TINY)
+    other = pt.pretrain("arithmetic", tmp_path / "other", seed=1, **TINY)
+    w0 = load_file(pt.Path(tiny_arith) / "model.safetensors")
+    w1 = load_file(pt.Path(again) / "model.safetensors")
+    w2 = load_file(pt.Path(other) / "model.safetensors")
+    assert w0.keys() == w1.keys()
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert not all(torch.equal(w0[k], w2[k]) for k in w0 if w0[k].shape == w2[k].shape)
+    assert (pt.Path(tiny_arith) / "tokenizer.json").read_text() == (pt.Path(again) / "tokenizer.json").read_text()
+
+
+def test_pretrain_restores_global_state(tmp_path):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    pt.pretrain("sentiment", tmp_path / "s", seed=0, **TINY)
+    assert torch.equal(torch.rand(3), expected)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_pretrain_replaces_existing_folder(tmp_path):
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    assert pt.pretrain("arithmetic", out, seed=0, **TINY) == str(out)
+    assert not (out / "stale.txt").exists() and (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_pretrain_bad_settings(tmp_path):
+    with pytest.raises(ValueError, match="unknown task 'chess'"):
+        pt.pretrain("chess", tmp_path / "x")
+    with pytest.raises(ValueError, match=r"n_embd \(30\) must be divisible by n_head \(4\)"):
+        pt.pretrain("arithmetic", tmp_path / "x", n_embd=30, n_head=4)
+    with pytest.raises(ValueError, match="steps must be a positive int, got 0"):
+        pt.pretrain("arithmetic", tmp_path / "x", steps=0)
+    with pytest.raises(ValueError, match="more than n_positions=4"):
+        pt.pretrain("arithmetic", tmp_path / "x", n_positions=4, **TINY)
+    assert not (tmp_path / "x").exists()
+
+
+def _reference_greedy(model, tok, prompt: str, max_new_tokens: int) -> str:
+    # Slow reference: argmax one token at a time, no cache, stop at EOS.
+    ids = tok(prompt)["input_ids"]
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                break
+            out.append(nxt)
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def test_evaluate_greedy_matches_reference(tiny_arith):
+    res = pt.evaluate(tiny_arith, "arithmetic", n=12, max_new_tokens=4)
+    assert res["n"] == 12 and set(res) == {"mean", "std", "accuracy", "n", "samples"}
+    model = AutoModelForCausalLM.from_pretrained(tiny_arith).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_arith)
+    prompts = arithmetic.prompts("test")[:8]
+    assert [s[0] for s in res["samples"]] == prompts
+    assert [s[1] for s in res["samples"]] == [_reference_greedy(model, tok, p, 4) for p in prompts]
+    rewards = arithmetic.reward(prompts, [s[1] for s in res["samples"]])
+    assert [s[2] for s in res["samples"]] == rewards
+
+
+def test_evaluate_sampling_seeded(tiny_arith):
+    a = pt.evaluate(tiny_arith, "arithmetic", greedy=False, n=10, max_new_tokens=3, seed=5)
+    b = pt.evaluate(tiny_arith, "arithmetic", greedy=False, n=10, max_new_tokens=3, seed=5)
+    assert a == b
+    with pytest.raises(ValueError, match="split must be one of"):
+        pt.evaluate(tiny_arith, "arithmetic", split="dev")
+
+
+def test_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLBITS_CACHE", str(tmp_path))
+    assert pt.default_model_dir("sentiment") == tmp_path / "sentiment-base"
+    monkeypatch.delenv("RLBITS_CACHE")
+    assert pt.cache_dir() == pt.Path.home() / ".cache" / "rlbits"
+
+
+def test_base_model_builds_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLBITS_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_pretrain(task, out_dir=None, **kwargs):
+        calls.append((task, out_dir))
+        out_dir.mkdir(parents=True)
+        (out_dir / "base_model.json").write_text("{}")
+        return str(out_dir)
+
+    monkeypatch.setattr(pt, "pretrain", fake_pretrain)
+    path = arithmetic.base_model()
+    assert path == str(tmp_path / "arithmetic-base")
+    assert arithmetic.base_model() == path
+    assert calls == [("arithmetic", tmp_path / "arithmetic-base")]
+    with pytest.raises(ValueError, match="unknown task"):
+        pt.ensure_base_model("chess")
+
+
+def test_cli_pretrain_prints_path_last(monkeypatch, tmp_path, capsys):
+    from rlbits import cli
+
+    seen = {}
+
+    def fake_pretrain(task, out_dir=None, *, seed=0, steps=None, progress=True):
+        seen.update(task=task, out_dir=out_dir, seed=seed, steps=steps)
+        print("training...")
+        return str(tmp_path / "built")
+
+    monkeypatch.setattr(pt, "pretrain", fake_pretrain)
+    assert cli.main(["pretrain", "arithmetic", "--out", str(tmp_path / "o"), "--seed", "3", "--steps", "7"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(tmp_path / "built")
+    assert seen == dict(task="arithmetic", out_dir=str(tmp_path / "o"), seed=3, steps=7)
+    with pytest.raises(SystemExit):
+        cli.main(["pretrain", "chess"])
+    assert "invalid choice: 'chess'" in capsys.readouterr().err
