@@ -399,3 +399,20 @@ def test_errors(models):
         generate(model, td, max_new_tokens=2, eos_token_id=EOS, pad_token_id=None)
     with pytest.raises(ValueError, match="integer token ids"):
         generate(model, TensorDict(prompts=td["prompts"].float(), prompt_mask=td["prompt_mask"], batch_size=[2]), **kw)
+
+
+def test_small_batch_head_path_equals_policy_call(models, monkeypatch):
+    # the (W @ h.T).T decode path (B <= 8 on CPU) against calling the policy with logits_to_keep
+    for arch in ARCHS:
+        model = models[arch]
+        td = _prompts([3, 6, 2])
+        assert generate_mod._small_batch_head(model, 6, torch.device("cpu")) is not None
+        kw = dict(max_new_tokens=8, temperature=0.8, eos_token_id=EOS, pad_token_id=PAD, num_samples=2)
+        fast = generate(model, td, generator=_gen(6), **kw)
+        with monkeypatch.context() as m:
+            m.setattr(generate_mod, "_SMALL_BATCH_HEAD_ROWS", 0)
+            assert generate_mod._small_batch_head(model, 6, torch.device("cpu")) is None
+            plain = generate(model, td, generator=_gen(6), **kw)
+        assert fast["responses"].tolist() == plain["responses"].tolist()
+        assert torch.allclose(fast["logprobs"], plain["logprobs"], atol=1e-5)
+    assert generate_mod._small_batch_head(_Uniform(8), 1, torch.device("cpu")) is None

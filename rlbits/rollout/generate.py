@@ -1,17 +1,24 @@
 """Sampling responses from a causal LM with a KV cache: ``generate``.
 
-The decode loop is a chain of small functions, after gpt-fast's ``generate.py``:
-``_prefill`` (one forward over the left-padded prompts) -> ``_decode_one_token`` (one token per step, reusing
-the cache) -> ``_next_token`` (logits processor, temperature, top-k, top-p, sample) -> ``_sample``
-(inverse-CDF sampling on uniform noise from the caller's generator). Nothing in the loop reads a value on
-the host except one "have all rows finished?" check per step on CPU (every ``_EOS_CHECK_EVERY`` steps on
-an accelerator).
+The decode loop is a chain of small functions, after gpt-fast's ``generate.py``: ``_forward_last`` (the
+prefill over the left-padded prompts, then one token per step from the cache) -> ``_next_token``
+(logits processor, temperature, top-k, top-p, sample, logprob) -> ``_sample`` (inverse-CDF sampling on one
+uniform per row from the caller's generator; no ``torch.multinomial``). Nothing in the loop reads a value
+on the host except one "have all rows finished?" check per step on CPU (every ``_EOS_CHECK_EVERY`` steps
+on an accelerator, where a sync per step would stall the launch queue).
 
 KV cache: a ``transformers.StaticCache`` allocated up front for ``P + max_new_tokens`` positions when the
-model supports it (fixed shapes: no ``torch.cat`` per step and no reallocation), with the attention mask
-kept as a [B, P + max_new_tokens] buffer whose future columns are 0. Left padding works with it because
-the padding is masked in every step and positions come from ``position_ids``, not the cache index.
-Models without static-cache support fall back to HF's ``DynamicCache``.
+model supports it (``_can_compile_fullgraph``), with the attention mask kept as a [B, P + max_new_tokens]
+buffer whose future columns are 0. Left padding works with it for GPT-2, Llama and Qwen2 in transformers
+5.x (tested against HF ``generate`` and the ``DynamicCache`` path): padding is masked at every step and
+positions come from ``position_ids``, not from the cache index. Fixed shapes make the memory predictable
+and the step compilable; on CPU the speed is the same as ``DynamicCache`` within 2% (4-layer GPT-2, V =
+32k, B = 8 and 32, 32 and 200 new tokens: the LM head dominates). Models without static-cache support use
+HF's ``DynamicCache``.
+
+On CPU with at most 8 rows, the decode step of GPT-2/Llama/Mistral/Qwen2/Qwen3 models runs the backbone
+and applies the LM head itself as ``(W @ h.T).T``, 2-5x faster than ``F.linear`` for that skinny product
+(see ``_small_batch_head``); the logits agree to float rounding.
 
 The ``logprobs`` returned are the log-probabilities of the sampled tokens under
 ``softmax(raw_logits / temperature)``: the untruncated policy distribution, which is what a
@@ -37,6 +44,10 @@ from rlbits.models.forward import accepts_logits_to_keep, position_ids_from_mask
 _EOS_CHECK_EVERY = 8
 # Block size of the two-level inverse-CDF sampler (see ``_sample``).
 _SAMPLE_BLOCK = 256
+# Model types whose causal-LM logits are exactly ``lm_head(backbone(...).last_hidden_state)`` (no logit
+# scaling or soft-capping), so the decode step may apply the head itself (see ``_small_batch_head``).
+_PLAIN_HEAD_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3"})
+_SMALL_BATCH_HEAD_ROWS = 8
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -150,8 +161,31 @@ def _make_cache(policy: torch.nn.Module, max_len: int):
         return None
 
 
-def _forward_last(policy, input_ids, attention_mask, position_ids, cache, keep_last: bool):
-    """Logits of the last position, [B, V] float32, and the (updated) cache."""
+def _small_batch_head(policy: torch.nn.Module, batch_size: int, device: torch.device):
+    """``(backbone, lm_head)`` when the decode step should apply the LM head itself as ``(W @ h.T).T``.
+
+    On CPU with few rows, ``F.linear(h, W)`` for a [V, H] head picks a slow kernel for the skinny
+    [B, H] x [H, V] product; ``W @ h.T`` is 2-5x faster at B <= 8 (V = 32k, H = 256) and slower at
+    B >= 16. Only for model types whose logits are exactly ``lm_head(last_hidden_state)``. Returns None
+    to call the policy as is.
+    """
+    if device.type != "cpu" or batch_size > _SMALL_BATCH_HEAD_ROWS:
+        return None
+    if getattr(getattr(policy, "config", None), "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
+        return None
+    head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
+    backbone = getattr(policy, "base_model", policy)
+    if type(head) is not torch.nn.Linear or backbone is policy:
+        return None
+    return backbone, head
+
+
+def _forward_last(policy, split, input_ids, attention_mask, position_ids, cache, keep_last: bool):
+    """Logits of the last position, [B, V] float32, and the (updated) cache.
+
+    ``split`` is None (call the policy; ``keep_last``: it takes ``logits_to_keep``) or ``(backbone,
+    lm_head)`` from ``_small_batch_head``.
+    """
     kwargs = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -159,6 +193,14 @@ def _forward_last(policy, input_ids, attention_mask, position_ids, cache, keep_l
         past_key_values=cache,
         use_cache=True,
     )
+    if split is not None:
+        backbone, head = split
+        out = backbone(**kwargs)
+        hidden = out.last_hidden_state[:, -1]
+        logits = (head.weight @ hidden.T).T
+        if head.bias is not None:
+            logits = logits + head.bias
+        return logits.float(), out.past_key_values
     out = policy(**kwargs, logits_to_keep=1) if keep_last else policy(**kwargs)
     return out.logits[:, -1].float(), out.past_key_values
 
@@ -257,7 +299,8 @@ def generate(
         TensorDict with batch size [B * K]:
         ``prompts`` [B*K, P], ``prompt_mask`` [B*K, P], ``responses`` [B*K, R] int64 right-padded with
         ``pad_token_id``, ``action_mask`` [B*K, R] bool (True up to and including the stop token),
-        ``input_ids`` = cat(prompts, responses), ``attention_mask`` = cat(prompt_mask, action_mask),
+        ``response_mask`` (= ``action_mask``: every generated token is an action),
+        ``input_ids`` = cat(prompts, responses), ``attention_mask`` = cat(prompt_mask, response_mask),
         ``logprobs`` [B*K, R] float32 (0 where ``action_mask`` is False), ``group`` [B*K] int64,
         ``truncated`` [B*K] bool (True when the response hit ``max_new_tokens`` without a stop token; for
         overlong filtering), and ``entropy`` with ``return_entropy``. R <= ``max_new_tokens``.
@@ -304,9 +347,11 @@ def generate(
         cache = _make_cache(policy, total)
         static = cache is not None
         keep_last = accepts_logits_to_keep(policy)
+        split = _small_batch_head(policy, B, device)
         check_every = 1 if device.type == "cpu" else _EOS_CHECK_EVERY
         logits, cache = _forward_last(
             policy,
+            split,
             prompts,
             attention_mask if static else attention_mask[:, :P],
             position_ids_from_mask(prompt_mask),
@@ -339,6 +384,7 @@ def generate(
             # Finished rows keep decoding (their outputs are discarded); their new token is masked out.
             logits, cache = _forward_last(
                 policy,
+                split,
                 input_ids[:, P + t : P + t + 1],
                 attention_mask if static else attention_mask[:, : P + t + 1],
                 position + t,
