@@ -1,0 +1,193 @@
+"""The shared loop infrastructure: configs, checkpoints, the prompt stream, run logging, plots, the API."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from rlbits.dist.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint
+from rlbits.loops.config import ConfigError, RunConfig, config_from_dict, field_docs, load_config, parse_overrides
+from rlbits.loops.data import PromptStream
+from rlbits.models.load import load_policy
+from rlbits.models.tiny import tiny_causal_lm
+
+# --- configs ---------------------------------------------------------------------------------------------
+
+
+def test_every_config_field_has_a_docstring():
+    docs = field_docs(RunConfig)
+    missing = [f.name for f in dataclasses.fields(RunConfig) if not docs.get(f.name)]
+    assert not missing
+
+
+def test_config_from_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 3\nmax_num_steps: 7\ntemperature: 1\n")
+    cfg = load_config(RunConfig, path, ["max_num_steps=9", "val_greedy=true", "policy=null", "run_dir=runs/x"])
+    assert (cfg.seed, cfg.max_num_steps, cfg.val_greedy, cfg.policy, cfg.run_dir) == (3, 9, True, None, "runs/x")
+    assert isinstance(cfg.temperature, float)  # an int in YAML is accepted for a float field
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"sede": 1}, "unknown config key 'sede' for RunConfig; did you mean seed"),
+        ({"seed": 1.5}, "seed must be int, got 1.5"),
+        ({"seed": True}, "seed must be int, got True"),
+        ({"val_greedy": "yes"}, "val_greedy must be bool"),
+        ({"max_num_steps": 0}, "max_num_steps must be >= 1"),
+        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"loop": "dpo"}, "loop must be one of ppo, reinforce, ilql"),
+        ({"policy": 3}, "policy must be str"),
+        ({"device": "tpu"}, "device must be auto, cpu, cuda"),
+    ],
+)
+def test_bad_config_values_are_rejected_with_the_field_named(values, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(RunConfig, values)
+
+
+def test_bad_overrides_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        parse_overrides(["seed"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(RunConfig, tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(RunConfig, tmp_path / "list.yaml")
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------
+
+
+def _model_and_optimizer():
+    model = tiny_causal_lm("gpt2", seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 64, (2, 5))).logits.square().mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_checkpoint_round_trip_restores_weights_optimizer_and_every_rng(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    gen = torch.Generator().manual_seed(11)
+    torch.rand(3, generator=gen)
+    path = save_checkpoint(tmp_path, 5, models={"policy": model}, optimizers={"policy": optimizer},
+                           state={"consumed_samples": 40}, generators={"sampling": gen})
+    expected = (torch.rand(4, generator=gen), torch.rand(4), random.random(), np.random.rand())
+    restored = load_policy(path / "policy")
+    optimizer2 = torch.optim.AdamW(restored.parameters(), lr=1e-3)
+    state = load_checkpoint(latest_checkpoint(tmp_path), optimizers={"policy": optimizer2}, generators={"sampling": gen})
+    assert state == {"step": 5, "consumed_samples": 40}
+    got = (torch.rand(4, generator=gen), torch.rand(4), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and got[2:] == expected[2:]
+    for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values()):
+        assert torch.equal(a, b), name
+    s1, s2 = optimizer.state_dict()["state"], optimizer2.state_dict()["state"]
+    assert all(torch.equal(s1[k]["exp_avg"], s2[k]["exp_avg"]) for k in s1)
+
+
+def test_torn_or_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    for step in (2, 4, 6):
+        save_checkpoint(tmp_path, step, models={"policy": model}, optimizers={"policy": optimizer}, keep=3)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_4", "step_6"]
+    weights = next((tmp_path / "checkpoints" / "step_6" / "policy").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    weights.write_bytes(bytes(data))
+    (tmp_path / "checkpoints" / "step_4" / "state.json").unlink()  # a torn one
+    assert "checksum" in verify_checkpoint(tmp_path / "checkpoints" / "step_6")
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        assert latest_checkpoint(tmp_path).name == "step_2"
+    with pytest.raises(ValueError, match="is damaged"):
+        load_checkpoint(tmp_path / "checkpoints" / "step_6")
+
+
+def test_checkpoint_keeps_only_the_newest_and_leaves_no_temp_folder(tmp_path):
+    model, _ = _model_and_optimizer()
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, step, models={"policy": model}, keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_3", "step_4"]
+
+
+def test_checkpoint_refuses_non_finite_state(tmp_path):
+    model, _ = _model_and_optimizer()
+    with pytest.raises(ValueError, match="not finite JSON"):
+        save_checkpoint(tmp_path, 1, models={"policy": model}, state={"val_reward": float("nan")})
+    assert list_checkpoints(tmp_path) == [] and not any((tmp_path / "checkpoints").iterdir())
+
+
+# --- prompt stream ---------------------------------------------------------------------------------------
+
+
+def test_prompt_stream_epochs_and_exact_resume():
+    prompts = [f"p{i}" for i in range(5)]
+    stream = PromptStream(prompts, seed=1)
+    taken = [stream.next(3) for _ in range(4)]  # 12 prompts: epochs 0, 1 and part of 2
+    flat = [p for chunk in taken for p in chunk]
+    assert sorted(flat[:5]) == prompts and sorted(flat[5:10]) == prompts  # each epoch is a permutation
+    assert flat[:5] != flat[5:10]  # reshuffled per epoch
+    assert stream.epoch == 2 and stream.consumed_samples == 12
+    resumed = PromptStream(prompts, seed=1, consumed_samples=6)
+    assert resumed.next(6) == flat[6:12]
+    with pytest.raises(ValueError, match="prompt list is empty"):
+        PromptStream([], seed=0)
+
+
+# --- run logging, plots, API -----------------------------------------------------------------------------
+
+
+def test_run_writes_metrics_samples_and_truncates_on_resume(tmp_path):
+    from rlbits.loops.run import Run, read_metrics
+
+    cfg = RunConfig(run_dir=str(tmp_path / "run"), tensorboard=True, progress=False)
+    run = Run(cfg)
+    for step in (1, 2, 3):
+        run.log(step, {"rewards": torch.tensor(0.5 * step), "actor_loss": 1.0 / step})
+        run.log_samples(step, [{"prompt": "a", "response": "b", "reward": 1.0}])
+    run.close()
+    rows = read_metrics(cfg.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["rewards"] == 1.5
+    assert (tmp_path / "run" / "config.yaml").is_file() and any((tmp_path / "run" / "tensorboard").iterdir())
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        Run(cfg)
+    Run(cfg, resume=True, start_step=2).close()  # resuming from step 2 drops step 3's lines
+    assert [r["step"] for r in read_metrics(cfg.run_dir)] == [1, 2]
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 2]
+
+
+def test_plot_run_draws_the_logged_values(tmp_path):
+    from rlbits.viz.plots import plot_run
+
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": s, "rewards": scale * s, "init_policy_kl": 0.1 * s} for s in (1, 2, 3)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = plot_run([tmp_path / "a", tmp_path / "b"], out=tmp_path / "p.png")
+    lines = {ln.get_label(): list(ln.get_ydata()) for ax in fig.axes for ln in ax.get_lines()}
+    assert lines["a: rewards"] == [1.0, 2.0, 3.0] and lines["b: rewards"] == [2.0, 4.0, 6.0]
+    assert lines["b: init_policy_kl"] == pytest.approx([0.1, 0.2, 0.3])
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_api_picks_the_loop_from_the_config_and_rejects_bad_ones():
+    from rlbits.loops.api import resolve_config
+
+    assert type(resolve_config({"loop": "reinforce", "num_generations_per_prompt": 4})).__name__ == "ReinforceConfig"
+    assert type(resolve_config({"loop": "ilql"})).__name__ == "ILQLConfig"
+    assert type(resolve_config({}, ["seed=5"])).__name__ == "PPOConfig"
+    with pytest.raises(ConfigError, match="loop must be one of"):
+        resolve_config({"loop": "dpo"})
+    with pytest.raises(ConfigError, match="unknown config key"):
+        resolve_config({"loop": "ppo", "not_a_field": 1})
