@@ -397,6 +397,12 @@ def test_errors(models):
         generate(model, td, max_new_tokens=0, eos_token_id=EOS, pad_token_id=PAD)
     with pytest.raises(ValueError, match="pad_token_id"):
         generate(model, td, max_new_tokens=2, eos_token_id=EOS, pad_token_id=None)
+    with pytest.raises(ValueError, match=r"prompts\[1, 2\] = 64 is outside the model's vocabulary \[0, 64\)"):
+        ids = td["prompts"].clone()
+        ids[1, 2] = V
+        generate(model, TensorDict(prompts=ids, prompt_mask=td["prompt_mask"], batch_size=[2]), **kw)
+    with pytest.raises(ValueError, match="pad_token_id = 99 is outside"):
+        generate(model, td, max_new_tokens=2, eos_token_id=EOS, pad_token_id=99)
     with pytest.raises(ValueError, match="integer token ids"):
         generate(model, TensorDict(prompts=td["prompts"].float(), prompt_mask=td["prompt_mask"], batch_size=[2]), **kw)
 

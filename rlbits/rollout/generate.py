@@ -306,8 +306,9 @@ def generate(
         overlong filtering), and ``entropy`` with ``return_entropy``. R <= ``max_new_tokens``.
 
     Raises:
-        ValueError: missing keys, mismatched shapes, an empty batch, a row without prompt tokens, bad
-            sampling arguments, or ``P + max_new_tokens`` beyond the model's context.
+        ValueError: missing keys, mismatched shapes, an empty batch, a row without prompt tokens, a prompt
+            or pad id outside the vocabulary, bad sampling arguments, or ``P + max_new_tokens`` beyond the
+            model's context.
     """
     _check_args(prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id)
     prompts = prompts_td["prompts"].long()
@@ -322,6 +323,16 @@ def generate(
     empty = (~prompt_mask.any(dim=1)).nonzero().flatten()
     if empty.numel():
         raise ValueError(f"prompt row(s) {empty.tolist()[:10]} have no real token (prompt_mask all False)")
+    vocab = getattr(getattr(policy, "config", None), "vocab_size", None)
+    if vocab is not None:
+        if not 0 <= pad_token_id < vocab:
+            raise ValueError(f"pad_token_id = {pad_token_id} is outside the model's vocabulary [0, {vocab})")
+        outside = prompt_mask & ((prompts < 0) | (prompts >= vocab))
+        if outside.any():
+            i, j = outside.nonzero()[0].tolist()
+            raise ValueError(
+                f"prompts[{i}, {j}] = {int(prompts[i, j])} is outside the model's vocabulary [0, {vocab})"
+            )
     stop_ids = [eos_token_id] if eos_token_id is not None else []
     stop_ids += list(stop_token_ids or [])
 
