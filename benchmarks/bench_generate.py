@@ -2,12 +2,16 @@
 
 GPT-2 architecture (default: 4 layers, width 256, 4 heads, vocab 32000), 16-token prompts, 32 new tokens,
 EOS disabled (every row decodes all tokens), fp32, 2 intra-op threads, temperature 1, no top-k/top-p.
-Each (implementation, batch size) runs in a fresh subprocess: one warm-up call, then the median of
-``--runs`` timed calls. Throughput is generated tokens per second (B * new tokens / wall time).
+Timing: per batch size, one fresh subprocess builds the model, warms up each implementation once, then
+alternates them for ``--runs`` timed calls each (so a change in machine load hits both alike) and takes
+the median. Throughput is generated tokens per second (B * new tokens / wall time).
 
-Peak memory is the growth of the process's peak resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``)
-from just before the warm-up to after the last run: memory the calls needed beyond the model and inputs.
-(tracemalloc would miss it: it sees Python allocations only, not PyTorch's.)
+Peak memory: in another fresh subprocess per (implementation, batch size), the peak growth of the
+resident set during the first call, sampled every 0.5 ms from ``/proc/self/statm`` (Linux) by a
+background thread: the memory the call needs beyond the model and inputs. (tracemalloc would miss it: it
+sees Python allocations only, not PyTorch's; ``ru_maxrss`` reads 0 when the imports and model build
+already set a higher peak.) The 1-minute load average is recorded: on a shared machine the
+timings are only comparable between implementations, not across runs.
 
     python benchmarks/bench_generate.py                  # batch 8 and 32, prints a table
     python benchmarks/bench_generate.py --batch-sizes 8 --runs 3
@@ -18,12 +22,14 @@ Writes ``bench_generate.json`` next to this file (``--out`` to change).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,7 +61,8 @@ def _build(args):
     return model
 
 
-def _worker(args) -> dict:
+def _calls(args):
+    """``{impl: call}`` for one batch size; each call generates ``new_tokens`` tokens per row."""
     import torch
     from tensordict import TensorDict
 
@@ -69,44 +76,85 @@ def _worker(args) -> dict:
     td = TensorDict(prompts=prompts, prompt_mask=mask, batch_size=[B])
     sample_gen = torch.Generator().manual_seed(2)
 
-    if args.impl == "rlbits":
+    def rlbits_call():
+        out = generate(
+            model, td, max_new_tokens=args.new_tokens, temperature=1.0,
+            eos_token_id=None, pad_token_id=0, generator=sample_gen,
+        )
+        return out["responses"].shape[1]
 
-        def call():
-            out = generate(
-                model, td, max_new_tokens=args.new_tokens, temperature=1.0,
-                eos_token_id=None, pad_token_id=0, generator=sample_gen,
+    def hf_call():
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=prompts, attention_mask=mask.long(), do_sample=True, temperature=1.0,
+                top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                pad_token_id=0,
             )
-            return out["responses"].shape[1]
-    else:
+        return out.shape[1] - args.prompt_len
 
-        def call():
-            with torch.no_grad():
-                out = model.generate(
-                    input_ids=prompts, attention_mask=mask.long(), do_sample=True, temperature=1.0,
-                    top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                    pad_token_id=0,
-                )
-            return out.shape[1] - args.prompt_len
+    return {"rlbits": rlbits_call, "hf": hf_call}
 
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    n_new = call()  # warm-up
-    if n_new != args.new_tokens:
-        raise RuntimeError(f"{args.impl} generated {n_new} tokens, expected {args.new_tokens}")
-    times = []
+
+def _time_worker(args) -> list[dict]:
+    """Time the implementations on one batch size in one process, alternating them run by run, so a
+    change in machine load hits both alike."""
+    calls = {k: v for k, v in _calls(args).items() if k in args.impls}
+    for name, call in calls.items():  # warm-up
+        n_new = call()
+        if n_new != args.new_tokens:
+            raise RuntimeError(f"{name} generated {n_new} tokens, expected {args.new_tokens}")
+    times = {name: [] for name in calls}
     for _ in range(args.runs):
-        t0 = time.perf_counter()
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+    out = []
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        out.append({
+            "impl": name, "batch": args.batch, "median_s": median, "times_s": ts,
+            "tokens_per_s": args.batch * args.new_tokens / median,
+        })
+    return out
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _memory_worker(args) -> float:
+    """Peak RSS growth (MiB) during the first call of ``args.impl`` in a fresh process, sampled every
+    0.5 ms from ``/proc/self/statm`` by a background thread (PyTorch releases the GIL in its kernels)."""
+    call = _calls(args)[args.impl]
+    gc.collect()
+    base = _rss_bytes()
+    peak = base
+    done = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _rss_bytes())
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
         call()
-        times.append(time.perf_counter() - t0)
-    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    median = statistics.median(times)
-    return {
-        "impl": args.impl,
-        "batch": B,
-        "median_s": median,
-        "times_s": times,
-        "tokens_per_s": B * args.new_tokens / median,
-        "peak_rss_delta_mib": (rss_after - rss_before) / 1024,  # ru_maxrss is in KiB on Linux
-    }
+    finally:
+        done.set()
+        sampler.join()
+    return (max(peak, _rss_bytes()) - base) / 2**20
+
+
+def _run_worker(kind: str, extra: list[str], shared: list[str]):
+    cmd = [sys.executable, __file__, f"--worker={kind}", *extra, *shared]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"worker {' '.join(extra)} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> list[dict]:
@@ -123,34 +171,37 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
     # Internal: run one measurement in this process and print it as JSON.
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("time", "memory"), help=argparse.SUPPRESS)
     p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be >= 1")
 
-    if args.worker:
-        print(json.dumps(_worker(args)))
+    if args.worker == "time":
+        print(json.dumps(_time_worker(args)))
+        return []
+    if args.worker == "memory":
+        print(json.dumps(_memory_worker(args)))
         return []
 
     shared = [
         f"--prompt-len={args.prompt_len}", f"--new-tokens={args.new_tokens}", f"--layers={args.layers}",
         f"--width={args.width}", f"--heads={args.heads}", f"--vocab={args.vocab}",
-        f"--threads={args.threads}", f"--runs={args.runs}",
+        f"--threads={args.threads}", f"--runs={args.runs}", "--impls", *args.impls,
     ]
+    load_before = os.getloadavg()
     results = []
     for batch in args.batch_sizes:
-        for impl in args.impls:
-            cmd = [sys.executable, __file__, "--worker", f"--impl={impl}", f"--batch={batch}", *shared]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                raise SystemExit(f"{impl} at batch {batch} failed:\n{proc.stderr}")
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        timed = _run_worker("time", [f"--batch={batch}"], shared)
+        for r in timed:
+            r["peak_rss_growth_mib"] = _run_worker("memory", [f"--batch={batch}", f"--impl={r['impl']}"], shared)
+        results.extend(timed)
+    load_after = os.getloadavg()
 
     print(f"{'impl':<8} {'batch':>5} {'median s':>9} {'tokens/s':>9} {'peak RSS +MiB':>13}")
     for r in results:
-        print(f"{r['impl']:<8} {r['batch']:>5} {r['median_s']:>9.4f} {r['tokens_per_s']:>9.0f} {r['peak_rss_delta_mib']:>13.1f}")
+        print(f"{r['impl']:<8} {r['batch']:>5} {r['median_s']:>9.4f} {r['tokens_per_s']:>9.0f} {r['peak_rss_growth_mib']:>13.1f}")
     for batch in args.batch_sizes:
         by = {r["impl"]: r for r in results if r["batch"] == batch}
         if len(by) == 2:
@@ -161,7 +212,8 @@ def main(argv=None) -> list[dict]:
 
     report = {
         "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "impl", "batch", "out")},
-        "memory": "growth of ru_maxrss (peak RSS) from before the warm-up to after the timed runs",
+        "memory": "peak RSS growth during the first call in a fresh process, sampled every 0.5 ms from /proc/self/statm",
+        "load_average_1min": [load_before[0], load_after[0]],
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
         "machine": platform.processor() or platform.machine(),
         "results": results,

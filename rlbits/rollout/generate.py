@@ -92,7 +92,9 @@ def _sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     batch, vocab = weights.shape
     block = min(_SAMPLE_BLOCK, vocab)
     n_blocks = -(-vocab // block)
-    w = torch.nn.functional.pad(weights, (0, n_blocks * block - vocab)).view(batch, n_blocks, block)
+    if n_blocks * block != vocab:
+        weights = torch.nn.functional.pad(weights, (0, n_blocks * block - vocab))
+    w = weights.view(batch, n_blocks, block)
     block_cdf = w.sum(-1).cumsum(-1)  # [B, n_blocks]
     x = u * block_cdf[:, -1:]  # in (0, total]: > 0, so a leading zero-weight token is never hit
     b = torch.searchsorted(block_cdf, x).clamp(max=n_blocks - 1)  # first block whose cdf >= x
