@@ -171,3 +171,15 @@ def test_cli_pretrain_prints_path_last(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["pretrain", "chess"])
     assert "invalid choice: 'chess'" in capsys.readouterr().err
+
+
+def test_loss_starts_after_separator():
+    tok = pt.train_tokenizer(["12+34=46", "5+6=11"], 260)
+    data, lengths = pt._encode(tok, ["12+34=46", "5+6=11"], 16)
+    assert lengths.tolist() == [9, 7]  # digits, +, =, answer digits, <eos>
+    assert pt._loss_starts(tok, data, "=").tolist() == [6, 4]
+    assert pt._loss_starts(tok, data, None).tolist() == [0, 0]
+    with pytest.raises(ValueError, match=r"loss_after='\*' does not occur in every corpus document"):
+        pt._loss_starts(tok, data, "*")
+    with pytest.raises(ValueError, match="loss_after must be a single token"):
+        pt._loss_starts(tok, data, "+=")

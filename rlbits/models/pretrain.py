@@ -45,6 +45,7 @@ SETTINGS = (
     "lr",
     "corpus_size",
     "max_new_tokens",
+    "loss_after",
 )
 
 
@@ -121,6 +122,19 @@ def _encode(tokenizer, texts: list[str], max_len: int) -> tuple[torch.Tensor, to
     return data, lengths
 
 
+def _loss_starts(tokenizer, data: torch.Tensor, loss_after: str | None) -> torch.Tensor:
+    # [N] index of the first position whose token is trained on: after the first ``loss_after`` token.
+    if loss_after is None:
+        return torch.zeros(len(data), dtype=torch.long)
+    ids = tokenizer(loss_after, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise ValueError(f"loss_after must be a single token, {loss_after!r} encodes to {len(ids)} tokens")
+    hit = data == ids[0]
+    if not bool(hit.any(1).all()):
+        raise ValueError(f"loss_after={loss_after!r} does not occur in every corpus document")
+    return hit.long().argmax(1) + 1
+
+
 def _lr_at(step: int, steps: int, lr: float) -> float:
     # Linear warm-up over the first 5% of steps, then cosine decay to 10% of lr.
     warmup = max(1, steps // 20)
@@ -173,6 +187,7 @@ def pretrain(
     n_positions: int | None = None,
     vocab_size: int | None = None,
     corpus_size: int | None = None,
+    loss_after: str | None = None,
     progress: bool = True,
 ) -> str:
     """Train ``task``'s tokenizer and base model and save them as an HF folder; returns its path.
@@ -190,6 +205,8 @@ def pretrain(
         n_embd, n_layer, n_head, n_positions: the ``GPT2Config`` (dropout 0, tied embeddings).
         vocab_size: most tokens the BPE tokenizer may have (>= 258).
         corpus_size: documents generated for training.
+        loss_after: if set (a one-token string, ``"="`` for arithmetic), the loss covers only the tokens after
+            its first occurrence in each document (the response and ``<eos>``); else every token.
         progress: show a tqdm progress bar with the running loss.
 
     Returns:
@@ -217,6 +234,7 @@ def pretrain(
             n_positions=n_positions,
             vocab_size=vocab_size,
             corpus_size=corpus_size,
+            loss_after=loss_after,
         ),
     )
     out = Path(out_dir).expanduser() if out_dir is not None else default_model_dir(task)
@@ -225,6 +243,7 @@ def pretrain(
     texts = module.corpus(cfg["corpus_size"], seed)
     tokenizer = train_tokenizer(texts, cfg["vocab_size"])
     data, lengths = _encode(tokenizer, texts, cfg["n_positions"])
+    starts = _loss_starts(tokenizer, data, cfg.get("loss_after"))
     config = GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=cfg["n_positions"],
@@ -258,7 +277,7 @@ def pretrain(
             width = int(lengths[idx].max())
             input_ids = data[idx, :width]
             attention_mask = torch.arange(width) < lengths[idx, None]
-            labels = input_ids.masked_fill(~attention_mask, -100)
+            labels = input_ids.masked_fill(~attention_mask | (torch.arange(width) < starts[idx, None]), -100)
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, cfg["steps"], cfg["lr"])
             loss = model(input_ids=input_ids, attention_mask=attention_mask.long(), labels=labels).loss

@@ -35,6 +35,7 @@ PRETRAIN = dict(
     lr=2e-3,
     corpus_size=60_000,
     max_new_tokens=40,
+    loss_after=None,  # the whole review
 )
 
 # --- Openings (the prompts). Every word here scores 0 in the VADER lexicon (tests check it).
