@@ -78,16 +78,27 @@ def _calls(args):
 
     def rlbits_call():
         out = generate(
-            model, td, max_new_tokens=args.new_tokens, temperature=1.0,
-            eos_token_id=None, pad_token_id=0, generator=sample_gen,
+            model,
+            td,
+            max_new_tokens=args.new_tokens,
+            temperature=1.0,
+            eos_token_id=None,
+            pad_token_id=0,
+            generator=sample_gen,
         )
         return out["responses"].shape[1]
 
     def hf_call():
         with torch.no_grad():
             out = model.generate(
-                input_ids=prompts, attention_mask=mask.long(), do_sample=True, temperature=1.0,
-                top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                input_ids=prompts,
+                attention_mask=mask.long(),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
                 pad_token_id=0,
             )
         return out.shape[1] - args.prompt_len
@@ -112,10 +123,15 @@ def _time_worker(args) -> list[dict]:
     out = []
     for name, ts in times.items():
         median = statistics.median(ts)
-        out.append({
-            "impl": name, "batch": args.batch, "median_s": median, "times_s": ts,
-            "tokens_per_s": args.batch * args.new_tokens / median,
-        })
+        out.append(
+            {
+                "impl": name,
+                "batch": args.batch,
+                "median_s": median,
+                "times_s": ts,
+                "tokens_per_s": args.batch * args.new_tokens / median,
+            }
+        )
     return out
 
 
@@ -186,26 +202,39 @@ def main(argv=None) -> list[dict]:
         return []
 
     shared = [
-        f"--prompt-len={args.prompt_len}", f"--new-tokens={args.new_tokens}", f"--layers={args.layers}",
-        f"--width={args.width}", f"--heads={args.heads}", f"--vocab={args.vocab}",
-        f"--threads={args.threads}", f"--runs={args.runs}", "--impls", *args.impls,
+        f"--prompt-len={args.prompt_len}",
+        f"--new-tokens={args.new_tokens}",
+        f"--layers={args.layers}",
+        f"--width={args.width}",
+        f"--heads={args.heads}",
+        f"--vocab={args.vocab}",
+        f"--threads={args.threads}",
+        f"--runs={args.runs}",
+        "--impls",
+        *args.impls,
     ]
     load_before = os.getloadavg()
     results = []
     for batch in args.batch_sizes:
         timed = _run_worker("time", [f"--batch={batch}"], shared)
         for r in timed:
-            r["peak_rss_growth_mib"] = _run_worker("memory", [f"--batch={batch}", f"--impl={r['impl']}"], shared)
+            r["peak_rss_growth_mib"] = _run_worker(
+                "memory", [f"--batch={batch}", f"--impl={r['impl']}"], shared
+            )
         results.extend(timed)
     load_after = os.getloadavg()
 
     print(f"{'impl':<8} {'batch':>5} {'median s':>9} {'tokens/s':>9} {'peak RSS +MiB':>13}")
     for r in results:
-        print(f"{r['impl']:<8} {r['batch']:>5} {r['median_s']:>9.4f} {r['tokens_per_s']:>9.0f} {r['peak_rss_growth_mib']:>13.1f}")
+        print(
+            f"{r['impl']:<8} {r['batch']:>5} {r['median_s']:>9.4f} {r['tokens_per_s']:>9.0f} {r['peak_rss_growth_mib']:>13.1f}"
+        )
     for batch in args.batch_sizes:
         by = {r["impl"]: r for r in results if r["batch"] == batch}
         if len(by) == 2:
-            print(f"batch {batch}: rlbits / hf throughput = {by['rlbits']['tokens_per_s'] / by['hf']['tokens_per_s']:.2f}x")
+            print(
+                f"batch {batch}: rlbits / hf throughput = {by['rlbits']['tokens_per_s'] / by['hf']['tokens_per_s']:.2f}x"
+            )
 
     import torch
     import transformers
@@ -214,7 +243,11 @@ def main(argv=None) -> list[dict]:
         "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "impl", "batch", "out")},
         "memory": "peak RSS growth during the first call in a fresh process, sampled every 0.5 ms from /proc/self/statm",
         "load_average_1min": [load_before[0], load_after[0]],
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
         "machine": platform.processor() or platform.machine(),
         "results": results,
     }

@@ -64,7 +64,11 @@ def _reference(model, rows, temperature):
 
 def test_position_ids_from_mask_exact():
     mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
-    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2, 2], [0, 1, 2, 3, 4, 5], [0, 0, 0, 0, 0, 0]]
+    assert position_ids_from_mask(mask).tolist() == [
+        [0, 0, 0, 1, 2, 2],
+        [0, 1, 2, 3, 4, 5],
+        [0, 0, 0, 0, 0, 0],
+    ]
     with pytest.raises(ValueError, match=r"attention_mask must be \[B, T\]"):
         position_ids_from_mask(mask[0])
 
@@ -102,14 +106,19 @@ def test_policy_logprobs_gradient_matches_plain_forward(models):
     ours = torch.autograd.grad((lp * weights).sum(), params)
     # plain: full logits, log_softmax, gather
     out = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
         position_ids=position_ids_from_mask(batch["attention_mask"]),
     ).logits
     P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
-    plain = torch.log_softmax(out[:, P - 1 : P - 1 + R] / 0.9, -1).gather(2, batch["responses"][..., None]).squeeze(-1)
+    plain = (
+        torch.log_softmax(out[:, P - 1 : P - 1 + R] / 0.9, -1)
+        .gather(2, batch["responses"][..., None])
+        .squeeze(-1)
+    )
     plain = torch.where(batch["action_mask"], plain, 0.0)
     ref = torch.autograd.grad((plain * weights).sum(), params)
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
@@ -175,8 +184,11 @@ def test_errors(models):
     with pytest.raises(ValueError, match="microbatch_size"):
         policy_logprobs(model, batch, microbatch_size=0)
     only_response = TensorDict(
-        input_ids=batch["responses"], attention_mask=batch["action_mask"], responses=batch["responses"],
-        action_mask=batch["action_mask"], batch_size=[3],
+        input_ids=batch["responses"],
+        attention_mask=batch["action_mask"],
+        responses=batch["responses"],
+        action_mask=batch["action_mask"],
+        batch_size=[3],
     )
     with pytest.raises(ValueError, match="at least one prompt column"):
         policy_logprobs(model, only_response)

@@ -60,8 +60,14 @@ def test_logprobs_match_teacher_forced_forward(models, arch, temperature):
     model = models[arch]
     td = _prompts([5, 2, 9, 1])
     out = generate(
-        model, td, max_new_tokens=12, temperature=temperature, eos_token_id=EOS, pad_token_id=PAD,
-        num_samples=2, generator=_gen(1),
+        model,
+        td,
+        max_new_tokens=12,
+        temperature=temperature,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        num_samples=2,
+        generator=_gen(1),
         logits_processor=lambda ids, logits: logits,  # also exercises the processor path
     )
     validate(out, check_values=True)
@@ -78,9 +84,23 @@ def test_logprobs_match_teacher_forced_forward(models, arch, temperature):
 def test_greedy_left_padding_invariance(models, arch):
     model = models[arch]
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
-    batch = generate(model, make_prompts(prompts, PAD), max_new_tokens=10, temperature=0, eos_token_id=None, pad_token_id=PAD)
+    batch = generate(
+        model,
+        make_prompts(prompts, PAD),
+        max_new_tokens=10,
+        temperature=0,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )
     for i, p in enumerate(prompts):
-        alone = generate(model, make_prompts([p], PAD), max_new_tokens=10, temperature=0, eos_token_id=None, pad_token_id=PAD)
+        alone = generate(
+            model,
+            make_prompts([p], PAD),
+            max_new_tokens=10,
+            temperature=0,
+            eos_token_id=None,
+            pad_token_id=PAD,
+        )
         assert alone["responses"][0].tolist() == batch["responses"][i].tolist()
         assert torch.allclose(alone["logprobs"][0], batch["logprobs"][i], atol=1e-5)
 
@@ -95,8 +115,12 @@ def test_greedy_equals_hf_generate(models, arch):
     eos = int(free["responses"][0, 5])
     ours = generate(model, td, max_new_tokens=16, temperature=0, eos_token_id=eos, pad_token_id=PAD)
     hf = model.generate(
-        input_ids=td["prompts"], attention_mask=td["prompt_mask"].long(), do_sample=False,
-        max_new_tokens=16, eos_token_id=eos, pad_token_id=PAD,
+        input_ids=td["prompts"],
+        attention_mask=td["prompt_mask"].long(),
+        do_sample=False,
+        max_new_tokens=16,
+        eos_token_id=eos,
+        pad_token_id=PAD,
     )[:, P:]
     R = ours["responses"].shape[1]
     assert ours["action_mask"][0].sum().item() <= 6  # row 0 really stopped early
@@ -122,10 +146,15 @@ class _NoLogitsToKeep(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
+    def forward(
+        self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None
+    ):
         return self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=use_cache,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
         )
 
 
@@ -137,13 +166,17 @@ def test_plain_module_without_logits_to_keep(models):
     b = generate(_NoLogitsToKeep(model), td, generator=_gen(5), **kw)
     assert a["responses"].tolist() == b["responses"].tolist()
     assert torch.allclose(a["logprobs"], b["logprobs"], atol=1e-5)
-    assert torch.allclose(policy_logprobs(_NoLogitsToKeep(model), b, temperature=0.9), b["logprobs"], atol=1e-4)
+    assert torch.allclose(
+        policy_logprobs(_NoLogitsToKeep(model), b, temperature=0.9), b["logprobs"], atol=1e-4
+    )
 
 
 def test_sdpa_attention_left_padding():
     model = tiny_causal_lm("gpt2", V, seed=3, attn_implementation="sdpa")
     td = _prompts([2, 7, 4])
-    out = generate(model, td, max_new_tokens=8, temperature=1.0, eos_token_id=EOS, pad_token_id=PAD, generator=_gen(0))
+    out = generate(
+        model, td, max_new_tokens=8, temperature=1.0, eos_token_id=EOS, pad_token_id=PAD, generator=_gen(0)
+    )
     assert torch.isfinite(out["logprobs"]).all()
     assert (policy_logprobs(model, out) - out["logprobs"]).abs().max().item() <= 1e-4
 
@@ -173,8 +206,14 @@ def test_eos_forced_by_processor(models):
     td = _prompts([4, 2, 3])
     assert td["prompts"].shape[1] == P_FORCE
     out = generate(
-        model, td, max_new_tokens=9, temperature=1.0, eos_token_id=EOS, pad_token_id=PAD,
-        generator=_gen(2), logits_processor=_force_eos_at([2, None, 0]),
+        model,
+        td,
+        max_new_tokens=9,
+        temperature=1.0,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        generator=_gen(2),
+        logits_processor=_force_eos_at([2, None, 0]),
     )
     validate(out, check_values=True)
     assert out["responses"].shape == (3, 9)
@@ -200,8 +239,14 @@ def test_early_stop_trims_to_longest(models):
     model = models["gpt2"]
     td = _prompts([4, 4])
     out = generate(
-        model, td, max_new_tokens=20, temperature=1.0, eos_token_id=EOS, pad_token_id=PAD,
-        generator=_gen(0), logits_processor=_force_eos_at([1, 3]),
+        model,
+        td,
+        max_new_tokens=20,
+        temperature=1.0,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        generator=_gen(0),
+        logits_processor=_force_eos_at([1, 3]),
     )
     assert out["responses"].shape == (2, 4)
     assert out["action_mask"].sum(1).tolist() == [2, 4]
@@ -214,14 +259,25 @@ def test_stop_token_ids(models):
     free = generate(model, td, max_new_tokens=10, temperature=0, eos_token_id=None, pad_token_id=PAD)
     stop = int(free["responses"][0, 3])
     first = free["responses"][0].tolist().index(stop)
-    out = generate(model, td, max_new_tokens=10, temperature=0, eos_token_id=EOS, pad_token_id=PAD, stop_token_ids=[stop])
+    out = generate(
+        model, td, max_new_tokens=10, temperature=0, eos_token_id=EOS, pad_token_id=PAD, stop_token_ids=[stop]
+    )
     assert out["responses"][0].tolist() == free["responses"][0, : first + 1].tolist()
 
 
 def test_num_samples_groups(models):
     model = models["llama"]
     td = _prompts([3, 5, 2])
-    out = generate(model, td, max_new_tokens=6, temperature=1.0, eos_token_id=EOS, pad_token_id=PAD, num_samples=4, generator=_gen(3))
+    out = generate(
+        model,
+        td,
+        max_new_tokens=6,
+        temperature=1.0,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        num_samples=4,
+        generator=_gen(3),
+    )
     assert out.batch_size == torch.Size([12])
     assert out["group"].tolist() == [0] * 4 + [1] * 4 + [2] * 4
     for i in range(12):
@@ -229,7 +285,9 @@ def test_num_samples_groups(models):
         assert out["prompt_mask"][i].tolist() == td["prompt_mask"][i // 4].tolist()
     # samples of one prompt differ (random), greedy samples are identical
     assert len({tuple(r) for r in out["responses"][:4].tolist()}) > 1
-    greedy = generate(model, td, max_new_tokens=6, temperature=0, eos_token_id=EOS, pad_token_id=PAD, num_samples=3)
+    greedy = generate(
+        model, td, max_new_tokens=6, temperature=0, eos_token_id=EOS, pad_token_id=PAD, num_samples=3
+    )
     for g in range(3):
         rows = greedy["responses"][3 * g : 3 * g + 3].tolist()
         assert rows[0] == rows[1] == rows[2]
@@ -274,8 +332,14 @@ def test_training_mode_restored(models):
 def test_return_entropy_matches_forward(models):
     model = models["llama"]
     out = generate(
-        model, _prompts([2, 5]), max_new_tokens=6, temperature=0.8, eos_token_id=EOS, pad_token_id=PAD,
-        generator=_gen(1), return_entropy=True,
+        model,
+        _prompts([2, 5]),
+        max_new_tokens=6,
+        temperature=0.8,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        generator=_gen(1),
+        return_entropy=True,
     )
     _, ent = policy_logprobs(model, out, temperature=0.8, return_entropy=True)
     assert torch.allclose(out["entropy"], ent, atol=1e-4)
@@ -292,7 +356,9 @@ class _Uniform(torch.nn.Module):
         super().__init__()
         self.vocab = vocab
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
+    def forward(
+        self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None
+    ):
         from types import SimpleNamespace
 
         return SimpleNamespace(logits=torch.zeros(*input_ids.shape, self.vocab), past_key_values=None)
@@ -304,8 +370,15 @@ def test_top_p_never_samples_outside_nucleus():
     n = 4000
     td = make_prompts([[1]] * n, PAD)
     out = generate(
-        _Uniform(8), td, max_new_tokens=1, temperature=1.0, top_p=0.7, eos_token_id=None, pad_token_id=PAD,
-        generator=_gen(0), logits_processor=lambda ids, lg: logits.expand_as(lg),
+        _Uniform(8),
+        td,
+        max_new_tokens=1,
+        temperature=1.0,
+        top_p=0.7,
+        eos_token_id=None,
+        pad_token_id=PAD,
+        generator=_gen(0),
+        logits_processor=lambda ids, lg: logits.expand_as(lg),
     )
     counts = torch.bincount(out["responses"][:, 0], minlength=8).double()
     # nucleus at p = 0.7: 0.35 + 0.25 + 0.15 = 0.75 >= 0.7, so tokens 0, 1, 2
@@ -371,7 +444,11 @@ def test_errors(models):
     model = models["gpt2"]
     td = _prompts([3, 2])
     kw = dict(max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)
-    empty = TensorDict(prompts=torch.zeros(0, 3, dtype=torch.long), prompt_mask=torch.zeros(0, 3, dtype=torch.bool), batch_size=[0])
+    empty = TensorDict(
+        prompts=torch.zeros(0, 3, dtype=torch.long),
+        prompt_mask=torch.zeros(0, 3, dtype=torch.bool),
+        batch_size=[0],
+    )
     with pytest.raises(ValueError, match="empty"):
         generate(model, empty, **kw)
     bad = TensorDict(prompts=td["prompts"], prompt_mask=td["prompt_mask"][:, :2], batch_size=[2])
@@ -381,7 +458,9 @@ def test_errors(models):
         generate(model, TensorDict(prompts=td["prompts"], batch_size=[2]), **kw)
     with pytest.raises(ValueError, match="max_position_embeddings = 128"):
         generate(model, td, max_new_tokens=126, eos_token_id=EOS, pad_token_id=PAD)
-    no_tokens = TensorDict(prompts=td["prompts"], prompt_mask=torch.tensor([[True] * 3, [False] * 3]), batch_size=[2])
+    no_tokens = TensorDict(
+        prompts=td["prompts"], prompt_mask=torch.tensor([[True] * 3, [False] * 3]), batch_size=[2]
+    )
     with pytest.raises(ValueError, match=r"row\(s\) \[1\] have no real token"):
         generate(model, no_tokens, **kw)
     for bad_kw, match in [
@@ -404,7 +483,11 @@ def test_errors(models):
     with pytest.raises(ValueError, match="pad_token_id = 99 is outside"):
         generate(model, td, max_new_tokens=2, eos_token_id=EOS, pad_token_id=99)
     with pytest.raises(ValueError, match="integer token ids"):
-        generate(model, TensorDict(prompts=td["prompts"].float(), prompt_mask=td["prompt_mask"], batch_size=[2]), **kw)
+        generate(
+            model,
+            TensorDict(prompts=td["prompts"].float(), prompt_mask=td["prompt_mask"], batch_size=[2]),
+            **kw,
+        )
 
 
 def test_small_batch_head_path_equals_policy_call(models, monkeypatch):

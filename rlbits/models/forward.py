@@ -83,7 +83,9 @@ def _microbatches(n: int, microbatch_size: int | None) -> list[slice]:
     return [slice(s, s + microbatch_size) for s in range(0, n, microbatch_size)]
 
 
-def response_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+def response_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int
+) -> torch.Tensor:
     """Logits that predict the last ``response_len`` tokens of ``input_ids`` in one teacher-forced forward.
 
     Args:
@@ -184,7 +186,9 @@ def critic_values(
     parts = []
     for mb in _microbatches(input_ids.shape[0], microbatch_size):
         values = value_model(
-            input_ids[mb], attention_mask=attention_mask[mb].long(), position_ids=position_ids_from_mask(attention_mask[mb])
+            input_ids[mb],
+            attention_mask=attention_mask[mb].long(),
+            position_ids=position_ids_from_mask(attention_mask[mb]),
         )
         if values.shape != input_ids[mb].shape:
             raise ValueError(

@@ -135,7 +135,11 @@ def _next_token(
     else:
         weights = unnormalised
         if logits_processor is not None or top_k is not None or (top_p is not None and top_p < 1):
-            z = scaled if logits_processor is None else logits_processor(input_ids, logits).float() / temperature
+            z = (
+                scaled
+                if logits_processor is None
+                else logits_processor(input_ids, logits).float() / temperature
+            )
             if top_k is not None:
                 z = _top_k_filter(z, top_k)
             if top_p is not None and top_p < 1:
@@ -210,7 +214,9 @@ def _forward_last(policy, split, input_ids, attention_mask, position_ids, cache,
 # --- generate -------------------------------------------------------------------------------------------
 
 
-def _check_args(prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id):
+def _check_args(
+    prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id
+):
     for key in ("prompts", "prompt_mask"):
         if key not in prompts_td.keys():
             raise ValueError(f"prompts_td must have keys 'prompts' and 'prompt_mask'; {key!r} is missing")
@@ -312,7 +318,9 @@ def generate(
             or pad id outside the vocabulary, bad sampling arguments, or ``P + max_new_tokens`` beyond the
             model's context.
     """
-    _check_args(prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id)
+    _check_args(
+        prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id
+    )
     prompts = prompts_td["prompts"].long()
     prompt_mask = prompts_td["prompt_mask"].bool()
     P = prompts.shape[1]
@@ -392,7 +400,9 @@ def generate(
             if stop.numel():
                 finished = finished | torch.isin(tokens, stop)
             steps = t + 1
-            if t + 1 == max_new_tokens or (stop.numel() and steps % check_every == 0 and bool(finished.all())):
+            if t + 1 == max_new_tokens or (
+                stop.numel() and steps % check_every == 0 and bool(finished.all())
+            ):
                 break
             # Finished rows keep decoding (their outputs are discarded); their new token is masked out.
             logits, cache = _forward_last(
