@@ -183,3 +183,12 @@ def test_loss_starts_after_separator():
         pt._loss_starts(tok, data, "*")
     with pytest.raises(ValueError, match="loss_after must be a single token"):
         pt._loss_starts(tok, data, "+=")
+
+
+def test_plateau_check_runs_and_keeps_model(tiny_arith):
+    before = (pt.Path(tiny_arith) / "model.safetensors").read_bytes()
+    res = pt.plateau_check(tiny_arith, "arithmetic", cpu_seconds=0.5, n=6)
+    assert res["steps"] >= 1 and res["cpu_seconds"] >= 0.5
+    assert res["lr"] == pytest.approx(0.1 * arithmetic.PRETRAIN["lr"])
+    assert res["before"]["n"] == res["after"]["n"] == 6
+    assert (pt.Path(tiny_arith) / "model.safetensors").read_bytes() == before

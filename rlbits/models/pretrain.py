@@ -312,6 +312,67 @@ def pretrain(
     return str(out)
 
 
+def plateau_check(
+    model_path: str | os.PathLike,
+    task: str,
+    *,
+    cpu_seconds: float = 300.0,
+    lr: float | None = None,
+    seed: int = 1,
+    n: int | None = None,
+) -> dict:
+    """Greedy test score of a base model, then again after ``cpu_seconds`` more supervised training.
+
+    Evidence that a base model sits on a plateau of its corpus, not in the middle of its learning curve
+    (an RL gain over a half-trained model could be had by more supervised training too). The model trains
+    on a fresh corpus draw (``task.corpus(corpus_size, seed)``) with the build's settings, at ``lr``
+    (default: the end of the build's schedule, 10% of its peak) after a 20-step warm-up, with fresh AdamW
+    state, until this process has used ``cpu_seconds`` of CPU time (``time.process_time``; with one torch
+    thread that is the wall-clock time on an idle core). Nothing is saved; the caller's RNG state is kept.
+
+    Returns:
+        ``{"before": evaluate(...) of the model, "after": the same after training, "steps": steps taken,
+        "cpu_seconds": CPU time used, "lr": the rate}``; ``evaluate`` runs greedy on ``n`` test prompts.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlbits.tasks import get_task
+
+    module = get_task(task)
+    info = json.loads((Path(model_path) / "base_model.json").read_text())
+    lr = lr if lr is not None else 0.1 * info["lr"]
+    before = evaluate(model_path, task, n=n)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path).train()
+    texts = module.corpus(info["corpus_size"], seed)
+    data, lengths = _encode(tokenizer, texts, info["n_positions"])
+    starts = _loss_starts(tokenizer, data, info.get("loss_after"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    steps, start = 0, time.process_time()
+    with torch.random.fork_rng(devices=[]):
+        order = torch.Generator().manual_seed(seed)
+        while time.process_time() - start < cpu_seconds:
+            idx = torch.randint(len(data), (info["batch_size"],), generator=order)
+            width = int(lengths[idx].max())
+            input_ids = data[idx, :width]
+            attention_mask = torch.arange(width) < lengths[idx, None]
+            labels = input_ids.masked_fill(~attention_mask | (torch.arange(width) < starts[idx, None]), -100)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * min(1.0, (steps + 1) / 20)
+            loss = model(input_ids=input_ids, attention_mask=attention_mask.long(), labels=labels).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            steps += 1
+    used = time.process_time() - start
+    with tempfile.TemporaryDirectory() as tmp:
+        model.eval().save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        after = evaluate(tmp, task, n=n)
+    return dict(before=before, after=after, steps=steps, cpu_seconds=round(used, 1), lr=lr)
+
+
 @contextlib.contextmanager
 def _file_lock(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -424,4 +485,12 @@ def evaluate(
     )
 
 
-__all__ = ["cache_dir", "default_model_dir", "train_tokenizer", "pretrain", "ensure_base_model", "evaluate"]
+__all__ = [
+    "cache_dir",
+    "default_model_dir",
+    "train_tokenizer",
+    "pretrain",
+    "ensure_base_model",
+    "evaluate",
+    "plateau_check",
+]
