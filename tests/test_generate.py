@@ -505,3 +505,60 @@ def test_small_batch_head_path_equals_policy_call(models, monkeypatch):
         assert fast["responses"].tolist() == plain["responses"].tolist()
         assert torch.allclose(fast["logprobs"], plain["logprobs"], atol=1e-5)
     assert generate_mod._small_batch_head(_Uniform(8), 1, torch.device("cpu")) is None
+
+
+def test_sparse_eos_checks_give_the_same_batch(models, monkeypatch):
+    # the accelerator schedule (check "all finished?" every 8 steps) decodes a few extra steps, trimmed
+    model = models["gpt2"]
+    td = _prompts([4, 4, 4])
+    kw = dict(max_new_tokens=20, temperature=1.0, eos_token_id=EOS, pad_token_id=PAD)
+    proc = _force_eos_at([1, 3, 2])
+    every = generate(model, td, generator=_gen(0), logits_processor=proc, **kw)
+    monkeypatch.setattr(generate_mod, "_EOS_CHECK_EVERY_CPU", 8)
+    sparse = generate(model, td, generator=_gen(0), logits_processor=proc, **kw)
+    assert sparse["responses"].shape == (3, 4)
+    for key in ("responses", "action_mask", "logprobs", "input_ids", "attention_mask", "truncated"):
+        assert torch.equal(every[key], sparse[key]), key
+
+
+def test_in_place_processor_does_not_touch_logprobs(models):
+    model = models["llama"]
+    td = _prompts([3, 5])
+
+    def in_place(ids, logits):
+        logits[:, 5:] = float("-inf")  # sample from tokens 0..4 only
+        return logits
+
+    out = generate(
+        model,
+        td,
+        max_new_tokens=6,
+        temperature=1.0,
+        eos_token_id=None,
+        pad_token_id=PAD,
+        generator=_gen(1),
+        logits_processor=in_place,
+    )
+    assert (out["responses"] < 5).all()
+    assert (policy_logprobs(model, out) - out["logprobs"]).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match=r"logits_processor must return logits of shape \(2, 64\)"):
+        generate(
+            model,
+            td,
+            max_new_tokens=2,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            logits_processor=lambda i, lg: lg[:, :3],
+        )
+
+
+def test_bf16_policy_runs_and_returns_float32():
+    model = tiny_causal_lm("qwen2", V, seed=3).to(torch.bfloat16)
+    td = _prompts([3, 6])
+    out = generate(
+        model, td, max_new_tokens=5, temperature=1.0, eos_token_id=EOS, pad_token_id=PAD, generator=_gen(0)
+    )
+    assert out["logprobs"].dtype == torch.float32
+    tf = policy_logprobs(model, out)
+    assert tf.dtype == torch.float32
+    assert (tf - out["logprobs"]).abs().max().item() < 0.1  # bf16 cache vs full forward: loose

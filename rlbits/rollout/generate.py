@@ -39,9 +39,11 @@ from rlbits.batch import build_batch, group_ids
 from rlbits.functional import entropy_from_logits
 from rlbits.models.forward import accepts_logits_to_keep, position_ids_from_mask
 
-# On an accelerator the host-side "all finished?" check stalls the launch queue, so run it every few steps
-# (the few extra steps it may decode are trimmed from the output).
+# Steps between host-side "all rows finished?" checks. On an accelerator each check stalls the launch
+# queue, so it runs every few steps (the extra steps it may decode are trimmed from the output); on CPU
+# the check is free.
 _EOS_CHECK_EVERY = 8
+_EOS_CHECK_EVERY_CPU = 1
 # Block size of the two-level inverse-CDF sampler (see ``_sample``).
 _SAMPLE_BLOCK = 256
 # Model types whose causal-LM logits are exactly ``lm_head(backbone(...).last_hidden_state)`` (no logit
@@ -106,6 +108,20 @@ def _sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (b * block + i).squeeze(1)
 
 
+def _process(
+    logits_processor: LogitsProcessor, input_ids: torch.Tensor, logits: torch.Tensor
+) -> torch.Tensor:
+    """Apply the caller's processor to a copy (processors may edit in place; the raw logits give the
+    logprobs) and check its output shape (shapes only: no sync)."""
+    out = logits_processor(input_ids, logits.clone())
+    if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(
+            f"logits_processor must return logits of shape {tuple(logits.shape)} [B, V], got {got}"
+        )
+    return out.float()
+
+
 def _next_token(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
@@ -130,7 +146,7 @@ def _next_token(
     unnormalised = torch.exp(scaled - peak)  # doubles as the sampling weights when nothing is filtered
     log_partition = peak + unnormalised.sum(dim=-1, keepdim=True).log()
     if temperature == 0:
-        z = logits_processor(input_ids, logits) if logits_processor is not None else logits
+        z = _process(logits_processor, input_ids, logits) if logits_processor is not None else logits
         tokens = z.argmax(dim=-1)
     else:
         weights = unnormalised
@@ -138,7 +154,7 @@ def _next_token(
             z = (
                 scaled
                 if logits_processor is None
-                else logits_processor(input_ids, logits).float() / temperature
+                else _process(logits_processor, input_ids, logits) / temperature
             )
             if top_k is not None:
                 z = _top_k_filter(z, top_k)
@@ -369,7 +385,7 @@ def generate(
         static = cache is not None
         keep_last = accepts_logits_to_keep(policy)
         split = _small_batch_head(policy, B, device)
-        check_every = 1 if device.type == "cpu" else _EOS_CHECK_EVERY
+        check_every = _EOS_CHECK_EVERY_CPU if device.type == "cpu" else _EOS_CHECK_EVERY
         logits, cache = _forward_last(
             policy,
             split,
