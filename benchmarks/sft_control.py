@@ -1,124 +1,99 @@
-"""SFT control for the arithmetic RL targets: does more imitation of the corpus also raise test accuracy?
+"""SFT control for the arithmetic RL targets: RL vs. more supervised training on the same compute.
 
-The arithmetic base model imitates a demonstrator that drops carries 70% of the time (``rlbits.tasks.arithmetic``).
-An RL loop with the exact-match reward should lift greedy test accuracy well above the base model's; this
-script continues the base model's own supervised training -- the same corpus (``task.corpus(corpus_size,
-seed=0)``, the documents it was trained on), the same recipe as ``rlbits.models.pretrain`` (AdamW with betas
-(0.9, 0.95), weight decay 0.01 on matrices, batch 128, gradient clip 1.0, next-token loss on each document
-plus ``<eos>``) -- for a fixed wall-clock budget, and measures greedy test accuracy before and after with
-``rlbits.models.pretrain.evaluate`` (HF ``generate``, all 500 test prompts). A gain under 5 points (while
-RL gains >= 20) is the evidence that RL learned something imitation cannot.
+The arithmetic base model imitates a demonstrator that drops carries 70% of the time (``rlbits.tasks.arithmetic``),
+so its greedy answers are wrong on most carry problems however long it imitates. This script
 
-The learning rate is constant at the value the pretraining schedule ended at (10% of the peak, i.e.
-``PRETRAIN["lr"] / 10``); ``--lr`` overrides it (e.g. the peak 3e-3).
+1. measures the base model's greedy exact-match accuracy on the whole test split
+   (``rlbits.models.pretrain.evaluate``: HF ``generate``, 500 prompts);
+2. trains each ``--config`` RL run (``rlbits.loops.reinforce.train``), timing its wall clock and the CPU time
+   of this process (``time.process_time``, all threads), and evaluates its ``final/`` policy the same way;
+3. continues the base model's own supervised training for the same CPU time with
+   ``rlbits.models.pretrain.plateau_check`` -- the corpus and recipe of ``rlbits.models.pretrain`` (a fresh
+   draw of the task corpus, AdamW betas (0.9, 0.95), weight decay 0.01, the build's batch size, loss on the
+   answer tokens, gradient clip 1.0) at the learning rate the build's schedule ended at -- and evaluates it
+   the same way;
+4. prints one JSON object with every accuracy, the gains in points, the wall and CPU seconds and steps.
 
-    .venv/bin/python benchmarks/sft_control.py --seconds 300
-    .venv/bin/python benchmarks/sft_control.py --rl-run runs/rloo_arithmetic --rl-run runs/grpo_arithmetic
+CPU time is the budget that is fair on a shared machine (wall clock depends on what else runs); on idle
+cores with the same thread count the two are proportional, so the same CPU time is the same wall time.
 
-With ``--rl-run`` (repeatable) the budget defaults to the longest run's wall time (last ``time_s`` in its
-metrics.jsonl) and each run's ``final/`` policy is evaluated the same way. Prints one JSON object.
+    .venv/bin/python benchmarks/sft_control.py --config configs/rloo_arithmetic.yaml --config configs/grpo_arithmetic.yaml
+    .venv/bin/python benchmarks/sft_control.py --cpu-seconds 600          # the SFT control alone
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from rlbits.loops.run import read_metrics
-from rlbits.models.pretrain import _encode, evaluate
+from rlbits.models.pretrain import evaluate, plateau_check
 from rlbits.tasks import get_task
 
 TASK = "arithmetic"
 
 
-def continue_pretraining(model_path: str, out_dir: str, *, seconds: float, lr: float | None, seed: int) -> dict:
-    """Train ``model_path`` on its task corpus with the pretraining recipe for ``seconds`` of wall clock;
-    save the result to ``out_dir``. Returns ``{"steps", "seconds", "lr", "final_loss"}``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def train_rl(config: str, overrides: list[str]) -> dict:
+    """Train one RL config (its run_dir replaced) and return its wall/CPU seconds and final accuracy."""
+    from rlbits.loops.config import load_config
+    from rlbits.loops.reinforce import ReinforceConfig, train
 
-    module = get_task(TASK)
-    settings = module.PRETRAIN
-    lr = settings["lr"] / 10 if lr is None else lr
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    texts = module.corpus(settings["corpus_size"], 0)
-    data, lengths = _encode(tokenizer, texts, settings["n_positions"])
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
-    )
-    order = torch.Generator().manual_seed(seed)
-    model.train()
-    losses: list[float] = []
-    start = time.perf_counter()
-    steps = 0
-    while time.perf_counter() - start < seconds:
-        idx = torch.randint(len(data), (settings["batch_size"],), generator=order)
-        width = int(lengths[idx].max())
-        input_ids = data[idx, :width]
-        attention_mask = torch.arange(width) < lengths[idx, None]
-        labels = input_ids.masked_fill(~attention_mask, -100)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask.long(), labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        steps += 1
-    elapsed = time.perf_counter() - start
-    model.eval()
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    tail = losses[-50:] or [float("nan")]
-    return {"steps": steps, "seconds": round(elapsed, 1), "lr": lr, "final_loss": round(sum(tail) / len(tail), 4)}
-
-
-def run_seconds(run_dir: str) -> float:
-    """Wall time of a finished run: the last ``time_s`` of its metrics.jsonl."""
-    return float(read_metrics(run_dir)[-1]["time_s"])
+    cfg = load_config(ReinforceConfig, config, overrides)
+    cfg = dataclasses.replace(cfg, progress=False)
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    run_dir = train(cfg)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    final = evaluate(str(run_dir / "final"), TASK, greedy=True)
+    return {
+        "run_dir": str(run_dir),
+        "steps": cfg.max_num_steps,
+        "wall_s": round(wall, 1),
+        "cpu_s": round(cpu, 1),
+        "s_per_step": round(wall / cfg.max_num_steps, 2),
+        "accuracy": final["accuracy"],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", default=[], help="an RL config YAML to train (repeatable)")
+    parser.add_argument("--override", action="append", default=[], help="key=value applied to every --config")
+    parser.add_argument("--cpu-seconds", type=float, default=None,
+                        help="SFT CPU budget (default: the largest CPU time of the RL runs, else 300)")
     parser.add_argument("--model", default=None, help="base model folder (default: the arithmetic task's)")
-    parser.add_argument("--seconds", type=float, default=None, help="SFT wall-clock budget (default 300, or the RL runs' wall time)")
-    parser.add_argument("--rl-run", action="append", default=[], help="an RL run dir whose final/ to evaluate too")
-    parser.add_argument("--lr", type=float, default=None, help="constant learning rate (default: pretraining's final lr)")
-    parser.add_argument("--seed", type=int, default=1, help="batch order of the continued training")
-    parser.add_argument("--out", default=None, help="where to save the SFT model (default: a temporary folder)")
+    parser.add_argument("--lr", type=float, default=None, help="SFT learning rate (default: the build's final lr)")
+    parser.add_argument("--seed", type=int, default=1, help="SFT corpus draw and batch order")
     args = parser.parse_args(argv)
 
     model = args.model or get_task(TASK).base_model()
-    seconds = args.seconds
-    if seconds is None:
-        seconds = max((run_seconds(r) for r in args.rl_run), default=300.0)
-    out = args.out or tempfile.mkdtemp(prefix="sft_control_")
-    torch.set_num_threads(torch.get_num_threads())
-
-    base = evaluate(model, TASK, greedy=True)
-    sft = continue_pretraining(model, out, seconds=seconds, lr=args.lr, seed=args.seed)
-    after = evaluate(out, TASK, greedy=True)
-    result = {
-        "base_accuracy": base["accuracy"],
-        "sft_accuracy": after["accuracy"],
-        "sft_gain_points": round(100 * (after["accuracy"] - base["accuracy"]), 1),
-        "sft": sft,
-        "sft_model": out,
+    print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr)
+    base = evaluate(model, TASK, greedy=True)["accuracy"]
+    result: dict = {"base_model": model, "base_accuracy": base, "rl": {}}
+    for config in args.config:
+        run = train_rl(config, args.override)
+        run["gain_points"] = round(100 * (run["accuracy"] - base), 1)
+        result["rl"][config] = run
+        print(json.dumps({config: run}), file=sys.stderr)
+    budget = args.cpu_seconds
+    if budget is None:
+        budget = max((r["cpu_s"] for r in result["rl"].values()), default=300.0)
+    wall = time.perf_counter()
+    sft = plateau_check(model, TASK, cpu_seconds=budget, lr=args.lr, seed=args.seed)
+    result["sft"] = {
+        "accuracy": sft["after"]["accuracy"],
+        "gain_points": round(100 * (sft["after"]["accuracy"] - sft["before"]["accuracy"]), 1),
+        "steps": sft["steps"],
+        "cpu_s": sft["cpu_seconds"],
+        "wall_s": round(time.perf_counter() - wall, 1),
+        "lr": sft["lr"],
     }
-    for run in args.rl_run:
-        acc = evaluate(str(Path(run) / "final"), TASK, greedy=True)["accuracy"]
-        result[f"rl:{run}"] = {
-            "accuracy": acc,
-            "gain_points": round(100 * (acc - base["accuracy"]), 1),
-            "seconds": run_seconds(run),
-        }
     print(json.dumps(result, indent=2))
     return result
 
