@@ -211,7 +211,8 @@ def pretrain(
 
     Returns:
         The folder's path as a str. It also holds ``base_model.json``: task, seed, settings, ``params``,
-        ``build_seconds``, ``final_loss`` (mean training loss over the last 50 steps, nats per token).
+        ``build_seconds`` (wall clock), ``build_cpu_seconds`` (CPU time of this process, all threads),
+        ``final_loss`` (mean training loss over the last 50 steps, nats per token).
 
     Raises:
         ValueError: unknown task, or a setting out of range.
@@ -238,7 +239,7 @@ def pretrain(
         ),
     )
     out = Path(out_dir).expanduser() if out_dir is not None else default_model_dir(task)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
 
     texts = module.corpus(cfg["corpus_size"], seed)
     tokenizer = train_tokenizer(texts, cfg["vocab_size"])
@@ -299,6 +300,8 @@ def pretrain(
         **cfg,
         params=params,
         build_seconds=round(time.perf_counter() - start, 1),
+        build_cpu_seconds=round(time.process_time() - start_cpu, 1),
+        torch_threads=torch.get_num_threads(),
         final_loss=round(statistics.fmean(losses[-50:]), 4),
         torch_version=torch.__version__,
     )

@@ -38,13 +38,13 @@ _PROMPT_RE = re.compile(r"\s*(\d+)\+(\d+)=\s*")
 PRETRAIN = dict(
     vocab_size=300,
     n_embd=128,
-    n_layer=4,
+    n_layer=3,
     n_head=4,
     n_positions=64,
     steps=2000,
-    batch_size=128,
+    batch_size=64,
     lr=3e-3,
-    corpus_size=200_000,
+    corpus_size=60_000,
     max_new_tokens=6,
     loss_after="=",  # the operands are random: train on the answer and <eos> only
 )

@@ -26,14 +26,14 @@ _SPLIT_SEED = 20240601
 # Settings of the base model built by ``rlbits.models.pretrain`` (see its docstring for each key).
 PRETRAIN = dict(
     vocab_size=1024,
-    n_embd=160,
+    n_embd=128,
     n_layer=4,
     n_head=4,
     n_positions=128,
-    steps=1500,
-    batch_size=64,
+    steps=1000,
+    batch_size=32,
     lr=2e-3,
-    corpus_size=60_000,
+    corpus_size=30_000,
     max_new_tokens=40,
     loss_after=None,  # the whole review
 )
