@@ -37,6 +37,7 @@ __all__ = [
     "ADVANTAGES",
     "ATTENTION_MASK",
     "ENTROPY",
+    "TRUNCATED",
     "GROUP",
     "INPUT_IDS",
     "LOGPROBS",
@@ -90,6 +91,7 @@ TOKEN_REWARDS = "token_rewards"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
 ENTROPY = "entropy"
+TRUNCATED = "truncated"
 GROUP = "group"
 PROMPT_TEXT = "prompt_text"
 RESPONSE_TEXT = "response_text"
@@ -138,6 +140,7 @@ SCHEMA: dict[str, KeySpec] = {
     ADVANTAGES: KeySpec(("B", "R"), torch.float32, "advantage of each action token"),
     RETURNS: KeySpec(("B", "R"), torch.float32, "return (value target) of each action token"),
     ENTROPY: KeySpec(("B", "R"), torch.float32, "entropy of the sampling distribution at each action token"),
+    TRUNCATED: KeySpec(("B",), torch.bool, "the response hit max_new_tokens without a stop token (overlong)"),
     GROUP: KeySpec(
         ("B",), torch.int64, "which prompt a sample came from; samples of one prompt are contiguous"
     ),
