@@ -56,7 +56,7 @@ def test_schema_covers_design_table():
         "ref_logprobs", "values", "rewards", "token_rewards", "advantages", "returns", "group",
         "prompt_text", "response_text",
     }  # fmt: skip
-    assert set(rb.SCHEMA) == design_keys | {"response_mask", "entropy"}
+    assert set(rb.SCHEMA) == design_keys | {"response_mask", "entropy", "truncated"}
     assert rb.SCHEMA[rb.PROMPTS].describe() == "[B, P] int64"
     assert rb.SCHEMA[rb.INPUT_IDS].shape == "[B, P+R]"
     assert rb.SCHEMA[rb.PROMPT_TEXT].describe() == "[B] str"
