@@ -56,7 +56,7 @@ def test_split_sizes_and_fixed_values():
     assert len(sentiment.prompts("train")) == 4375
     assert len(arithmetic.prompts("train")) == arithmetic.N_TRAIN == 5000
     # Pinned so an accidental change of the split (which would invalidate reported scores) is caught.
-    assert arithmetic.prompts("test")[:3] == ["219+107=", "84+14=", "22+55="]
+    assert arithmetic.prompts("test")[:3] == ["24+10=", "84+14=", "22+55="]
     assert sentiment.prompts("test")[0] == "I watched it last weekend, and the editing of this documentary"
 
 
@@ -237,16 +237,23 @@ def test_arithmetic_corpus_deterministic_excludes_test_and_follows_demonstrator(
     assert 0.25 < wrong / len(docs) < 0.45
 
 
-def test_arithmetic_operands_same_length_2_or_3_digits():
+def test_arithmetic_operands_two_digits_uniform():
     rng = random.Random(0)
-    pairs = [arithmetic.sample_operands(rng) for _ in range(10000)]
+    pairs = [arithmetic.sample_operands(rng) for _ in range(20000)]
+    counts = collections.Counter(a for a, _ in pairs) + collections.Counter(b for _, b in pairs)
+    assert sorted(counts) == list(range(10, 100))
+    assert all(300 < c < 600 for c in counts.values())  # 40000 draws over 90 values: 444 expected
+
+
+def test_arithmetic_operands_same_length(monkeypatch):
+    monkeypatch.setattr(arithmetic, "DIGITS", (2, 3))
+    rng = random.Random(0)
+    pairs = [arithmetic.sample_operands(rng) for _ in range(4000)]
     assert all(len(str(a)) == len(str(b)) for a, b in pairs)
-    lengths = collections.Counter(len(str(a)) for a, _ in pairs)
-    assert set(lengths) == {2, 3} and all(4800 < c < 5200 for c in lengths.values())
-    assert min(min(p) for p in pairs) == 10 and max(max(p) for p in pairs) == 999
+    assert {len(str(a)) for a, _ in pairs} == {2, 3}
 
 
 def test_test_split_no_carry_fraction():
     # The greedy ceiling of a model that imitates the demonstrator (documented in docs/tasks.md).
     pairs = [arithmetic.parse_prompt(p) for p in arithmetic.prompts("test")]
-    assert sum(not _reference_carries(a, b) for a, b in pairs) / len(pairs) == 0.41
+    assert sum(not _reference_carries(a, b) for a, b in pairs) / len(pairs) == 0.536

@@ -3,14 +3,17 @@
 The base model imitates an imperfect demonstrator, so supervised training plateaus below what the reward can
 teach:
 
-- Operands: each has 1, 2 or 3 digits (uniformly), then a uniform value of that length (``0-9``,
-  ``10-99``, ``100-999``).
+- Operands: two uniform two-digit numbers (``10-99``; ``DIGITS`` sets the lengths allowed, both operands
+  always get the same length). Two digits because the plateau must be reached within a 3-minute CPU build:
+  a 0.6M-parameter model imitates this corpus in ~500 steps, while with 2- or 3-digit operands two runs of
+  the same model (differing only in weight-decay grouping) stood at 43% and 22% greedy after 2000 steps:
+  the learning curve's jump comes at an unreliable step.
 - Demonstrator: on a problem where some column other than the leftmost produces a carry, it "forgets to
   carry" with probability ``DROP_PROB`` = 0.7: every column is added without the carry coming in from the
   right and written mod 10, except the leftmost column, which is written in full (``57+68`` -> ``115``,
-  not ``125``; ``95+8`` -> ``93``, not ``103``). Otherwise it writes the right sum.
+  not ``125``; ``95+18`` -> ``103``, not ``113``). Otherwise it writes the right sum.
 - A model that imitates it perfectly answers greedily with the demonstrator's most likely answer: right on
-  the problems without a carry (44% of the test split), wrong on the others, whatever further supervised
+  the problems without a carry (53.6% of the test split), wrong on the others, whatever further supervised
   training it gets. The right answers keep probability ``1 - DROP_PROB`` = 0.3 in the model, so an RL loop
   with the exact-match reward has something to reinforce.
 
@@ -29,7 +32,7 @@ SPLITS = ("train", "test")
 N_TEST = 500
 N_TRAIN = 5000
 DROP_PROB = 0.7
-DIGITS = (2, 3)
+DIGITS = (2,)
 _TEST_SEED = 1234
 _TRAIN_SEED = 4321
 _PROMPT_RE = re.compile(r"\s*(\d+)\+(\d+)=\s*")
@@ -41,7 +44,7 @@ PRETRAIN = dict(
     n_layer=3,
     n_head=4,
     n_positions=64,
-    steps=2000,
+    steps=1500,
     batch_size=64,
     lr=3e-3,
     corpus_size=60_000,
