@@ -42,7 +42,10 @@ def test_pretrain_folder_loads(tiny_arith):
     model = AutoModelForCausalLM.from_pretrained(tiny_arith)
     tok = AutoTokenizer.from_pretrained(tiny_arith)
     assert type(model).__name__ == "GPT2LMHeadModel"
-    assert model.config.eos_token_id == tok.eos_token_id == 1 and model.config.pad_token_id == tok.pad_token_id == 0
+    assert (
+        model.config.eos_token_id == tok.eos_token_id == 1
+        and model.config.pad_token_id == tok.pad_token_id == 0
+    )
     assert tok.tokenize("12+3=") == ["1", "2", "+", "3", "="]
     info = json.loads((pt.Path(tiny_arith) / "base_model.json").read_text())
     assert info["task"] == "arithmetic" and info["seed"] == 0 and info["steps"] == 3
@@ -62,7 +65,9 @@ def test_pretrain_deterministic(tiny_arith, tmp_path):
     assert w0.keys() == w1.keys()
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     assert not all(torch.equal(w0[k], w2[k]) for k in w0 if w0[k].shape == w2[k].shape)
-    assert (pt.Path(tiny_arith) / "tokenizer.json").read_text() == (pt.Path(again) / "tokenizer.json").read_text()
+    assert (pt.Path(tiny_arith) / "tokenizer.json").read_text() == (
+        pt.Path(again) / "tokenizer.json"
+    ).read_text()
 
 
 def test_pretrain_restores_global_state(tmp_path):
@@ -165,7 +170,9 @@ def test_cli_pretrain_prints_path_last(monkeypatch, tmp_path, capsys):
         return str(tmp_path / "built")
 
     monkeypatch.setattr(pt, "pretrain", fake_pretrain)
-    assert cli.main(["pretrain", "arithmetic", "--out", str(tmp_path / "o"), "--seed", "3", "--steps", "7"]) == 0
+    assert (
+        cli.main(["pretrain", "arithmetic", "--out", str(tmp_path / "o"), "--seed", "3", "--steps", "7"]) == 0
+    )
     assert capsys.readouterr().out.splitlines()[-1] == str(tmp_path / "built")
     assert seen == dict(task="arithmetic", out_dir=str(tmp_path / "o"), seed=3, steps=7)
     with pytest.raises(SystemExit):

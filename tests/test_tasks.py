@@ -85,7 +85,9 @@ def test_reward_type_errors(name):
 
 def test_sentiment_reward_hand_cases():
     p = ["The plot of this film"] * 4
-    r = sentiment.reward(p, [" was wonderful. I loved it.", " was terrible. I hated it.", " is in French.", ""])
+    r = sentiment.reward(
+        p, [" was wonderful. I loved it.", " was terrible. I hated it.", " is in French.", ""]
+    )
     assert r[0] > 0.5 and r[1] < -0.5 and r[2] == 0.0 and r[3] == 0.0
     assert all(-1.0 <= x <= 1.0 for x in r)
     # Only the response is scored, and text after <eos> is ignored.
@@ -145,12 +147,14 @@ def test_sentiment_openings_independent_of_sentiment():
     docs = sentiment.corpus(6000, seed=1)
     rewards = sentiment.reward(docs, docs)
     first_word = collections.defaultdict(collections.Counter)
-    for doc, r in zip(docs, rewards):
+    for doc, r in zip(docs, rewards, strict=True):
         first_word[doc.split(" ")[0]][(r > 0) - (r < 0)] += 1
     for word, c in first_word.items():
         assert set(c) == {-1, 0, 1}, word
     for film in ("film", "movie", "western", "prequel"):
-        signs = {(r > 0) - (r < 0) for doc, r in zip(docs, rewards) if f" {film}" in _opening(doc)}
+        signs = {
+            (r > 0) - (r < 0) for doc, r in zip(docs, rewards, strict=True) if f" {film}" in _opening(doc)
+        }
         assert signs == {-1, 0, 1}, film
 
 
@@ -170,7 +174,9 @@ def test_arithmetic_reward_hand_cases():
 
 
 def test_arithmetic_reward_bad_prompt_names_index():
-    with pytest.raises(ValueError, match=r"prompts\[1\]: arithmetic prompt must look like '37\+48=', got '3\*4='"):
+    with pytest.raises(
+        ValueError, match=r"prompts\[1\]: arithmetic prompt must look like '37\+48=', got '3\*4='"
+    ):
         arithmetic.reward(["1+1=", "3*4="], ["2", "12"])
 
 
@@ -179,7 +185,7 @@ def _reference_no_carry(a: int, b: int) -> int:
     w = max(len(str(a)), len(str(b)))
     sa, sb = str(a).zfill(w), str(b).zfill(w)
     top = str(int(sa[0]) + int(sb[0]))
-    rest = "".join(str((int(x) + int(y)) % 10) for x, y in zip(sa[1:], sb[1:]))
+    rest = "".join(str((int(x) + int(y)) % 10) for x, y in zip(sa[1:], sb[1:], strict=True))
     return int(top + rest)
 
 
@@ -208,7 +214,11 @@ def test_demonstrator_matches_reference():
 
 def test_demonstrator_drop_rate():
     rng = random.Random(0)
-    carry = [(a, b) for a, b in (arithmetic.sample_operands(rng) for _ in range(20000)) if arithmetic.has_carry(a, b)]
+    carry = [
+        (a, b)
+        for a, b in (arithmetic.sample_operands(rng) for _ in range(20000))
+        if arithmetic.has_carry(a, b)
+    ]
     drops = sum(arithmetic.demonstrate(a, b, rng) != a + b for a, b in carry)
     # Binomial(n, 0.7): 5 standard deviations.
     n = len(carry)

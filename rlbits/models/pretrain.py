@@ -2,7 +2,7 @@
 
 ``pretrain("sentiment")`` trains, on CPU in a few minutes, the model an RL loop starts from: the tokenizer is
 trained with the ``tokenizers`` library on the task corpus (byte-level BPE, every digit its own token, ``<pad>``
-and ``<eos>`` specials), the model is ``transformers.GPT2LMHeadModel`` (~1-2M parameters, random init) trained
+and ``<eos>`` specials), the model is ``transformers.GPT2LMHeadModel`` (0.6-0.9M parameters, random init) trained
 on corpus documents that each end in ``<eos>``. Everything is a function of the seed. The folder holds
 ``config.json``, ``model.safetensors``, the tokenizer files and ``base_model.json`` (seed, steps,
 parameters, build time, final loss), so ``AutoModelForCausalLM.from_pretrained(path)`` and
@@ -116,7 +116,9 @@ def _encode(tokenizer, texts: list[str], max_len: int) -> tuple[torch.Tensor, to
     eos = tokenizer.eos_token_id
     lengths = torch.tensor([len(x) + 1 for x in ids])
     if int(lengths.max()) > max_len:
-        raise ValueError(f"a corpus document has {int(lengths.max())} tokens, more than n_positions={max_len}")
+        raise ValueError(
+            f"a corpus document has {int(lengths.max())} tokens, more than n_positions={max_len}"
+        )
     width, pad = int(lengths.max()), tokenizer.pad_token_id
     data = torch.tensor([[*x, eos] + [pad] * (width - len(x) - 1) for x in ids], dtype=torch.long)
     return data, lengths
@@ -407,7 +409,9 @@ def ensure_base_model(task: str) -> str:
         return str(out)
     with _file_lock(out.parent / f".{out.name}.lock"):
         if not (out / "base_model.json").exists():
-            print(f"rlbits: building the {task} base model in {out} (first use, a few minutes)", file=sys.stderr)
+            print(
+                f"rlbits: building the {task} base model in {out} (first use, a few minutes)", file=sys.stderr
+            )
             pretrain(task, out)
     return str(out)
 
@@ -476,7 +480,7 @@ def evaluate(
                     **sampling,
                 )
                 texts = tokenizer.batch_decode(out[:, length:], skip_special_tokens=True)
-                for i, text in zip(chunk, texts):
+                for i, text in zip(chunk, texts, strict=True):
                     responses[i] = text
     rewards = module.reward(prompts, responses)
     return dict(
@@ -484,7 +488,7 @@ def evaluate(
         std=statistics.pstdev(rewards),
         accuracy=sum(r == 1.0 for r in rewards) / len(rewards),
         n=len(prompts),
-        samples=list(zip(prompts, responses, rewards))[:8],
+        samples=list(zip(prompts, responses, rewards, strict=True))[:8],
     )
 
 

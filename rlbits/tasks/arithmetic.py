@@ -151,9 +151,11 @@ def reward(prompts: list[str], responses: list[str]) -> list[float]:
         if isinstance(value, str) or not all(isinstance(x, str) for x in value):
             raise TypeError(f"{name} must be a list of str")
     if len(prompts) != len(responses):
-        raise ValueError(f"prompts and responses must have the same length, got {len(prompts)} and {len(responses)}")
+        raise ValueError(
+            f"prompts and responses must have the same length, got {len(prompts)} and {len(responses)}"
+        )
     out = []
-    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+    for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
         try:
             a, b = parse_prompt(prompt)
         except ValueError as e:

@@ -138,7 +138,9 @@ def _check_pairs(prompts: list[str], responses: list[str]) -> None:
         if isinstance(value, str) or not all(isinstance(x, str) for x in value):
             raise TypeError(f"{name} must be a list of str")
     if len(prompts) != len(responses):
-        raise ValueError(f"prompts and responses must have the same length, got {len(prompts)} and {len(responses)}")
+        raise ValueError(
+            f"prompts and responses must have the same length, got {len(prompts)} and {len(responses)}"
+        )
 
 
 def strip_eos(response: str, eos: str = "<eos>") -> str:
