@@ -357,3 +357,22 @@ def test_config_file_and_runtime_errors(policy_dir, tmp_path):
     with pytest.raises(ConfigError, match="critic_init"):
         train(make_cfg(policy_dir, tmp_path / "c", critic_init=str(tmp_path / "missing")), reward=reward, prompts=PROMPTS)
     assert total_steps(make_cfg(policy_dir, tmp_path, max_num_steps=100, max_num_epochs=2), len(PROMPTS)) == 4
+
+
+def test_stop_request_ends_after_the_step_with_a_checkpoint(policy_dir, tmp_path):
+    class StopAfterFirstStep:
+        def __init__(self):
+            self.seen = []
+
+        def on_metrics(self, step, metrics):
+            self.seen.append(step)
+
+        def should_stop(self):
+            return 1 in self.seen
+
+    cb = StopAfterFirstStep()
+    cfg = make_cfg(policy_dir, tmp_path / "run", max_num_steps=5, save_period=0)
+    train(cfg, callbacks=[cb], reward=reward, prompts=PROMPTS)
+    assert cb.seen == [1]
+    assert [p.name for p in (tmp_path / "run/checkpoints").iterdir()] == ["step_1"]
+    assert (tmp_path / "run/final/model.safetensors").is_file()

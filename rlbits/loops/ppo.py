@@ -680,8 +680,8 @@ def train(
             run.log(step, logged)
             run.log_samples(step, common.sample_rows(batch, cfg.log_samples))
             run.progress(step, reward=logged["rewards"], kl=logged["init_policy_kl"])
-            # 9. checkpoint
-            if (cfg.save_period and step % cfg.save_period == 0) or last:
+            # 9. checkpoint (a stop requested by a signal or a callback, even while logging, saves too)
+            if (cfg.save_period and step % cfg.save_period == 0) or last or run.should_stop:
                 with timer("save"):
                     save(state, cfg, env, total=total)
         if env.is_main:
