@@ -23,7 +23,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from rlbits.models import pretrain
+    from rlbits.tasks import pretrain
 
     path = pretrain.pretrain(args.task, args.out, seed=args.seed, steps=args.steps, progress=True)
     print(path)  # last line: the folder, for scripts

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlbits.models import pretrain as pt
 from rlbits.tasks import arithmetic, sentiment
+from rlbits.tasks import pretrain as pt
 
 TINY = dict(steps=3, batch_size=8, n_embd=16, n_layer=1, n_head=2, corpus_size=300, progress=False)
 
@@ -199,3 +199,10 @@ def test_plateau_check_runs_and_keeps_model(tiny_arith):
     assert res["lr"] == pytest.approx(0.1 * arithmetic.PRETRAIN["lr"])
     assert res["before"]["n"] == res["after"]["n"] == 6
     assert (pt.Path(tiny_arith) / "model.safetensors").read_bytes() == before
+
+
+def test_models_pretrain_reexports():
+    import rlbits.models.pretrain as mp
+
+    for name in mp.__all__:
+        assert getattr(mp, name) is getattr(pt, name)

@@ -187,6 +187,6 @@ def corpus(n: int, seed: int) -> list[str]:
 
 def base_model() -> str:
     """Path of the arithmetic base model (an HF folder), built by ``rlbits pretrain arithmetic`` on first use."""
-    from rlbits.models.pretrain import ensure_base_model
+    from rlbits.tasks.pretrain import ensure_base_model
 
     return ensure_base_model(NAME)

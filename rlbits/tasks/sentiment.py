@@ -226,6 +226,6 @@ def corpus(n: int, seed: int) -> list[str]:
 
 def base_model() -> str:
     """Path of the sentiment base model (an HF folder), built by ``rlbits pretrain sentiment`` on first use."""
-    from rlbits.models.pretrain import ensure_base_model
+    from rlbits.tasks.pretrain import ensure_base_model
 
     return ensure_base_model(NAME)
