@@ -138,7 +138,9 @@ def test_token_rewards_hold_kl_in_reward_only(policy_dir, tmp_path):
     values(state.value_model, batch, cfg)
     advantages(batch, cfg, env, kl_coef=0.5)
     kl = kl_penalty(batch["logprobs"], batch["ref_logprobs"], "k1")
-    torch.testing.assert_close(batch["token_rewards"], token_rewards(batch["rewards"], batch["action_mask"], kl, 0.5))
+    torch.testing.assert_close(
+        batch["token_rewards"], token_rewards(batch["rewards"], batch["action_mask"], kl, 0.5)
+    )
     lengths = batch["action_mask"].sum(-1)
     torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"] - 0.125 * lengths)
 
@@ -209,7 +211,13 @@ def test_reward_scaling_order():
     cfg = PPOConfig(reward_subtract_reference=True, reward_whiten=True, reward_clip=1.5)
     from tensordict import TensorDict
 
-    batch = TensorDict({"rewards": torch.tensor([1.0, 2.0, 3.0, 10.0]), "reference_rewards": torch.tensor([0.0, 0.0, 1.0, 2.0])}, [4])
+    batch = TensorDict(
+        {
+            "rewards": torch.tensor([1.0, 2.0, 3.0, 10.0]),
+            "reference_rewards": torch.tensor([0.0, 0.0, 1.0, 2.0]),
+        },
+        [4],
+    )
     out = scale_rewards(batch, cfg, DistEnv())
     diff = torch.tensor([1.0, 2.0, 2.0, 8.0])
     expected = ((diff - diff.mean()) / diff.std() + diff.mean()).clamp(-1.5, 1.5)
@@ -220,8 +228,12 @@ def test_reward_scaling_order():
 
 def test_adaptive_kl_controller():
     cfg = PPOConfig(adaptive_kl=True, kl_target=1.0, kl_horizon=100)
-    assert update_kl_coef(0.1, 10.0, cfg, 50) == pytest.approx(0.1 * (1 + 0.2 * 0.5))  # KL too high: beta grows
-    assert update_kl_coef(0.1, 0.5, cfg, 50) == pytest.approx(0.1 * (1 - 0.2 * 0.5))  # too low (error clipped at -0.2): beta shrinks
+    assert update_kl_coef(0.1, 10.0, cfg, 50) == pytest.approx(
+        0.1 * (1 + 0.2 * 0.5)
+    )  # KL too high: beta grows
+    assert update_kl_coef(0.1, 0.5, cfg, 50) == pytest.approx(
+        0.1 * (1 - 0.2 * 0.5)
+    )  # too low (error clipped at -0.2): beta shrinks
     assert update_kl_coef(0.1, 10.0, PPOConfig(), 50) == 0.1  # off: unchanged
 
 
@@ -299,7 +311,9 @@ def test_critic_warmup_leaves_the_policy_unchanged(policy_dir, tmp_path):
 
 
 def test_adaptive_kl_and_skip_reference_in_a_run(policy_dir, tmp_path):
-    cfg = make_cfg(policy_dir, tmp_path / "a", adaptive_kl=True, kl_target=1e-4, kl_horizon=10, max_num_steps=3)
+    cfg = make_cfg(
+        policy_dir, tmp_path / "a", adaptive_kl=True, kl_target=1e-4, kl_horizon=10, max_num_steps=3
+    )
     train(cfg, reward=reward, prompts=PROMPTS)
     coefs = [r["kl_coef"] for r in read_metrics(tmp_path / "a")]
     assert coefs[0] == pytest.approx(0.05) and len(set(coefs)) == 3
@@ -311,7 +325,9 @@ def test_adaptive_kl_and_skip_reference_in_a_run(policy_dir, tmp_path):
 
 
 def test_reward_subtract_reference_run(policy_dir, tmp_path):
-    cfg = make_cfg(policy_dir, tmp_path / "run", reward_subtract_reference=True, reward_whiten=True, max_num_steps=1)
+    cfg = make_cfg(
+        policy_dir, tmp_path / "run", reward_subtract_reference=True, reward_whiten=True, max_num_steps=1
+    )
     train(cfg, reward=reward, prompts=PROMPTS)
     (row,) = read_metrics(tmp_path / "run")
     assert {"reference_rewards", "rewards_scaled"} <= set(row)
@@ -326,7 +342,10 @@ def test_reward_subtract_reference_run(policy_dir, tmp_path):
     "values, match",
     [
         ({"ppo_epochs": 0}, "ppo_epochs must be >= 1"),
-        ({"num_minibatches": 64, "num_prompts_per_step": 8}, "num_minibatches .* must be <= num_prompts_per_step"),
+        (
+            {"num_minibatches": 64, "num_prompts_per_step": 8},
+            "num_minibatches .* must be <= num_prompts_per_step",
+        ),
         ({"clip_eps": -0.1}, "clip_eps must be >= 0"),
         ({"dual_clip": 1.0}, "dual_clip must be > 1"),
         ({"lam": 1.5}, r"lam must be in \[0, 1\]"),
@@ -355,7 +374,11 @@ def test_config_file_and_runtime_errors(policy_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(make_cfg(policy_dir, tmp_path / "none"), resume=True, reward=reward, prompts=PROMPTS)
     with pytest.raises(ConfigError, match="critic_init"):
-        train(make_cfg(policy_dir, tmp_path / "c", critic_init=str(tmp_path / "missing")), reward=reward, prompts=PROMPTS)
+        train(
+            make_cfg(policy_dir, tmp_path / "c", critic_init=str(tmp_path / "missing")),
+            reward=reward,
+            prompts=PROMPTS,
+        )
     assert total_steps(make_cfg(policy_dir, tmp_path, max_num_steps=100, max_num_epochs=2), len(PROMPTS)) == 4
 
 

@@ -52,7 +52,6 @@ Metrics (one ``metrics.jsonl`` line per step; docs/ppo.md explains each): ``rewa
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -260,7 +259,9 @@ def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> Value
         critic = ValueModel.from_policy(policy, seed=cfg.seed)
     else:
         if not Path(cfg.critic_init).is_dir():
-            raise ConfigError(f"critic_init must be 'policy' or an existing folder; {cfg.critic_init!r} is neither")
+            raise ConfigError(
+                f"critic_init must be 'policy' or an existing folder; {cfg.critic_init!r} is neither"
+            )
         critic = ValueModel.from_pretrained(cfg.critic_init, seed=cfg.seed)
     return common.disable_dropout(critic).to(env.device).train()
 
@@ -373,7 +374,9 @@ def reference(ref_policy: torch.nn.Module | None, batch: TensorDictBase, cfg: PP
         return batch["ref_logprobs"]
     if ref_policy is None:
         raise ValueError("reference: ref_policy is None but skip_reference_policy_logprobs is False")
-    return common.reference_logprobs(ref_policy, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size)
+    return common.reference_logprobs(
+        ref_policy, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size
+    )
 
 
 def values(value_model: torch.nn.Module, batch: TensorDictBase, cfg: PPOConfig) -> torch.Tensor:
@@ -383,7 +386,9 @@ def values(value_model: torch.nn.Module, batch: TensorDictBase, cfg: PPOConfig) 
     return batch["values"]
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, env: DistEnv, *, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def whiten(
+    x: torch.Tensor, mask: torch.Tensor, env: DistEnv, *, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
     """``masked_whiten`` with the mean and (unbiased) variance taken over every rank's masked entries."""
     mask = mask.bool()
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
@@ -410,7 +415,9 @@ def scale_rewards(batch: TensorDictBase, cfg: PPOConfig, env: DistEnv) -> torch.
     return scores
 
 
-def advantages(batch: TensorDictBase, cfg: PPOConfig, env: DistEnv, *, kl_coef: float) -> dict[str, torch.Tensor]:
+def advantages(
+    batch: TensorDictBase, cfg: PPOConfig, env: DistEnv, *, kl_coef: float
+) -> dict[str, torch.Tensor]:
     """Phase 5: ``token_rewards``, ``advantages`` and ``returns`` [B, R].
 
     ``token_rewards`` = scaled reward on the last action token minus ``kl_coef * kl_penalty(logprobs,
@@ -426,6 +433,7 @@ def advantages(batch: TensorDictBase, cfg: PPOConfig, env: DistEnv, *, kl_coef: 
     adv, ret = gae(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.lam)
     if cfg.critic_lam is not None and cfg.critic_lam != cfg.lam:
         _, ret = gae(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.critic_lam)
+    var_returns = masked_var(ret, mask).clamp(min=1e-8)
     metrics = {
         "rewards": batch["rewards"].mean(),
         "rewards_with_kl": batch["token_rewards"].sum(-1).mean(),
@@ -433,7 +441,7 @@ def advantages(batch: TensorDictBase, cfg: PPOConfig, env: DistEnv, *, kl_coef: 
         "advantages": masked_mean(adv, mask),
         "returns": masked_mean(ret, mask),
         "values": masked_mean(batch["values"], mask),
-        "explained_variance": 1.0 - masked_var(ret - batch["values"], mask) / masked_var(ret, mask).clamp(min=1e-8),
+        "explained_variance": 1.0 - masked_var(ret - batch["values"], mask) / var_returns,
     }
     if cfg.reward_subtract_reference or cfg.reward_whiten or cfg.reward_clip is not None:
         metrics["rewards_scaled"] = scores.mean()
@@ -490,7 +498,8 @@ def update(
         ``grad_norm`` (+ ``kl_loss`` with KL in the loss).
 
     Raises:
-        NonFiniteError: a loss or gradient norm is not finite (no parameter is changed by that minibatch).
+        NonFiniteError: a loss is not finite (raised before either model steps), or a gradient norm is not
+            finite (raised before that model steps).
     """
     sums: dict[str, torch.Tensor] = {}
     num_updates = 0
@@ -505,9 +514,11 @@ def update(
             for micro in split_microbatches(minibatch, cfg.microbatch_size):
                 mask = micro["action_mask"]
                 share = mask.sum() / num_tokens  # this microbatch's weight in token-mean statistics
-                total = torch.zeros(())
+                total = 0.0
                 if train_policy:
-                    logprobs, entropy = policy_logprobs(policy, micro, temperature=cfg.temperature, return_entropy=True)
+                    logprobs, entropy = policy_logprobs(
+                        policy, micro, temperature=cfg.temperature, return_entropy=True
+                    )
                     actor, stats = ppo_loss(
                         logprobs, micro["logprobs"], micro["advantages"], mask,
                         clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, **agg,
@@ -516,7 +527,9 @@ def update(
                     if cfg.entropy_coef > 0:
                         policy_total = policy_total - cfg.entropy_coef * aggregate_loss(entropy, mask, **agg)
                     if not cfg.kl_in_reward and kl_coef > 0:
-                        kl = aggregate_loss(kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator), mask, **agg)
+                        kl = aggregate_loss(
+                            kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator), mask, **agg
+                        )
                         policy_total = policy_total + kl_coef * kl
                         _accumulate(losses, "kl_loss", kl)
                     total = total + policy_total
@@ -539,8 +552,16 @@ def update(
                 raise NonFiniteError(f"non-finite loss at {where}: {bad}")
             try:
                 if train_policy:
-                    _accumulate(sums, "grad_norm", common.clip_and_step(list(policy.parameters()), policy_optimizer, cfg.max_grad_norm))
-                _accumulate(sums, "critic_grad_norm", common.clip_and_step(list(value_model.parameters()), value_optimizer, cfg.max_grad_norm))
+                    _accumulate(
+                        sums,
+                        "grad_norm",
+                        common.clip_and_step(list(policy.parameters()), policy_optimizer, cfg.max_grad_norm),
+                    )
+                _accumulate(
+                    sums,
+                    "critic_grad_norm",
+                    common.clip_and_step(list(value_model.parameters()), value_optimizer, cfg.max_grad_norm),
+                )
             except FloatingPointError as e:
                 policy_optimizer.zero_grad(set_to_none=True)
                 value_optimizer.zero_grad(set_to_none=True)
@@ -552,7 +573,12 @@ def update(
 
 
 def validate(
-    policy: torch.nn.Module, tokenizer: Any, cfg: PPOConfig, *, reward: Any = None, prompts: Sequence[str] | None = None
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    cfg: PPOConfig,
+    *,
+    reward: Any = None,
+    prompts: Sequence[str] | None = None,
 ) -> tuple[dict[str, float], TensorDictBase]:
     """Phase 8: mean reward of one response per test prompt (``rlbits.loops.common.validate``)."""
     return common.validate(policy, tokenizer, cfg, reward=reward, prompts=prompts)
@@ -613,7 +639,9 @@ def train(
     if resume:
         checkpoint = latest_checkpoint(cfg.run_dir)
         if checkpoint is None:
-            raise FileNotFoundError(f"resume=True but run_dir {cfg.run_dir!r} has no checkpoint to resume from")
+            raise FileNotFoundError(
+                f"resume=True but run_dir {cfg.run_dir!r} has no checkpoint to resume from"
+            )
     state = init_state(cfg, env, resume_from=checkpoint)
     stream = PromptStream(train_prompts, cfg.seed, state.consumed_samples)
     total = total_steps(cfg, len(train_prompts), env.world_size)
@@ -624,7 +652,9 @@ def train(
             val_metrics, val_batch = validate(state.policy, state.tokenizer, cfg, reward=reward)
             state.val_reward = val_metrics["val_reward"]
             run.log(0, val_metrics)
-            run.log_samples(0, [{"split": "test", **row} for row in common.sample_rows(val_batch, cfg.log_samples)])
+            run.log_samples(
+                0, [{"split": "test", **row} for row in common.sample_rows(val_batch, cfg.log_samples)]
+            )
         while state.step < total and not run.should_stop:
             step = state.step + 1
             timer = common.PhaseTimer()
@@ -632,12 +662,21 @@ def train(
             with timer("rollout"):
                 n = cfg.num_prompts_per_step
                 step_prompts = stream.next(n * env.world_size)[env.rank * n : (env.rank + 1) * n]
-                batch = rollout(state.policy, state.tokenizer, step_prompts, cfg, generator=state.sampling_generator)
+                batch = rollout(
+                    state.policy, state.tokenizer, step_prompts, cfg, generator=state.sampling_generator
+                )
             # 2. score (and the reference policy's reward on the same prompts)
             with timer("score"):
                 score(batch, reward)
                 if cfg.reward_subtract_reference:
-                    reference_rewards(state.reference, state.tokenizer, batch, reward, cfg, generator=state.sampling_generator)
+                    reference_rewards(
+                        state.reference,
+                        state.tokenizer,
+                        batch,
+                        reward,
+                        cfg,
+                        generator=state.sampling_generator,
+                    )
             # 3. reference logprobs
             with timer("reference"):
                 reference(state.reference, batch, cfg)
@@ -665,7 +704,9 @@ def train(
             state.consumed_samples = stream.consumed_samples
             state.epoch = stream.epoch
             state.total_valid_tokens += int(num_tokens.item())
-            state.kl_coef = update_kl_coef(state.kl_coef, logged["init_policy_kl"], cfg, cfg.rollout_batch_size * env.world_size)
+            state.kl_coef = update_kl_coef(
+                state.kl_coef, logged["init_policy_kl"], cfg, cfg.rollout_batch_size * env.world_size
+            )
             logged.update(timer.metrics())
             logged["tokens_per_s"] = float(num_tokens) / max(logged["time/step"], 1e-9)
             logged["epoch"] = state.epoch
