@@ -34,12 +34,15 @@ def seed_everything(seed: int) -> None:
 
 
 def setup(cfg: RunConfig) -> DistEnv:
-    """Process group, seeds (offset by rank), quiet transformers progress bars. Returns the ``DistEnv``."""
+    """Process group, CPU threads (``cfg.cpu_threads``), seeds (offset by rank), quiet transformers progress
+    bars. Returns the ``DistEnv``."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     env = init(cfg.device)
+    if env.device.type == "cpu" and cfg.cpu_threads > 0:
+        torch.set_num_threads(cfg.cpu_threads)
     seed_everything(cfg.seed + env.rank)
     return env
 

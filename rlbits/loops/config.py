@@ -87,6 +87,8 @@ class RunConfig:
     """Show a tqdm progress bar with step, reward and KL."""
     device: str = "auto"
     """``auto`` (CUDA if available), ``cpu`` or ``cuda``."""
+    cpu_threads: int = 1
+    """torch intra-op threads on CPU (``torch.set_num_threads``); 0 keeps torch's default. Small models are fastest on 1 (PPO on the sentiment base: 1.0 s/step with 1 thread, 10.9 with 2 on a loaded 2-core machine)."""
 
     def validate(self) -> None:
         """Range checks shared by all loops; loops extend this. Raises ConfigError."""
@@ -95,7 +97,7 @@ class RunConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)} ({field_docs(type(self))[name]})")
-        for name in ("val_period", "save_period", "log_samples"):
+        for name in ("val_period", "save_period", "log_samples", "cpu_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.temperature > 0:
