@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -20,11 +21,7 @@ from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 from rlbits.rollout.generate import generate
 
 PROMPTS = ["hello there", "abc", "the cat sat", "x y z", "a dog", "on a mat"]
-SAMPLES = [
-    (p, r, float(r.count("a")) - 1.0)
-    for p in PROMPTS
-    for r in (" a a", " bc", " aaa", " dog")
-]
+SAMPLES = [(p, r, float(r.count("a")) - 1.0) for p in PROMPTS for r in (" a a", " bc", " aaa", " dog")]
 
 
 def reward(prompts, responses, **_):
@@ -75,8 +72,22 @@ def test_two_step_smoke_run_builds_dataset_and_writes_the_run(tiny_path, tmp_pat
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["dataset/size"] == 16 and "val_reward" in rows[0] and "val_reward_policy" in rows[0]
-    for key in ("loss", "loss_q", "loss_v", "loss_cql", "loss_awac", "q_mean", "target_q_mean", "v_mean",
-                "q_target_mean", "advantage_mean", "rewards", "grad_norm", "epoch", "tokens_per_s"):
+    for key in (
+        "loss",
+        "loss_q",
+        "loss_v",
+        "loss_cql",
+        "loss_awac",
+        "q_mean",
+        "target_q_mean",
+        "v_mean",
+        "q_target_mean",
+        "advantage_mean",
+        "rewards",
+        "grad_norm",
+        "epoch",
+        "tokens_per_s",
+    ):
         assert math.isfinite(rows[1][key]), key
     assert "val_reward" in rows[2]
     # the offline set: 16 scored samples with their exact token ids
@@ -115,6 +126,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_path, tmp_path):
     cfg = make_cfg(tiny_path, tmp_path / "cut", **kw)
     ilql.train(cfg, samples=SAMPLES, reward=reward, callbacks=[StopAfter2()])
     assert [r["step"] for r in read_metrics(cfg.run_dir)] == [0, 1, 2]
+    assert not (tmp_path / "cut" / "final").exists()  # a stopped run leaves its checkpoint, not final/
     ilql.train(cfg, resume=True, reward=reward)  # the dataset comes back from the run directory
     a, b = read_metrics(full), read_metrics(cfg.run_dir)
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
@@ -306,7 +318,7 @@ def test_config_defaults_are_valid_and_frozen():
     cfg = ilql.ILQLConfig()
     cfg.validate()
     assert cfg.loop == "ilql"
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.beta = 2.0  # type: ignore[misc]
     with pytest.raises(ConfigError, match="ILQLConfig"):
         ilql.train(object())  # type: ignore[arg-type]

@@ -41,7 +41,9 @@ Launch::
 
     rlbits train configs/ilql_sentiment.yaml                      # one process (the CLI)
     python -c "from rlbits.loops import ilql; ilql.train(ilql.ILQLConfig(run_dir='runs/ilql'))"
-    torchrun --nproc-per-node 2 -m rlbits train configs/ilql_sentiment.yaml   # not yet sharded: rank 0 trains
+
+Under ``torchrun`` every rank runs the same one-process computation (no data parallelism yet) and only
+rank 0 writes files.
 
 Logged metrics (``metrics.jsonl``, per step; docs/ilql.md explains each): ``loss``, ``loss_q``, ``loss_v``,
 ``loss_cql``, ``loss_awac``, ``q_mean``, ``target_q_mean``, ``v_mean``, ``q_target_mean``,
@@ -56,7 +58,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,6 @@ from rlbits.functional import (
     expectile_loss,
     ilql_logits,
     ilql_targets,
-    masked_mean,
     q_loss,
     token_rewards,
 )
@@ -227,7 +228,10 @@ class SteeredPolicy(torch.nn.Module):
         m = self.model
         kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         out = m.policy(
-            **kw, past_key_values=past_key_values, use_cache=use_cache, output_hidden_states=m.trunk is None,
+            **kw,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            output_hidden_states=m.trunk is None,
             logits_to_keep=logits_to_keep,
         )
         if m.trunk is None:
@@ -265,7 +269,9 @@ def _as_row(i: int, sample: Any) -> dict[str, Any]:
     if isinstance(sample, dict):
         missing = [k for k in ("prompt", "response", "reward") if k not in sample]
         if missing:
-            raise ValueError(f"samples[{i}] lacks key(s) {missing}; each sample needs prompt, response, reward")
+            raise ValueError(
+                f"samples[{i}] lacks key(s) {missing}; each sample needs prompt, response, reward"
+            )
         row = dict(sample)
     elif isinstance(sample, (tuple, list)) and len(sample) == 3:
         row = {"prompt": sample[0], "response": sample[1], "reward": sample[2]}
@@ -346,11 +352,18 @@ def build_offline_dataset(
     while len(rows) < n:
         chunk = stream.next(min(batch_size, n - len(rows)))
         batch = rollout(
-            policy, tokenizer, chunk, max_new_tokens=max_new_tokens, temperature=temperature, generator=generator
+            policy,
+            tokenizer,
+            chunk,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            generator=generator,
         )
         rewards = score_rollout(batch, reward).tolist()
         p_mask, a_mask = batch["prompt_mask"].tolist(), batch["action_mask"].tolist()
-        for i, (p_ids, r_ids) in enumerate(zip(batch["prompts"].tolist(), batch["responses"].tolist(), strict=True)):
+        for i, (p_ids, r_ids) in enumerate(
+            zip(batch["prompts"].tolist(), batch["responses"].tolist(), strict=True)
+        ):
             rows.append(
                 {
                     "prompt": batch["prompt_text"][i],
@@ -408,7 +421,9 @@ def tensorize_dataset(rows: Sequence[dict[str, Any]], tokenizer: Any) -> TensorD
         if "response_ids" in row:
             r = list(row["response_ids"])
         else:
-            r = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+            r = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + (
+                [eos] if eos is not None else []
+            )
         if not p:
             raise ValueError(f"sample {i}: prompt {row['prompt']!r:.60} tokenizes to no tokens")
         if not r:
@@ -453,7 +468,11 @@ def init_state(cfg: ILQLConfig, env: DistEnv, *, resume_from: str | Path | None 
     if resume_from is None:
         policy, tokenizer = load_policy_and_tokenizer(policy_path(cfg), env)
         model = ILQLModel(
-            policy, two_qs=cfg.two_qs, head_layers=cfg.head_layers, shared_trunk=cfg.shared_trunk, seed=cfg.seed
+            policy,
+            two_qs=cfg.two_qs,
+            head_layers=cfg.head_layers,
+            shared_trunk=cfg.shared_trunk,
+            seed=cfg.seed,
         )
     else:
         folder = Path(resume_from) / MODEL_NAME
@@ -480,8 +499,9 @@ def load_or_build_dataset(
     reward: Any = None,
     prompts: Sequence[str] | None = None,
     resume: bool = False,
+    write: bool = True,
 ) -> list[dict[str, Any]]:
-    """Phase 0: the offline set, also written to ``RUN_DIR/offline_dataset.jsonl``.
+    """Phase 0: the offline set, also written to ``RUN_DIR/offline_dataset.jsonl`` (if ``write``).
 
     A resumed run reads that file back (the policy has trained since, so it cannot rebuild the set).
     Otherwise: ``samples`` if given, else ``cfg.dataset_path``, else ``build_offline_dataset`` with the
@@ -494,7 +514,9 @@ def load_or_build_dataset(
     path = Path(cfg.run_dir) / DATASET_FILE
     if resume:
         if not path.is_file():
-            raise FileNotFoundError(f"cannot resume {cfg.run_dir!r}: its offline dataset {str(path)!r} is missing")
+            raise FileNotFoundError(
+                f"cannot resume {cfg.run_dir!r}: its offline dataset {str(path)!r} is missing"
+            )
         return read_dataset(path)
     if samples is not None:
         rows = normalize_samples(samples)
@@ -513,8 +535,9 @@ def load_or_build_dataset(
             max_new_tokens=cfg.max_new_tokens,
             batch_size=cfg.dataset_batch_size,
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_dataset(rows, path)
+    if write:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_dataset(rows, path)
     return rows
 
 
@@ -653,9 +676,13 @@ def validate(
     state: State, cfg: ILQLConfig, *, reward: Any = None, prompts: Sequence[str] | None = None
 ) -> tuple[dict[str, float], TensorDictBase]:
     """Phase 4: steered decoding at ``cfg.beta`` (``val_reward``, ...) and the LM alone (``val_reward_policy``)."""
-    metrics, batch = steered_validate(state.model, state.tokenizer, cfg, beta=cfg.beta, reward=reward, prompts=prompts)
+    metrics, batch = steered_validate(
+        state.model, state.tokenizer, cfg, beta=cfg.beta, reward=reward, prompts=prompts
+    )
     if cfg.beta != 0:
-        plain, _ = steered_validate(state.model, state.tokenizer, cfg, beta=0.0, reward=reward, prompts=prompts)
+        plain, _ = steered_validate(
+            state.model, state.tokenizer, cfg, beta=0.0, reward=reward, prompts=prompts
+        )
         metrics["val_reward_policy"] = plain["val_reward"]
     else:
         metrics["val_reward_policy"] = metrics["val_reward"]
@@ -724,17 +751,23 @@ def train(
     if resume:
         resume_from = latest_checkpoint(cfg.run_dir)
         if resume_from is None:
-            raise FileNotFoundError(f"resume=True but {cfg.run_dir!r} has no complete checkpoint to resume from")
+            raise FileNotFoundError(
+                f"resume=True but {cfg.run_dir!r} has no complete checkpoint to resume from"
+            )
     state = init_state(cfg, env, resume_from=resume_from)
     timer = PhaseTimer()
     with timer("dataset"):
-        rows = load_or_build_dataset(cfg, state, samples=samples, reward=reward, prompts=prompts, resume=resume)
+        rows = load_or_build_dataset(
+            cfg, state, samples=samples, reward=reward, prompts=prompts, resume=resume, write=env.is_main
+        )
     data = tensorize_dataset(rows, state.tokenizer).to(env.device)
     state.dataset_len = len(rows)
     state.total_steps = num_steps(cfg, len(rows))
     stream = PromptStream(list(range(len(rows))), cfg.seed, consumed_samples=state.consumed_samples)
 
-    run = Run(cfg, env, callbacks=callbacks, resume=resume, total_steps=state.total_steps, start_step=state.step)
+    run = Run(
+        cfg, env, callbacks=callbacks, resume=resume, total_steps=state.total_steps, start_step=state.step
+    )
     run.install_signal_handlers()
     try:
         if state.step == 0:
@@ -771,15 +804,18 @@ def train(
                 metrics.update(val)
                 run.log_samples(step, sample_rows(vbatch, cfg.log_samples))
                 last_val = step
-            if (cfg.save_period and step % cfg.save_period == 0) or is_last or run.should_stop:
+            if env.is_main and (
+                (cfg.save_period and step % cfg.save_period == 0) or is_last or run.should_stop
+            ):
                 with timer("save"):
                     save(state, cfg, total_steps=state.total_steps)
             metrics.update(timer.metrics())
             run.log(step, metrics)
-            run.progress(step, loss=metrics["loss"], **({"val_reward": state.val_reward} if last_val == step else {}))
-        final = Path(cfg.run_dir) / "final"
-        if env.is_main:
-            state.model.save_pretrained(final, tokenizer=state.tokenizer)
+            run.progress(
+                step, loss=metrics["loss"], **({"val_reward": state.val_reward} if last_val == step else {})
+            )
+        if env.is_main and state.step == state.total_steps:  # a stopped run has its checkpoint, not final/
+            state.model.save_pretrained(Path(cfg.run_dir) / "final", tokenizer=state.tokenizer)
     finally:
         run.close()
     return Path(cfg.run_dir)
@@ -807,7 +843,9 @@ def evaluate_betas(
     prompts: Sequence[str] | None = None,
 ) -> dict[float, dict[str, float]]:
     """``steered_validate`` at each beta (same prompts and noise): ``{beta: metrics}``."""
-    return {b: steered_validate(model, tokenizer, cfg, beta=b, reward=reward, prompts=prompts)[0] for b in betas}
+    return {
+        b: steered_validate(model, tokenizer, cfg, beta=b, reward=reward, prompts=prompts)[0] for b in betas
+    }
 
 
 def evaluate_run(run_dir: str | Path, cfg: ILQLConfig) -> dict[str, dict[str, float]]:
