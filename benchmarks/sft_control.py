@@ -29,7 +29,6 @@ import json
 import shutil
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -62,13 +61,23 @@ def train_rl(config: str, overrides: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", default=[], help="an RL config YAML to train (repeatable)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config", action="append", default=[], help="an RL config YAML to train (repeatable)"
+    )
     parser.add_argument("--override", action="append", default=[], help="key=value applied to every --config")
-    parser.add_argument("--cpu-seconds", type=float, default=None,
-                        help="SFT CPU budget (default: the largest CPU time of the RL runs, else 300)")
+    parser.add_argument(
+        "--cpu-seconds",
+        type=float,
+        default=None,
+        help="SFT CPU budget (default: the largest CPU time of the RL runs, else 300)",
+    )
     parser.add_argument("--model", default=None, help="base model folder (default: the arithmetic task's)")
-    parser.add_argument("--lr", type=float, default=None, help="SFT learning rate (default: the build's final lr)")
+    parser.add_argument(
+        "--lr", type=float, default=None, help="SFT learning rate (default: the build's final lr)"
+    )
     parser.add_argument("--seed", type=int, default=1, help="SFT corpus draw and batch order")
     args = parser.parse_args(argv)
 

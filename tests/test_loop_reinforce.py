@@ -9,6 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rlbits.dist.env import DistEnv
 from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops.reinforce import (
     ReinforceConfig,
@@ -21,7 +22,6 @@ from rlbits.loops.reinforce import (
     update,
 )
 from rlbits.loops.run import read_metrics
-from rlbits.dist.env import DistEnv
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
 V = 32
@@ -105,7 +105,9 @@ def test_grpo_and_dr_grpo_advantages():
 def test_kl_in_reward_is_subtracted_before_the_baseline():
     # k1 KL of 0.5 per token; lengths 2 and 4 -> sequence KL 1 and 2
     batch = hand_batch([1.0, 1.0], [2, 4], kl=0.5)
-    cfg = ReinforceConfig(num_generations_per_prompt=2, num_prompts_per_step=1, kl_in_reward=True, kl_coef=0.1)
+    cfg = ReinforceConfig(
+        num_generations_per_prompt=2, num_prompts_per_step=1, kl_in_reward=True, kl_coef=0.1
+    )
     m = advantages(batch, cfg)
     shaped = torch.tensor([1.0 - 0.1, 1.0 - 0.2])
     assert m["rewards_with_kl"].item() == pytest.approx(shaped.mean().item())
@@ -136,7 +138,10 @@ def test_dynamic_sampling_keeps_only_informative_groups(tiny_path, tmp_path):
     state = init_state(cfg, DistEnv())
 
     def first_char_reward(prompts, responses):  # depends on the prompt only for half the prompts
-        return [float(len(r)) if p.startswith(("1", "2", "3", "4")) else 0.0 for p, r in zip(prompts, responses)]
+        return [
+            float(len(r)) if p.startswith(("1", "2", "3", "4")) else 0.0
+            for p, r in zip(prompts, responses, strict=True)
+        ]
 
     batch, stats = sample_batch(state, cfg, first_char_reward)
     k = cfg.num_generations_per_prompt
@@ -195,9 +200,28 @@ def test_two_step_smoke_run(tiny_path, tmp_path):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "val_reward" in rows[0] and "val_reward" in rows[2]
-    names = {"rewards", "rewards_with_kl", "gen_rewards", "baseline", "advantages", "init_policy_kl", "kl_loss",
-             "actor_loss", "clipfrac", "approx_kl", "entropy", "grad_norm", "response_len", "truncated_frac",
-             "zero_std_frac", "kept_groups", "gen_batches", "tokens_per_s", "time/rollout", "time/update"}
+    names = {
+        "rewards",
+        "rewards_with_kl",
+        "gen_rewards",
+        "baseline",
+        "advantages",
+        "init_policy_kl",
+        "kl_loss",
+        "actor_loss",
+        "clipfrac",
+        "approx_kl",
+        "entropy",
+        "grad_norm",
+        "response_len",
+        "truncated_frac",
+        "zero_std_frac",
+        "kept_groups",
+        "gen_batches",
+        "tokens_per_s",
+        "time/rollout",
+        "time/update",
+    }
     assert names <= rows[1].keys(), names - rows[1].keys()
     assert rows[1]["entropy"] > 0 and rows[1]["clipfrac"] == 0.0
     state = json.loads((run_dir / "checkpoints" / "step_2" / "state.json").read_text())
@@ -211,16 +235,29 @@ def test_two_step_smoke_run(tiny_path, tmp_path):
 @pytest.mark.slow
 def test_exact_resume(tiny_path, tmp_path):
     # every piece of state in play: clipping with minibatch shuffles, dynamic sampling, KL in reward and loss
-    opts = dict(ppo_epochs=2, num_minibatches=2, clip_eps_high=0.28, dynamic_sampling=True, kl_in_reward=True,
-                kl_coef=0.05, kl_loss_coef=0.01, save_period=2, val_at_start=False, val_period=0)
+    opts = dict(
+        ppo_epochs=2,
+        num_minibatches=2,
+        clip_eps_high=0.28,
+        dynamic_sampling=True,
+        kl_in_reward=True,
+        kl_coef=0.05,
+        kl_loss_coef=0.01,
+        save_period=2,
+        val_at_start=False,
+        val_period=0,
+    )
     full = train(make_cfg(tiny_path, tmp_path / "a", max_num_steps=4, **opts), reward=length_reward)
     part = make_cfg(tiny_path, tmp_path / "b", max_num_steps=2, **opts)
     train(part, reward=length_reward)
     resumed = train(dataclasses.replace(part, max_num_steps=4), reward=length_reward, resume=True)
 
     def comparable(rows):
-        return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
-                for r in rows if r["step"] >= 3}
+        return {
+            r["step"]: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
+            for r in rows
+            if r["step"] >= 3
+        }
 
     a, b = comparable(read_metrics(full)), comparable(read_metrics(resumed))
     assert sorted(a) == [3, 4] and a == b

@@ -146,16 +146,26 @@ class ReinforceConfig(RunConfig):
                 f"samples), got {self.num_generations_per_prompt}"
             )
         if self.dynamic_sampling and self.num_generations_per_prompt < 2:
-            raise ConfigError("dynamic_sampling needs num_generations_per_prompt >= 2 (a reward spread per group)")
+            raise ConfigError(
+                "dynamic_sampling needs num_generations_per_prompt >= 2 (a reward spread per group)"
+            )
         for name in ("kl_estimator", "kl_loss_estimator"):
             if getattr(self, name) not in KL_ESTIMATORS:
-                raise ConfigError(f"{name} must be one of {', '.join(KL_ESTIMATORS)}; got {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(KL_ESTIMATORS)}; got {getattr(self, name)!r}"
+                )
         if self.loss_agg not in LOSS_AGGREGATIONS:
-            raise ConfigError(f"loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}; got {self.loss_agg!r}")
+            raise ConfigError(
+                f"loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}; got {self.loss_agg!r}"
+            )
         if self.kl_coef < 0 or self.kl_loss_coef < 0:
-            raise ConfigError(f"kl_coef and kl_loss_coef must be >= 0, got {self.kl_coef} and {self.kl_loss_coef}")
+            raise ConfigError(
+                f"kl_coef and kl_loss_coef must be >= 0, got {self.kl_coef} and {self.kl_loss_coef}"
+            )
         if self.kl_in_reward and self.kl_coef == 0:
-            raise ConfigError("kl_in_reward=true needs kl_coef > 0 (the weight of the KL taken off the reward)")
+            raise ConfigError(
+                "kl_in_reward=true needs kl_coef > 0 (the weight of the KL taken off the reward)"
+            )
         if not self.kl_in_reward and self.kl_coef > 0:
             raise ConfigError(
                 f"kl_coef={self.kl_coef} has no effect with kl_in_reward=false; set kl_in_reward=true, or use "
@@ -172,7 +182,9 @@ class ReinforceConfig(RunConfig):
                 f"({self.num_prompts_per_step}): minibatches hold whole groups"
             )
         if self.clip_eps < 0 or (self.clip_eps_high is not None and self.clip_eps_high < 0):
-            raise ConfigError(f"clip_eps and clip_eps_high must be >= 0, got {self.clip_eps} and {self.clip_eps_high}")
+            raise ConfigError(
+                f"clip_eps and clip_eps_high must be >= 0, got {self.clip_eps} and {self.clip_eps_high}"
+            )
         if not self.grpo_eps >= 0:
             raise ConfigError(f"grpo_eps must be >= 0, got {self.grpo_eps}")
 
@@ -204,7 +216,11 @@ class State:
 
 
 def init_state(
-    cfg: ReinforceConfig, env: DistEnv, *, resume_from: str | Path | None = None, prompts: Sequence[str] | None = None
+    cfg: ReinforceConfig,
+    env: DistEnv,
+    *,
+    resume_from: str | Path | None = None,
+    prompts: Sequence[str] | None = None,
 ) -> State:
     """Load the policy (from ``resume_from/policy`` when resuming) and a frozen reference, build the optimizer,
     the generators and the prompt stream, and restore optimizer, RNG states and counters from the checkpoint."""
@@ -219,10 +235,14 @@ def init_state(
     sampler = torch.Generator(device=env.device).manual_seed(cfg.seed + 1000 * env.rank)
     shuffler = torch.Generator().manual_seed(cfg.seed + 1)
     train_prompts = list(prompts) if prompts is not None else get_task(cfg.task).prompts("train")
-    state = State(policy, reference, tokenizer, optimizer, sampler, shuffler, PromptStream(train_prompts, cfg.seed))
+    state = State(
+        policy, reference, tokenizer, optimizer, sampler, shuffler, PromptStream(train_prompts, cfg.seed)
+    )
     if resume_from is not None:
         saved = load_checkpoint(
-            resume_from, optimizers={"policy": optimizer}, generators={"sampler": sampler, "shuffler": shuffler}
+            resume_from,
+            optimizers={"policy": optimizer},
+            generators={"sampler": sampler, "shuffler": shuffler},
         )
         state.stream.consumed_samples = saved["consumed_samples"]
         state.step = saved["current_step"]
@@ -258,9 +278,7 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return groups.amax(dim=1) > groups.amin(dim=1)
 
 
-def sample_batch(
-    state: State, cfg: ReinforceConfig, reward: Any
-) -> tuple[TensorDictBase, dict[str, float]]:
+def sample_batch(state: State, cfg: ReinforceConfig, reward: Any) -> tuple[TensorDictBase, dict[str, float]]:
     """Phases 1-2: generate and score one batch; with ``cfg.dynamic_sampling``, keep only informative groups
     and generate more batches until ``num_prompts_per_step`` groups are kept or the batch budget is spent.
 
@@ -352,7 +370,9 @@ def advantages(batch: TensorDictBase, cfg: ReinforceConfig) -> dict[str, torch.T
     else:
         baseline = torch.zeros_like(shaped)
         seq_adv = shaped
-    truncated = batch["truncated"] if "truncated" in batch.keys() else torch.zeros_like(rewards, dtype=torch.bool)
+    truncated = (
+        batch["truncated"] if "truncated" in batch.keys() else torch.zeros_like(rewards, dtype=torch.bool)
+    )
     loss_mask = action_mask & ~truncated[:, None] if cfg.overlong_filtering else action_mask
     batch["advantages"] = torch.where(action_mask, seq_adv[:, None], 0.0)
     batch["loss_mask"] = loss_mask
@@ -374,7 +394,11 @@ def advantages(batch: TensorDictBase, cfg: ReinforceConfig) -> dict[str, torch.T
 
 
 def policy_gradient_loss(
-    logprobs: torch.Tensor, micro: TensorDictBase, cfg: ReinforceConfig, num_tokens: torch.Tensor, num_seqs: torch.Tensor
+    logprobs: torch.Tensor,
+    micro: TensorDictBase,
+    cfg: ReinforceConfig,
+    num_tokens: torch.Tensor,
+    num_seqs: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy-gradient term of one microbatch: ``ppo_loss`` when ``cfg.clipped``, else ``reinforce_loss``
     (plus ``clipfrac`` 0 and the same ``approx_kl`` so both report the same metrics)."""
@@ -392,7 +416,9 @@ def policy_gradient_loss(
     return loss, {"clipfrac": torch.zeros(()), "approx_kl": approx_kl}
 
 
-def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig, env: DistEnv) -> dict[str, torch.Tensor]:
+def update(
+    state: State, batch: TensorDictBase, cfg: ReinforceConfig, env: DistEnv
+) -> dict[str, torch.Tensor]:
     """Phase 5: ``ppo_epochs`` x ``num_minibatches`` optimizer steps, gradients accumulated over microbatches.
 
     Each minibatch's loss is normalised by its global loss-token (or sequence) count, so microbatching gives
@@ -422,7 +448,9 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig, env: DistE
             mb_loss, mb_kl = torch.zeros(()), torch.zeros(())
             for micro in split_microbatches(minibatch, cfg.microbatch_size):
                 mask = micro["loss_mask"]
-                logprobs, entropy = policy_logprobs(policy, micro, temperature=cfg.temperature, return_entropy=True)
+                logprobs, entropy = policy_logprobs(
+                    policy, micro, temperature=cfg.temperature, return_entropy=True
+                )
                 loss, metrics = policy_gradient_loss(logprobs, micro, cfg, num_tokens, num_seqs)
                 kl_loss = torch.zeros(())
                 if cfg.kl_loss_coef > 0:
@@ -431,7 +459,9 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig, env: DistE
                     loss = loss + cfg.kl_loss_coef * kl_loss
                 if not torch.isfinite(loss):
                     policy.zero_grad(set_to_none=True)
-                    raise FloatingPointError(f"step {state.step + 1}, phase update: the loss is {loss.item()}")
+                    raise FloatingPointError(
+                        f"step {state.step + 1}, phase update: the loss is {loss.item()}"
+                    )
                 loss.backward()
                 weight = mask.sum().float().cpu()
                 token_total = token_total + weight
@@ -456,7 +486,9 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig, env: DistE
 # --- 6-7. validate and save ------------------------------------------------------------------------------
 
 
-def validate(state: State, cfg: ReinforceConfig, reward: Any = None) -> tuple[dict[str, float], TensorDictBase]:
+def validate(
+    state: State, cfg: ReinforceConfig, reward: Any = None
+) -> tuple[dict[str, float], TensorDictBase]:
     """Phase 6: mean test-split reward (``val_reward``) with the validation generator (greedy if val_greedy)."""
     return common.validate(state.policy, state.tokenizer, cfg, reward=reward)
 
@@ -494,7 +526,9 @@ def export(state: State, cfg: ReinforceConfig) -> Path:
 # --- one step and the loop ---------------------------------------------------------------------------------
 
 
-def train_step(state: State, cfg: ReinforceConfig, env: DistEnv, reward: Any) -> tuple[dict[str, float], TensorDictBase]:
+def train_step(
+    state: State, cfg: ReinforceConfig, env: DistEnv, reward: Any
+) -> tuple[dict[str, float], TensorDictBase]:
     """Phases 1-5 for one step; advances ``state.step``. Returns the step's metrics (floats) and its batch."""
     timer = common.PhaseTimer()
     t0 = time.perf_counter()
@@ -549,7 +583,9 @@ def train(
     env = common.setup(cfg)
     state = init_state(cfg, env, resume_from=ckpt, prompts=prompts)
     task_reward = reward if reward is not None else get_task(cfg.task).reward
-    run = Run(cfg, env, callbacks=callbacks, resume=resume, total_steps=cfg.max_num_steps, start_step=state.step)
+    run = Run(
+        cfg, env, callbacks=callbacks, resume=resume, total_steps=cfg.max_num_steps, start_step=state.step
+    )
     run.install_signal_handlers()
     try:
         if cfg.val_at_start and state.step == 0:
