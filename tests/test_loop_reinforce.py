@@ -309,3 +309,22 @@ def test_shipped_configs_load(name):
 
     cfg = load_config(ReinforceConfig, Path(__file__).resolve().parents[1] / "configs" / name)
     assert cfg.task == "arithmetic" and cfg.val_greedy
+
+
+def test_stop_request_ends_after_the_step_with_a_checkpoint(tiny_path, tmp_path):
+    class StopAfterFirst:
+        def __init__(self):
+            self.steps = []
+
+        def on_metrics(self, step, metrics):
+            self.steps.append(step)
+
+        def should_stop(self):
+            return bool(self.steps) and self.steps[-1] >= 1
+
+    cb = StopAfterFirst()
+    cfg = make_cfg(tiny_path, tmp_path, max_num_steps=5, val_at_start=False, val_at_end=False, save_period=0)
+    run_dir = train(cfg, reward=length_reward, callbacks=[cb])
+    # the stop flag is read after step 1 is done: step 2 finishes, then checkpoint + final/
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    assert (run_dir / "checkpoints" / "step_2").is_dir() and (run_dir / "final" / "config.json").exists()
