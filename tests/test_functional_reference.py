@@ -85,19 +85,23 @@ def test_logprobs_and_entropy_match_reference(batch, length, vocab, temperature,
     torch.testing.assert_close(rlbits.entropy_from_logits(logits, temperature).detach(), ref.entropy(logits, temperature), **F64)
 
 
-def test_logprobs_chunked_path_matches_unchunked(monkeypatch):
+@pytest.mark.parametrize("temperature", [1.0, 0.9])
+def test_logprobs_chunked_path_matches_unchunked(monkeypatch, temperature):
+    """The eager chunked path (in-place backward per chunk) equals the one-pass path."""
     import rlbits.functional.logprobs as lp_module
 
     gen = torch.Generator().manual_seed(1)
     logits = leaf(randn(gen, 3, 7, 11, dtype=torch.float32))
     tokens = torch.randint(0, 11, (3, 7), generator=gen)
-    full = rlbits.logprobs_from_logits(logits, tokens, 0.9)
+    full = rlbits.logprobs_from_logits(logits, tokens, temperature)
     (g_full,) = grads(full.sum(), logits)
     monkeypatch.setattr(lp_module, "_CHUNK_ELEMENTS", 11 * 4)  # 4 rows per chunk: 21 rows -> 6 chunks
-    chunked = rlbits.logprobs_from_logits(logits, tokens, 0.9)
+    chunked = rlbits.logprobs_from_logits(logits, tokens, temperature)
     (g_chunked,) = grads(chunked.sum(), logits)
     torch.testing.assert_close(chunked, full, atol=0, rtol=0)
     torch.testing.assert_close(g_chunked, g_full, atol=1e-7, rtol=0)
+    ref_grad = grads(ref.logprobs(logits.double(), tokens, temperature).sum(), logits)[0]
+    torch.testing.assert_close(g_chunked, ref_grad, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(rlbits.entropy_from_logits(logits.detach()), torch.distributions.Categorical(logits=logits.detach()).entropy())
 
 

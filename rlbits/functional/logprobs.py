@@ -12,8 +12,9 @@ import torch
 
 from rlbits.functional import _checks
 
-# Elements per chunk of rows (64 MiB of float32 temporaries); bounds the transient memory in eager mode.
-_CHUNK_ELEMENTS = 1 << 24
+# Elements per chunk of rows in eager mode (4 MiB of float32): small enough that the passes over a chunk hit
+# the CPU cache, and bounds the transient memory.
+_CHUNK_ELEMENTS = 1 << 20
 
 
 def _rows_per_chunk(n_rows: int, vocab: int) -> int:
@@ -54,17 +55,32 @@ class _TokenLogprobs(torch.autograd.Function):
         flat = logits.reshape(-1, vocab)
         idx = tokens.reshape(-1, 1)
         g = grad_out.reshape(-1, 1).to(lse.dtype) / temperature
-        grad = torch.empty_like(flat)
         n = flat.shape[0]
         step = _rows_per_chunk(n, vocab)
+        if step >= n or lse.dtype != logits.dtype:
+            # One pass (compiled) or a dtype change: out-of-place, inductor fuses it.
+            grad = torch.empty_like(flat)
+            for s in range(0, n, step):
+                chunk = flat[s : s + step].to(lse.dtype)
+                if temperature != 1.0:
+                    chunk = chunk / temperature
+                probs = torch.exp(chunk - lse[s : s + step, None])
+                chunk_grad = -probs * g[s : s + step]
+                chunk_grad.scatter_add_(-1, idx[s : s + step], g[s : s + step])
+                grad[s : s + step] = chunk_grad
+            return grad.view(logits.shape), None, None
+        # Eager, same dtype: write each cache-sized chunk of the gradient in place, no temporaries.
+        grad = torch.empty_like(flat)
         for s in range(0, n, step):
-            chunk = flat[s : s + step].to(lse.dtype)
+            out = grad[s : s + step]
+            chunk = flat[s : s + step]
             if temperature != 1.0:
-                chunk = chunk / temperature
-            probs = torch.exp(chunk - lse[s : s + step, None])
-            chunk_grad = -probs * g[s : s + step]
-            chunk_grad.scatter_add_(-1, idx[s : s + step], g[s : s + step])
-            grad[s : s + step] = chunk_grad
+                torch.div(chunk, temperature, out=out)
+                out.sub_(lse[s : s + step, None])
+            else:
+                torch.sub(chunk, lse[s : s + step, None], out=out)
+            out.exp_().mul_(-g[s : s + step])
+            out.scatter_add_(-1, idx[s : s + step], g[s : s + step])
         return grad.view(logits.shape), None, None
 
 
