@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlbits"
 # Lower rank = lower layer. A module may import only its own layer or lower ones.
 RANKS = {
     "functional": 0,
+    "_io": 1,
     "batch": 1,
     "tasks": 2,
     "models": 3,

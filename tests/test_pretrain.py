@@ -82,10 +82,20 @@ def test_pretrain_restores_global_state(tmp_path):
 def test_pretrain_replaces_existing_folder(tmp_path):
     out = tmp_path / "m"
     out.mkdir()
+    (out / "config.json").write_text("{}")  # an old model folder is replaced whole
     (out / "stale.txt").write_text("old")
     assert pt.pretrain("arithmetic", out, seed=0, **TINY) == str(out)
     assert not (out / "stale.txt").exists() and (out / "config.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_pretrain_refuses_to_overwrite_a_folder_that_is_not_a_model(tmp_path):
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="refusing to overwrite"):
+        pt.pretrain("arithmetic", out, seed=0, **TINY)
+    assert (out / "mine.txt").read_text() == "keep me"
 
 
 def test_pretrain_bad_settings(tmp_path):

@@ -7,20 +7,17 @@ wrong path gives an error that names the path and what was found there.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
-import shutil
-import tempfile
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from rlbits._io import atomic_folder  # re-exported: rlbits.models.load.atomic_folder
 
 
 class CheckpointNotFoundError(FileNotFoundError, ValueError):
@@ -219,44 +216,6 @@ def load_pretrained(
         if getattr(cfg, "eos_token_id", None) is None:
             cfg.eos_token_id = tok.eos_token_id
     return model, tok
-
-
-@contextlib.contextmanager
-def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces ``path``, on error it is removed.
-
-    A reader never sees a half-written ``path``: the new folder is renamed into place (the old one, if any,
-    is moved aside first and deleted after). An existing ``path`` is only replaced if it is empty or looks
-    like a checkpoint (has ``config.json``), so a typo cannot wipe an unrelated folder.
-
-    Raises:
-        ValueError: ``path`` is a file, or a non-empty folder without ``config.json``.
-    """
-    dst = Path(path).expanduser()
-    if dst.exists():
-        if not dst.is_dir():
-            raise ValueError(f"cannot save to {str(path)!r}: it is a file")
-        if any(dst.iterdir()) and not (dst / "config.json").is_file():
-            raise ValueError(
-                f"refusing to overwrite {str(path)!r}: it is a non-empty folder without config.json "
-                "(not a checkpoint); choose a new or empty folder"
-            )
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    # mkdir (not mkdtemp, which makes it 0700) so the final folder gets the usual umask permissions.
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        old = None
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.replace(dst, old / "x")
-        os.replace(tmp, dst)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save_pretrained(model: PreTrainedModel, tokenizer, path: str | os.PathLike) -> Path:

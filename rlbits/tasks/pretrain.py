@@ -24,7 +24,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+from rlbits._io import atomic_folder
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
@@ -161,21 +162,9 @@ def _deterministic():
 
 
 def _save_atomically(out: Path, write) -> None:
-    # Write into a temporary sibling folder, then rename it into place: readers never see half a model.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    # A temporary sibling folder renamed into place: readers never see half a model.
+    with atomic_folder(out) as tmp:
         write(tmp)
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "model")
-        os.rename(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def pretrain(

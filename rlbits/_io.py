@@ -1,0 +1,49 @@
+"""Small file-system helpers shared across layers (stdlib only)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces ``path``, on error it is removed.
+
+    A reader never sees a half-written ``path``: the new folder is renamed into place (the old one, if any,
+    is moved aside first and deleted after). An existing ``path`` is only replaced if it is empty or looks
+    like a checkpoint (has ``config.json``), so a typo cannot wipe an unrelated folder.
+
+    Raises:
+        ValueError: ``path`` is a file, or a non-empty folder without ``config.json``.
+    """
+    dst = Path(path).expanduser()
+    if dst.exists():
+        if not dst.is_dir():
+            raise ValueError(f"cannot save to {str(path)!r}: it is a file")
+        if any(dst.iterdir()) and not (dst / "config.json").is_file():
+            raise ValueError(
+                f"refusing to overwrite {str(path)!r}: it is a non-empty folder without config.json "
+                "(not a checkpoint); choose a new or empty folder"
+            )
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    # mkdir (not mkdtemp, which makes it 0700) so the final folder gets the usual umask permissions.
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = None
+        if dst.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            os.replace(dst, old / "x")
+        os.replace(tmp, dst)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
