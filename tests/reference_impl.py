@@ -16,16 +16,16 @@ def _cells(x):
 
 
 def masked_mean(x, mask):
-    vals = [v for v, m in zip(_cells(x), _cells(mask)) if m]
+    vals = [v for v, m in zip(_cells(x), _cells(mask), strict=False) if m]
     return sum(vals) / len(vals) if vals else torch.zeros((), dtype=torch.float64)
 
 
 def masked_sum(x, mask):
-    return sum((v for v, m in zip(_cells(x), _cells(mask)) if m), torch.zeros((), dtype=torch.float64))
+    return sum((v for v, m in zip(_cells(x), _cells(mask), strict=False) if m), torch.zeros((), dtype=torch.float64))
 
 
 def masked_var(x, mask, unbiased=True):
-    vals = [v for v, m in zip(_cells(x), _cells(mask)) if m]
+    vals = [v for v, m in zip(_cells(x), _cells(mask), strict=False) if m]
     n = len(vals)
     if n == 0:
         return torch.zeros((), dtype=torch.float64)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from strategies import make_mask
 
 import rlbits
-from strategies import make_mask
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_compiled_kernel_matches_eager(name):
     eager_out = _flatten(fn(*args, **kwargs))
     compiled_out = _flatten(compiled(*args, **kwargs))
     assert len(eager_out) == len(compiled_out)
-    for e, c in zip(eager_out, compiled_out):
+    for e, c in zip(eager_out, compiled_out, strict=False):
         torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     weights = [torch.randn(e.shape, generator=torch.Generator().manual_seed(1)) for e in eager_out]
@@ -84,5 +84,5 @@ def test_compiled_kernel_matches_eager(name):
     assert differentiable, f"{name}: no differentiable output"
     g_eager = torch.autograd.grad(sum((eager_out[i] * weights[i]).sum() for i in differentiable), leaves)
     g_compiled = torch.autograd.grad(sum((compiled_out[i] * weights[i]).sum() for i in differentiable), leaves)
-    for e, c in zip(g_eager, g_compiled):
+    for e, c in zip(g_eager, g_compiled, strict=False):
         torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)

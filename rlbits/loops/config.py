@@ -126,7 +126,7 @@ def field_docs(cls: type) -> dict[str, str]:
         except (OSError, TypeError):
             continue
         body = ast.parse(source).body[0].body
-        for node, nxt in zip(body, body[1:]):
+        for node, nxt in zip(body, body[1:], strict=False):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
                     docs[node.target.id] = " ".join(nxt.value.value.split())

@@ -45,12 +45,12 @@ def plot_run(run_dirs: str | Path | Sequence[str | Path], out: str | Path | None
     cols = 2
     rows_n = max(1, -(-len(panels) // cols))
     fig, axes = plt.subplots(rows_n, cols, figsize=(10, 2.8 * rows_n), squeeze=False)
-    for ax, (title, keys) in zip(axes.flat, panels):
-        for label, rows in zip(labels, runs):
+    for ax, (title, keys) in zip(axes.flat, panels, strict=False):
+        for label, rows in zip(labels, runs, strict=False):
             for key in keys:
                 pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
                 if pts:
-                    xs, ys = zip(*pts)
+                    xs, ys = zip(*pts, strict=False)
                     ax.plot(xs, ys, marker="." if len(pts) < 30 else None, label=f"{label}: {key}")
         ax.set_title(title)
         ax.set_xlabel("step")
