@@ -179,6 +179,21 @@ def test_run_writes_metrics_samples_and_truncates_on_resume(tmp_path):
     assert [s["step"] for s in samples] == [1, 2]
 
 
+def test_wandb_offline_logging(tmp_path, monkeypatch):
+    """wandb=true works without a network in offline mode: the run lands under run_dir/wandb."""
+    pytest.importorskip("wandb")  # in the dev extra, so CI runs this
+    from rlbits.loops.run import Run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = RunConfig(run_dir=str(tmp_path / "run"), wandb=True, tensorboard=False, progress=False)
+    run = Run(cfg)
+    run.log(1, {"rewards": 0.25})
+    run.close()
+    offline = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and any(offline[0].rglob("*.wandb"))
+
+
 def test_plot_run_draws_the_logged_values(tmp_path):
     from rlbits.viz.plots import plot_run
 

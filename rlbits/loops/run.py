@@ -7,6 +7,7 @@ flag). Callbacks (e.g. a notebook dashboard) are objects with any of ``on_metric
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import signal
@@ -67,8 +68,9 @@ class Run:
             try:
                 import wandb
             except ImportError as e:
-                raise ImportError("wandb=true needs the wandb package: pip install wandb") from e
-            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(self.dir), config=vars(cfg) if hasattr(cfg, "__dict__") else None, resume="allow")
+                raise ImportError('wandb=true needs the wandb package: pip install "rlbits[wandb]"') from e
+            # WANDB_MODE=offline logs to run_dir/wandb without a network (`wandb sync` uploads it later).
+            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(self.dir), config=dataclasses.asdict(cfg), resume="allow")
         if cfg.progress:
             from tqdm.auto import tqdm
 
