@@ -174,6 +174,21 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return None
 
 
+def resume_checkpoint(run_dir: str | Path) -> Path:
+    """The checkpoint a ``resume=True`` run continues from: ``latest_checkpoint(run_dir)``.
+
+    Raises:
+        FileNotFoundError: the run has no complete, verifying checkpoint.
+    """
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise FileNotFoundError(
+            f"resume=True but run_dir {str(run_dir)!r} has no checkpoint to resume from "
+            f"(no complete checkpoint under {str(Path(run_dir) / CHECKPOINTS)!r})"
+        )
+    return path
+
+
 def load_checkpoint(
     path: str | Path,
     *,

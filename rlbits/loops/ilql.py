@@ -67,7 +67,7 @@ from tensordict import TensorDict, TensorDictBase
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rlbits.batch import build_batch, make_prompts, pad_right, trim_padding
-from rlbits.dist.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlbits.dist.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from rlbits.dist.env import DistEnv
 from rlbits.functional import (
     awac_loss,
@@ -747,13 +747,7 @@ def train(
         raise ConfigError(f"cfg must be an ILQLConfig, got {type(cfg).__name__}")
     cfg.validate()
     env = setup(cfg)
-    resume_from = None
-    if resume:
-        resume_from = latest_checkpoint(cfg.run_dir)
-        if resume_from is None:
-            raise FileNotFoundError(
-                f"resume=True but {cfg.run_dir!r} has no complete checkpoint to resume from"
-            )
+    resume_from = resume_checkpoint(cfg.run_dir) if resume else None
     state = init_state(cfg, env, resume_from=resume_from)
     timer = PhaseTimer()
     with timer("dataset"):

@@ -60,7 +60,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import split_microbatches, split_minibatches
-from rlbits.dist.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlbits.dist.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from rlbits.dist.env import DistEnv
 from rlbits.dist.reduce import all_reduce_sum, global_count, reduce_metrics
 from rlbits.functional import (
@@ -635,13 +635,7 @@ def train(
     task = get_task(cfg.task)
     reward = reward if reward is not None else task.reward
     train_prompts = list(prompts) if prompts is not None else task.prompts("train")
-    checkpoint = None
-    if resume:
-        checkpoint = latest_checkpoint(cfg.run_dir)
-        if checkpoint is None:
-            raise FileNotFoundError(
-                f"resume=True but run_dir {cfg.run_dir!r} has no checkpoint to resume from"
-            )
+    checkpoint = resume_checkpoint(cfg.run_dir) if resume else None
     state = init_state(cfg, env, resume_from=checkpoint)
     stream = PromptStream(train_prompts, cfg.seed, state.consumed_samples)
     total = total_steps(cfg, len(train_prompts), env.world_size)

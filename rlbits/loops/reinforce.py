@@ -65,7 +65,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import collate, split_microbatches, split_minibatches
-from rlbits.dist.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlbits.dist.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from rlbits.dist.env import DistEnv
 from rlbits.dist.reduce import global_count, reduce_metrics
 from rlbits.functional import (
@@ -83,6 +83,7 @@ from rlbits.loops.config import ConfigError, RunConfig
 from rlbits.loops.data import PromptStream
 from rlbits.loops.run import Run
 from rlbits.models.forward import policy_logprobs
+from rlbits.models.load import save_pretrained
 from rlbits.tasks import get_task
 
 BASELINES = ("rloo", "grpo", "grpo_unscaled", "none")
@@ -517,10 +518,7 @@ def save(state: State, cfg: ReinforceConfig) -> Path:
 
 def export(state: State, cfg: ReinforceConfig) -> Path:
     """The trained policy and its tokenizer as ``RUN_DIR/final/`` (``from_pretrained`` loads it)."""
-    out = Path(cfg.run_dir) / "final"
-    state.policy.save_pretrained(str(out))
-    state.tokenizer.save_pretrained(str(out))
-    return out
+    return save_pretrained(state.policy, state.tokenizer, Path(cfg.run_dir) / "final")
 
 
 # --- one step and the loop ---------------------------------------------------------------------------------
@@ -575,11 +573,7 @@ def train(
     if not isinstance(cfg, ReinforceConfig):
         raise TypeError(f"cfg must be a ReinforceConfig, got {type(cfg).__name__}")
     cfg.validate()
-    ckpt = None
-    if resume:
-        ckpt = latest_checkpoint(cfg.run_dir)
-        if ckpt is None:
-            raise FileNotFoundError(f"resume=True but {cfg.run_dir!r} has no checkpoint under checkpoints/")
+    ckpt = resume_checkpoint(cfg.run_dir) if resume else None
     env = common.setup(cfg)
     state = init_state(cfg, env, resume_from=ckpt, prompts=prompts)
     task_reward = reward if reward is not None else get_task(cfg.task).reward
@@ -589,8 +583,7 @@ def train(
     run.install_signal_handlers()
     try:
         if cfg.val_at_start and state.step == 0:
-            with common.PhaseTimer()("validate"):
-                val, _ = validate(state, cfg, reward)
+            val, _ = validate(state, cfg, reward)
             state.val_reward = val["val_reward"]
             run.log(0, val)
         saved_step = state.step if ckpt is not None else -1

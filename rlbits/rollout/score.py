@@ -48,7 +48,8 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-TEXT_KEYS = ("prompt_text", "response_text")
+from rlbits.batch import TEXT_KEYS
+
 TOKEN_ENV = "RLBITS_REWARD_TOKEN"  # bearer token for a reward server given to ``score`` as a URL
 _SHOW = 80  # characters of a prompt or response quoted in an error message
 
