@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 
 from rlbits.batch import decode, tokenize_prompts
 from rlbits.dist.env import DistEnv, init
-from rlbits.functional import masked_mean
+from rlbits.functional import kl_penalty, masked_sum
 from rlbits.loops.config import RunConfig
 from rlbits.models.forward import policy_logprobs
 from rlbits.models.load import load_pretrained
@@ -194,8 +194,7 @@ def sample_rows(batch: TensorDictBase, n: int) -> list[dict[str, Any]]:
 
 def kl_per_sequence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
     """Mean over sequences of the summed k1 KL estimate (nats per sequence): the usual ``init_policy_kl``."""
-    kl = torch.where(action_mask, logprobs - ref_logprobs, torch.zeros((), dtype=logprobs.dtype))
-    return kl.sum(-1).mean()
+    return masked_sum(kl_penalty(logprobs, ref_logprobs, "k1"), action_mask, dim=-1).mean()
 
 
 def response_stats(batch: TensorDictBase) -> dict[str, torch.Tensor]:
@@ -222,8 +221,3 @@ class PhaseTimer:
         out = {f"time/{k}": v for k, v in self.seconds.items()}
         out["time/step"] = sum(self.seconds.values())
         return out
-
-
-def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked mean (re-exported here so loop code reads as the metric it logs)."""
-    return masked_mean(x, mask)

@@ -165,6 +165,8 @@ class Run:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of ``run_dir/metrics.jsonl``."""
+    """The rows of ``run_dir/metrics.jsonl``. Raises FileNotFoundError if it is not a run directory."""
     path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; is {str(run_dir)!r} a run directory?")
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]

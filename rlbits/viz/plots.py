@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
+
+from rlbits.loops.run import read_metrics
 
 # (title, metric names tried in order); a panel is drawn if any run logged one of them.
 PANELS = (
@@ -17,13 +18,6 @@ PANELS = (
     ("tokens / s", ("tokens_per_s",)),
     ("seconds / step", ("time/step",)),
 )
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; is {str(run_dir)!r} a run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot_run(run_dirs: str | Path | Sequence[str | Path], out: str | Path | None = None, labels: Sequence[str] | None = None):
