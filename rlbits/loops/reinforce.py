@@ -411,9 +411,8 @@ def policy_gradient_loss(
         )
         return loss, {"clipfrac": m["clipfrac"], "approx_kl": m["approx_kl"]}
     loss, _ = reinforce_loss(logprobs, micro["advantages"], mask, **agg)
-    with torch.no_grad():
-        log_ratio = torch.where(mask, logprobs - micro["logprobs"], 0.0)
-        approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
+    # ppo_loss's approx_kl: the k3 estimate of KL(pi_old || pi_theta) on the sampled tokens.
+    approx_kl = masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)
     return loss, {"clipfrac": torch.zeros(()), "approx_kl": approx_kl}
 
 
