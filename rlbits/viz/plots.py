@@ -28,10 +28,8 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def _pyplot():
-    import matplotlib
-
-    # A headless default (CI, the CLI); inside Jupyter the inline backend is already chosen and kept.
-    matplotlib.use("Agg", force=False)
+    # No matplotlib.use(...) here: it would replace Jupyter's inline backend. Without a display matplotlib
+    # falls back to Agg by itself (CI, the CLI).
     import matplotlib.pyplot as plt
 
     return plt
