@@ -1,18 +1,21 @@
-"""Checkpoints for exact resume: models in HF format (safetensors), optimizers, RNG states, counters.
+"""Checkpoints for exact resume: models, optimizers, RNG states, counters; at any world size.
 
 Layout of ``RUN_DIR/checkpoints/step_N/``::
 
-    policy/            HF folder (config.json, model.safetensors, tokenizer files): loadable with from_pretrained
-    value/ ...         one folder per extra model, written by its own ``save_pretrained``
-    optimizers.pt      optimizer state dicts (loaded with ``torch.load(weights_only=True)``)
-    rng.pt             python, numpy and torch (CPU and CUDA) RNG states, and the loop's named generators
-    state.json         counters: consumed_samples, current_step, current_epoch, total_valid_tokens, ...
+    policy/ value/ ... HF folders (config.json, model.safetensors, tokenizer): saved at world size 1, so a
+                       checkpoint of a notebook run is loadable with ``from_pretrained``
+    tokenizer/         the tokenizer (saved at world size > 1, where the weights live in dcp/)
+    dcp/               torch.distributed.checkpoint: the optimizers' states (always) and, at world size > 1,
+                       the models' sharded weights; loadable at any world size (DCP reshards)
+    rng/rank_R.pt      each rank's python, numpy, torch (CPU and CUDA) RNG states and the loop's generators
+    state.json         counters: consumed_samples, current_step, current_epoch, ..., world_size
     manifest.json      every file's size and sha256; written last
 
 A checkpoint is written into a temporary folder and renamed into place, so a crash leaves either the whole
 checkpoint or none. ``latest_checkpoint`` verifies the manifest and falls back to the previous checkpoint if
-the newest is torn or corrupted. Only rank 0 writes (single-process checkpoints; sharded
-``torch.distributed.checkpoint`` saves come with the FSDP2 path).
+the newest is torn or corrupted. Optimizer state dicts are keyed by parameter names
+(``get_optimizer_state_dict``), so a checkpoint saved at N ranks resumes at M: weights and optimizer states
+are resharded; the RNG streams restart from the seeds when N != M (the run continues, not bit-exactly).
 """
 
 from __future__ import annotations
@@ -22,12 +25,26 @@ import json
 import random
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from transformers import PreTrainedModel
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from rlbits.dist.env import DistEnv, barrier
+from rlbits.dist.parallelize import is_sharded
+from rlbits.models.load import save_pretrained
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -66,73 +83,105 @@ def _set_rng_state(state: Mapping[str, Any], generators: Mapping[str, torch.Gene
         g.set_state(state["generators"][name])
 
 
-def _save_model(model: torch.nn.Module, path: Path) -> None:
-    if not hasattr(model, "save_pretrained"):
+def _save_model(model: nn.Module, path: Path, tokenizer: Any = None) -> None:
+    if isinstance(model, PreTrainedModel):
+        save_pretrained(model, tokenizer, path)
+    elif hasattr(model, "save_pretrained"):
+        model.save_pretrained(str(path), tokenizer=tokenizer)  # ValueModel, ILQLModel
+    else:
         raise TypeError(f"cannot checkpoint {type(model).__name__}: it has no save_pretrained method")
-    model.save_pretrained(str(path))
+
+
+def _optimizer_states(models: Mapping[str, nn.Module], optimizers: Mapping[str, torch.optim.Optimizer]) -> dict:
+    missing = sorted(set(optimizers) - set(models))
+    if missing:
+        raise ValueError(f"optimizers {missing} have no model of the same name (models: {sorted(models)})")
+    return {name: get_optimizer_state_dict(models[name], opt) for name, opt in optimizers.items()}
 
 
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
     *,
-    models: Mapping[str, torch.nn.Module],
+    models: Mapping[str, nn.Module],
     optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
     state: Mapping[str, Any] | None = None,
     generators: Mapping[str, torch.Generator] | None = None,
     tokenizer: Any = None,
     keep: int = 2,
+    env: DistEnv | None = None,
 ) -> Path:
     """Write ``RUN_DIR/checkpoints/step_{step}`` atomically and delete all but the newest ``keep``.
+
+    Every rank must call it (at world size > 1 it is collective: DCP writes each rank's shards).
 
     Args:
         run_dir: the run directory.
         step: training steps completed.
-        models: name -> module with ``save_pretrained`` (the policy as ``policy``; e.g. ``value``, ``ilql``).
-        optimizers: name -> optimizer.
+        models: name -> module (the policy as ``policy``; e.g. ``value``). HF folders at world size 1
+            (the module needs ``save_pretrained``), sharded DCP weights otherwise.
+        optimizers: name -> optimizer of ``models[name]``.
         state: JSON-serialisable counters.
         generators: name -> ``torch.Generator`` whose state must resume exactly (sampling, data order).
-        tokenizer: saved into ``policy/`` so that folder is a complete HF checkpoint.
+        tokenizer: saved with the policy (or in ``tokenizer/``).
         keep: how many step checkpoints to keep.
+        env: the ``DistEnv`` (None: world size 1).
 
     Returns:
         The checkpoint folder.
 
     Raises:
-        ValueError: ``state`` holds a non-finite number or something JSON cannot store.
+        ValueError: ``state`` holds a non-finite number or something JSON cannot store; an optimizer has no
+            model of its name.
     """
+    env = env or DistEnv()
+    optimizers = dict(optimizers or {})
+    try:
+        text = json.dumps({"step": step, **(state or {}), "world_size": env.world_size}, indent=2, allow_nan=False)
+    except ValueError as e:
+        raise ValueError(f"checkpoint state for step {step} is not finite JSON: {e}") from e
+    sharded = env.world_size > 1 and any(is_sharded(m) for m in models.values())
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step}"
     tmp = root / f".tmp_step_{step}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    if env.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier(env)
     try:
-        for name, model in models.items():
-            _save_model(model, tmp / name)
-        if tokenizer is not None and "policy" in models:
-            tokenizer.save_pretrained(str(tmp / "policy"))
-        torch.save({k: o.state_dict() for k, o in (optimizers or {}).items()}, tmp / "optimizers.pt")
-        torch.save(_rng_state(generators or {}), tmp / "rng.pt")
-        try:
-            text = json.dumps({"step": step, **(state or {})}, indent=2, allow_nan=False)
-        except ValueError as e:
-            raise ValueError(f"checkpoint state for step {step} is not finite JSON: {e}") from e
-        (tmp / "state.json").write_text(text)
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {
-            "step": step,
-            "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        payload: dict[str, Any] = {"optimizers": _optimizer_states(models, optimizers)}
+        if sharded:
+            payload["models"] = {name: get_model_state_dict(m) for name, m in models.items()}
+        dcp.save(payload, checkpoint_id=tmp / "dcp", no_dist=env.world_size == 1)
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(generators or {}), tmp / "rng" / f"rank_{env.rank}.pt")
+        if env.is_main:
+            if not sharded:
+                for name, model in models.items():
+                    _save_model(model, tmp / name, tokenizer if name == "policy" else None)
+            if tokenizer is not None and (sharded or "policy" not in models):
+                tokenizer.save_pretrained(str(tmp / "tokenizer"))
+            (tmp / "state.json").write_text(text)
+        barrier(env)
+        if env.is_main:
+            files = sorted(p for p in tmp.rglob("*") if p.is_file())
+            manifest = {
+                "step": step,
+                "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    if env.is_main:
+        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(env)
     return final
 
 
@@ -189,27 +238,113 @@ def resume_checkpoint(run_dir: str | Path) -> Path:
     return path
 
 
+def hf_folder(path: str | Path | None, name: str) -> Path | None:
+    """``path/name`` if the checkpoint ``path`` holds model ``name`` as an HF folder (saved at world size 1),
+    else None (its weights are in ``dcp/``: build the model fresh, then ``load_checkpoint`` fills them)."""
+    if path is None:
+        return None
+    folder = Path(path) / name
+    return folder if (folder / "config.json").is_file() else None
+
+
+def tokenizer_folder(path: str | Path) -> Path:
+    """The folder holding a checkpoint's tokenizer (``policy/`` or ``tokenizer/``)."""
+    path = Path(path)
+    return path / "tokenizer" if (path / "tokenizer").is_dir() else path / "policy"
+
+
 def load_checkpoint(
     path: str | Path,
     *,
+    models: Mapping[str, nn.Module] | None = None,
     optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
     generators: Mapping[str, torch.Generator] | None = None,
+    env: DistEnv | None = None,
 ) -> dict[str, Any]:
-    """Restore optimizer and RNG states in place and return the counters of ``state.json``.
+    """Restore weights (if the checkpoint holds them in ``dcp/``), optimizer and RNG states in place; return
+    the counters of ``state.json``. Collective at world size > 1.
 
-    Models are not touched: rebuild them from ``path / NAME`` (HF folders) before building the optimizers.
+    Build ``models`` first (from ``hf_folder(path, name)`` where that is not None, else fresh), shard them
+    as for training, build the optimizers, then call this.
+
+    Args:
+        models: name -> model (needed for every optimizer, whose states are keyed by parameter name).
+        optimizers: name -> optimizer of ``models[name]``.
+        generators: name -> generator; restored when the world size is the one saved, else left as seeded.
+        env: the ``DistEnv`` (None: world size 1).
 
     Raises:
-        ValueError: the checkpoint does not verify, or lacks a requested optimizer or generator.
+        ValueError: the checkpoint does not verify, or lacks a requested model, optimizer or generator.
     """
     path = Path(path)
+    env = env or DistEnv()
+    models = dict(models or {})
     problem = verify_checkpoint(path)
     if problem is not None:
         raise ValueError(f"checkpoint {str(path)!r} is damaged: {problem}")
-    saved = torch.load(path / "optimizers.pt", weights_only=True)
-    for name, opt in (optimizers or {}).items():
-        if name not in saved:
-            raise ValueError(f"checkpoint {str(path)!r} has no optimizer {name!r} (has {sorted(saved)})")
-        opt.load_state_dict(saved[name])
-    _set_rng_state(torch.load(path / "rng.pt", weights_only=True), generators or {})
-    return json.loads((path / "state.json").read_text())
+    saved = json.loads((path / "state.json").read_text())
+    in_dcp = [name for name in models if hf_folder(path, name) is None]
+    payload: dict[str, Any] = {}
+    if optimizers:
+        payload["optimizers"] = _optimizer_states(models, optimizers)
+    if in_dcp:
+        payload["models"] = {name: get_model_state_dict(models[name]) for name in in_dcp}
+    if payload:
+        try:
+            dcp.load(payload, checkpoint_id=path / "dcp", no_dist=env.world_size == 1)
+        except Exception as e:  # DCP names the missing key deep in its planner; say what was asked for
+            raise ValueError(
+                f"checkpoint {str(path)!r} cannot restore models {in_dcp} / optimizers {sorted(optimizers or {})}: {e}"
+            ) from e
+        for name in in_dcp:
+            set_model_state_dict(models[name], payload["models"][name])
+        for name, opt in (optimizers or {}).items():
+            set_optimizer_state_dict(models[name], opt, payload["optimizers"][name])
+    rng = path / "rng" / f"rank_{env.rank}.pt"
+    if saved.get("world_size", 1) == env.world_size and rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=True), generators or {})
+    elif generators:
+        warnings.warn(
+            f"checkpoint {str(path)!r} was saved at world size {saved.get('world_size', 1)}, resumed at "
+            f"{env.world_size}: RNG streams restart from their seeds (the run continues, not bit-exactly)",
+            stacklevel=2,
+        )
+    return saved
+
+
+def export_model(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    tokenizer: Any = None,
+    env: DistEnv | None = None,
+    build: Callable[[], nn.Module] | None = None,
+) -> Path | None:
+    """Save ``model`` as an HF folder at ``path`` from rank 0 (collective at world size > 1).
+
+    A sharded model's full weights are gathered to rank 0's CPU (``get_model_state_dict(full_state_dict,
+    cpu_offload)``) and loaded into ``build()``, an unsharded model of the same architecture on CPU, whose
+    ``save_pretrained`` writes the folder.
+
+    Returns:
+        ``Path(path)`` on rank 0, None elsewhere.
+
+    Raises:
+        ValueError: ``model`` is sharded and no ``build`` was given.
+    """
+    env = env or DistEnv()
+    path = Path(path)
+    if is_sharded(model):
+        if build is None:
+            raise ValueError("export_model of a sharded model needs build=, a factory of an unsharded replica")
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if env.is_main:
+            replica = build()
+            replica.load_state_dict(full)
+            _save_model(replica, path, tokenizer)
+        barrier(env)
+        return path if env.is_main else None
+    if env.is_main:
+        _save_model(model, path, tokenizer)
+    barrier(env)
+    return path if env.is_main else None

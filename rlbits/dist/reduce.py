@@ -18,6 +18,14 @@ def all_reduce_sum(x: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(x: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Elementwise maximum of ``x`` over ranks (``x`` itself at world size 1). Returns a new tensor."""
+    out = x.detach().clone()
+    if env.world_size > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
 def global_count(mask: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """Number of True entries of ``mask`` over all ranks, as a 0-dim float tensor (a loss denominator)."""
     return all_reduce_sum(mask.sum().to(torch.float32), env)

@@ -6,6 +6,7 @@ Each is a plain function, so a notebook can call one phase at a time and a new a
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -17,6 +18,8 @@ from tensordict import TensorDictBase
 
 from rlbits.batch import decode, tokenize_prompts
 from rlbits.dist.env import DistEnv, init
+from rlbits.dist.parallelize import grad_norm_and_clip, is_sharded, shard, unsharded
+from rlbits.dist.reduce import all_reduce_max, all_reduce_sum
 from rlbits.functional import kl_penalty, masked_sum
 from rlbits.loops.config import RunConfig
 from rlbits.models.forward import policy_logprobs
@@ -47,6 +50,56 @@ def setup(cfg: RunConfig) -> DistEnv:
     return env
 
 
+def prepare(model: torch.nn.Module, cfg: RunConfig, env: DistEnv) -> torch.nn.Module:
+    """Shard ``model`` for training under torchrun (``rlbits.dist.parallelize.shard``) with the run's precision,
+    activation checkpointing and (on GPU) per-block compile; at world size 1 only the latter two apply."""
+    return shard(
+        model,
+        env,
+        mixed_precision=cfg.precision == "bf16",
+        activation_checkpointing=cfg.activation_checkpointing,
+        compile_blocks=cfg.compile and env.device.type == "cuda",
+    )
+
+
+def autocast(model: torch.nn.Module, cfg: RunConfig) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to bf16 when ``cfg.precision == "bf16"`` and ``model`` is not sharded (a sharded
+    model casts its parameters itself, by its ``MixedPrecisionPolicy``); else a no-op."""
+    if cfg.precision != "bf16" or is_sharded(model):
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=True)
+
+
+def kernel(fn: Callable, cfg: RunConfig) -> Callable:
+    """``fn`` itself, or its ``torch.compile(dynamic=True)`` version when ``cfg.compile`` (one compiled copy per
+    function per process: response lengths and batch sizes change without recompiling)."""
+    return _compiled(fn) if cfg.compile else fn
+
+
+def pad_microbatches(micros: list[TensorDictBase], env: DistEnv) -> list[TensorDictBase]:
+    """Make every rank run the same number of microbatches (sharded models run a collective in each forward
+    and backward): ranks with fewer append copies of their first microbatch with every mask False, which
+    add nothing to the loss or the gradients."""
+    if env.world_size == 1:
+        return micros
+    most = int(all_reduce_max(torch.tensor(len(micros), device=env.device), env).item())
+    if most == len(micros):
+        return micros
+    empty = micros[0].clone()
+    if "response_mask" not in empty.keys():  # keep the tokens real: only the loss masks go
+        empty["response_mask"] = empty["action_mask"].clone()
+    for key in ("action_mask", "loss_mask"):
+        if key in empty.keys():
+            empty[key] = torch.zeros_like(empty[key])
+    return micros + [empty] * (most - len(micros))
+
+
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Set every dropout probability to 0: RL needs the sampling and training forward passes to agree."""
     for module in model.modules():
@@ -72,16 +125,13 @@ def make_optimizer(params: Iterator[torch.nn.Parameter] | Sequence, lr: float, w
 
 
 def clip_and_step(params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer, max_grad_norm: float) -> torch.Tensor:
-    """Clip the gradient's global norm (if ``max_grad_norm > 0``), step and zero the gradients.
+    """Clip the gradient's global norm (if ``max_grad_norm > 0``; over all ranks' shards), step and zero the
+    gradients.
 
     Returns the norm before clipping (0-dim tensor). A non-finite norm raises FloatingPointError and leaves the
     parameters untouched.
     """
-    params = [p for p in params if p.grad is not None]
-    if max_grad_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])) if params else torch.zeros(())
+    norm = grad_norm_and_clip(list(params), max_grad_norm)
     if not torch.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         raise FloatingPointError(f"gradient norm is {norm.item()}; the update was skipped")
@@ -111,7 +161,8 @@ def rollout(
     was_training = policy.training
     policy.eval()
     try:
-        with torch.no_grad():
+        # A sharded policy is gathered once for the whole rollout: decoding then runs no collective.
+        with torch.no_grad(), unsharded(policy):
             batch = generate(
                 policy,
                 prompts_td,
@@ -149,35 +200,42 @@ def validate(
     reward: Any = None,
     prompts: Sequence[str] | None = None,
     logits_processor: Callable | None = None,
+    env: DistEnv | None = None,
 ) -> tuple[dict[str, float], TensorDictBase]:
     """Mean reward on the task's test split (first ``max_val_samples`` prompts), one response each.
 
-    Uses its own generator seeded from ``cfg.seed``, so validating never shifts the training RNG streams
-    (a run with and without validation samples the same training rollouts) and every validation of a run
-    sees the same noise. Greedy if ``cfg.val_greedy``.
+    Uses its own generator seeded from ``cfg.seed`` (and the rank), so validating never shifts the training
+    RNG streams (a run with and without validation samples the same training rollouts) and every validation
+    of a run sees the same noise. Greedy if ``cfg.val_greedy``. Under torchrun each rank validates every
+    ``world_size``-th prompt and the statistics are reduced over ranks (every rank must call it).
 
     Returns:
-        ``({"val_reward", "val_reward_std", "val_response_len"}, batch)``.
+        ``({"val_reward", "val_reward_std", "val_response_len"}, batch)`` (this rank's batch).
     """
+    env = env or DistEnv()
     task = get_task(cfg.task)
     prompts = list(prompts if prompts is not None else task.prompts("test"))[: cfg.max_val_samples]
-    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(cfg.seed + 7919)
-    batch = rollout(
-        policy,
-        tokenizer,
-        prompts,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=0.0 if cfg.val_greedy else cfg.temperature,
-        generator=generator,
-        logits_processor=logits_processor,
-    )
-    rewards = score_rollout(batch, reward if reward is not None else task.reward)
-    lengths = batch["action_mask"].sum(-1).float()
-    metrics = {
-        "val_reward": rewards.mean().item(),
-        "val_reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-        "val_response_len": lengths.mean().item(),
-    }
+    prompts = prompts[env.rank :: env.world_size] or prompts[:1]
+    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(cfg.seed + 7919 + env.rank)
+    with autocast(policy, cfg):
+        batch = rollout(
+            policy,
+            tokenizer,
+            prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=0.0 if cfg.val_greedy else cfg.temperature,
+            generator=generator,
+            logits_processor=logits_processor,
+        )
+    rewards = score_rollout(batch, reward if reward is not None else task.reward).double().cpu()
+    lengths = batch["action_mask"].sum(-1).double().cpu()
+    n, total, squares, length = all_reduce_sum(
+        torch.stack([torch.tensor(float(len(rewards)), dtype=torch.float64), rewards.sum(), rewards.square().sum(), lengths.sum()]).to(env.device),
+        env,
+    ).tolist()
+    mean = total / n
+    var = (squares - n * mean * mean) / (n - 1) if n > 1 else 0.0
+    metrics = {"val_reward": mean, "val_reward_std": max(var, 0.0) ** 0.5, "val_response_len": length / n}
     return metrics, batch
 
 

@@ -90,6 +90,13 @@ class RunConfig:
     cpu_threads: int = 1
     """torch intra-op threads on CPU (``torch.set_num_threads``); 0 keeps torch's default. Small models are fastest on 1 (PPO on the sentiment base: 1.0 s/step with 1 thread, 10.9 with 2 on a loaded 2-core machine)."""
 
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: bfloat16 matmuls with fp32 master weights and optimizer states (``torch.autocast`` on one process; FSDP2 ``MixedPrecisionPolicy``, bf16 parameters and fp32 gradient reduction, under torchrun). Works on CPU and GPU."""
+    compile: bool = False
+    """``torch.compile`` the loss and advantage kernels (dynamic shapes: one compilation per kernel, not one per response length) and, on GPU, each transformer block. Compiled code is cached under ``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_$USER``), so later runs start faster."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of storing them (less memory, ~1/3 more compute)."""
+
     def validate(self) -> None:
         """Range checks shared by all loops; loops extend this. Raises ConfigError."""
         positive = ("max_num_steps", "max_num_epochs", "num_prompts_per_step", "num_generations_per_prompt",

@@ -60,8 +60,9 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import split_microbatches, split_minibatches
-from rlbits.dist.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from rlbits.dist.checkpoint import export_model, hf_folder, load_checkpoint, resume_checkpoint, save_checkpoint
 from rlbits.dist.env import DistEnv
+from rlbits.dist.parallelize import unsharded
 from rlbits.dist.reduce import all_reduce_sum, global_count, reduce_metrics
 from rlbits.functional import (
     adaptive_kl_coef,
@@ -80,7 +81,7 @@ from rlbits.loops.data import PromptStream
 from rlbits.loops.run import Run
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
-from rlbits.models.load import freeze, save_pretrained
+from rlbits.models.load import freeze, load_pretrained
 from rlbits.tasks import get_task
 
 # --------------------------------------------------------------------------------------------------------
@@ -239,6 +240,10 @@ class State:
         return {"sampling": self.sampling_generator, "minibatch": self.minibatch_generator}
 
     @property
+    def models(self) -> dict[str, torch.nn.Module]:
+        return {"policy": self.policy, "value": self.value_model}
+
+    @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"policy": self.policy_optimizer, "value": self.value_optimizer}
 
@@ -275,15 +280,19 @@ def init_state(cfg: PPOConfig, env: DistEnv, *, resume_from: str | Path | None =
     """
     init_path = common.policy_path(cfg)
     src = Path(resume_from) if resume_from is not None else None
-    policy, tokenizer = common.load_policy_and_tokenizer(str(src / "policy") if src else init_path, env)
+    policy, tokenizer = common.load_policy_and_tokenizer(str(hf_folder(src, "policy") or init_path), env)
     policy.train()
     reference = None
     if not cfg.skip_reference_policy_logprobs or cfg.reward_subtract_reference:
         reference = freeze(common.load_policy_and_tokenizer(init_path, env)[0])
-    if src is not None:
+    if hf_folder(src, "value") is not None:
         value_model = common.disable_dropout(ValueModel.from_pretrained(src / "value")).to(env.device).train()
-    else:
+    else:  # fresh (a DCP checkpoint fills its weights below)
         value_model = _load_critic(cfg, policy, env)
+    policy = common.prepare(policy, cfg, env)
+    value_model = common.prepare(value_model, cfg, env)
+    if reference is not None:
+        reference = common.prepare(reference, cfg, env)
     critic_lr = cfg.critic_learning_rate if cfg.critic_learning_rate is not None else cfg.learning_rate
     state = State(
         policy=policy,
@@ -297,7 +306,9 @@ def init_state(cfg: PPOConfig, env: DistEnv, *, resume_from: str | Path | None =
         kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef,
     )
     if src is not None:
-        saved = load_checkpoint(src, optimizers=state.optimizers, generators=state.generators)
+        saved = load_checkpoint(
+            src, models=state.models, optimizers=state.optimizers, generators=state.generators, env=env
+        )
         state.step = saved["current_step"]
         state.consumed_samples = saved["consumed_samples"]
         state.epoch = saved["current_epoch"]
@@ -332,16 +343,17 @@ def rollout(
     Adds ``prompts``, ``prompt_mask``, ``responses``, ``action_mask``, ``response_mask``, ``input_ids``,
     ``attention_mask``, ``logprobs``, ``group``, ``truncated``, ``prompt_text``, ``response_text``.
     """
-    return common.rollout(
-        policy,
-        tokenizer,
-        prompts,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        num_samples=cfg.num_generations_per_prompt,
-        generator=generator,
-        logits_processor=logits_processor,
-    )
+    with common.autocast(policy, cfg):
+        return common.rollout(
+            policy,
+            tokenizer,
+            prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            num_samples=cfg.num_generations_per_prompt,
+            generator=generator,
+            logits_processor=logits_processor,
+        )
 
 
 def score(batch: TensorDictBase, reward: Any) -> torch.Tensor:
@@ -374,15 +386,16 @@ def reference(ref_policy: torch.nn.Module | None, batch: TensorDictBase, cfg: PP
         return batch["ref_logprobs"]
     if ref_policy is None:
         raise ValueError("reference: ref_policy is None but skip_reference_policy_logprobs is False")
-    return common.reference_logprobs(
-        ref_policy, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size
-    )
+    with unsharded(ref_policy), common.autocast(ref_policy, cfg):
+        return common.reference_logprobs(
+            ref_policy, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size
+        )
 
 
 def values(value_model: torch.nn.Module, batch: TensorDictBase, cfg: PPOConfig) -> torch.Tensor:
     """Phase 4: ``values`` [B, R], the critic's V(s_t) before each response token (no gradient)."""
-    with torch.no_grad():
-        batch["values"] = critic_values(value_model, batch, microbatch_size=cfg.microbatch_size)
+    with torch.no_grad(), unsharded(value_model), common.autocast(value_model, cfg):
+        batch["values"] = critic_values(value_model, batch, microbatch_size=cfg.microbatch_size).float()
     return batch["values"]
 
 
@@ -427,12 +440,13 @@ def advantages(
     ``rewards_with_kl``, ``init_policy_kl``, ``advantages``, ``returns``, ``values``, ``explained_variance``.
     """
     mask = batch["action_mask"]
-    kl = kl_penalty(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator) if cfg.kl_in_reward else None
+    gae_fn = common.kernel(gae, cfg)
+    kl = common.kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator) if cfg.kl_in_reward else None
     scores = scale_rewards(batch, cfg, env)
-    batch["token_rewards"] = token_rewards(scores, mask, kl, kl_coef if cfg.kl_in_reward else 0.0)
-    adv, ret = gae(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.lam)
+    batch["token_rewards"] = common.kernel(token_rewards, cfg)(scores, mask, kl, kl_coef if cfg.kl_in_reward else 0.0)
+    adv, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.lam)
     if cfg.critic_lam is not None and cfg.critic_lam != cfg.lam:
-        _, ret = gae(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.critic_lam)
+        _, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.critic_lam)
     var_returns = masked_var(ret, mask).clamp(min=1e-8)
     metrics = {
         "rewards": batch["rewards"].mean(),
@@ -503,6 +517,7 @@ def update(
     """
     sums: dict[str, torch.Tensor] = {}
     num_updates = 0
+    ppo_loss_fn, value_loss_fn = common.kernel(ppo_loss, cfg), common.kernel(value_loss, cfg)
     for epoch in range(cfg.ppo_epochs):
         for index, minibatch in enumerate(split_minibatches(batch, cfg.num_minibatches, generator=generator)):
             where = f"step {step}, phase update (ppo epoch {epoch}, minibatch {index})"
@@ -511,15 +526,17 @@ def update(
             agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
             weighted: dict[str, torch.Tensor] = {}
             losses: dict[str, torch.Tensor] = {}
-            for micro in split_microbatches(minibatch, cfg.microbatch_size):
+            for micro in common.pad_microbatches(list(split_microbatches(minibatch, cfg.microbatch_size)), env):
                 mask = micro["action_mask"]
                 share = mask.sum() / num_tokens  # this microbatch's weight in token-mean statistics
                 total = 0.0
                 if train_policy:
-                    logprobs, entropy = policy_logprobs(
-                        policy, micro, temperature=cfg.temperature, return_entropy=True
-                    )
-                    actor, stats = ppo_loss(
+                    with common.autocast(policy, cfg):
+                        logprobs, entropy = policy_logprobs(
+                            policy, micro, temperature=cfg.temperature, return_entropy=True
+                        )
+                    logprobs, entropy = logprobs.float(), entropy.float()
+                    actor, stats = ppo_loss_fn(
                         logprobs, micro["logprobs"], micro["advantages"], mask,
                         clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, **agg,
                     )  # fmt: skip
@@ -537,8 +554,9 @@ def update(
                     for name in ("clipfrac", "approx_kl", "ratio_mean"):
                         _accumulate(weighted, name, stats[name] * share)
                     _accumulate(weighted, "entropy", masked_mean(entropy.detach(), mask) * share)
-                new_values = critic_values(value_model, micro)
-                critic, vstats = value_loss(
+                with common.autocast(value_model, cfg):
+                    new_values = critic_values(value_model, micro).float()
+                critic, vstats = value_loss_fn(
                     new_values, micro["values"], micro["returns"], mask, clip_eps=cfg.value_clip_eps, **agg
                 )
                 total = total + cfg.vf_coef * critic
@@ -579,25 +597,25 @@ def validate(
     *,
     reward: Any = None,
     prompts: Sequence[str] | None = None,
+    env: DistEnv | None = None,
 ) -> tuple[dict[str, float], TensorDictBase]:
     """Phase 8: mean reward of one response per test prompt (``rlbits.loops.common.validate``)."""
-    return common.validate(policy, tokenizer, cfg, reward=reward, prompts=prompts)
+    return common.validate(policy, tokenizer, cfg, reward=reward, prompts=prompts, env=env)
 
 
-def save(state: State, cfg: PPOConfig, env: DistEnv, *, total: int) -> Path | None:
+def save(state: State, cfg: PPOConfig, env: DistEnv, *, total: int) -> Path:
     """Phase 9: ``RUN_DIR/checkpoints/step_N`` with policy (+ tokenizer), critic, both optimizers, the
-    sampling and minibatch generators and the counters (rank 0 writes; returns the folder there)."""
-    if not env.is_main:
-        return None
+    sampling and minibatch generators and the counters (every rank calls it; see ``save_checkpoint``)."""
     return save_checkpoint(
         cfg.run_dir,
         state.step,
-        models={"policy": state.policy, "value": state.value_model},
+        models=state.models,
         optimizers=state.optimizers,
         state=state.counters(total),
         generators=state.generators,
         tokenizer=state.tokenizer,
         keep=cfg.keep_checkpoints,
+        env=env,
     )
 
 
@@ -643,7 +661,7 @@ def train(
     run.install_signal_handlers()
     try:
         if cfg.val_at_start and state.step == 0:
-            val_metrics, val_batch = validate(state.policy, state.tokenizer, cfg, reward=reward)
+            val_metrics, val_batch = validate(state.policy, state.tokenizer, cfg, reward=reward, env=env)
             state.val_reward = val_metrics["val_reward"]
             run.log(0, val_metrics)
             run.log_samples(
@@ -708,7 +726,7 @@ def train(
             last = state.step == total or run.should_stop
             if (cfg.val_period and step % cfg.val_period == 0) or (cfg.val_at_end and last):
                 with timer("validate"):
-                    val_metrics, _ = validate(state.policy, state.tokenizer, cfg, reward=reward)
+                    val_metrics, _ = validate(state.policy, state.tokenizer, cfg, reward=reward, env=env)
                 state.val_reward = val_metrics["val_reward"]
                 logged.update(val_metrics)
                 logged["time/validate"] = timer.seconds["validate"]
@@ -719,8 +737,10 @@ def train(
             if (cfg.save_period and step % cfg.save_period == 0) or last or run.should_stop:
                 with timer("save"):
                     save(state, cfg, env, total=total)
-        if env.is_main:
-            save_pretrained(state.policy, state.tokenizer, Path(cfg.run_dir) / "final")
+        export_model(
+            state.policy, Path(cfg.run_dir) / "final", tokenizer=state.tokenizer, env=env,
+            build=lambda: load_pretrained(common.policy_path(cfg))[0],
+        )  # fmt: skip
     finally:
         run.close()
     return Path(cfg.run_dir)
