@@ -1,0 +1,103 @@
+"""The standard workload of issue 7, shared by the benchmark scripts (imports torch, transformers and
+tokenizers only, so the TRL venvs can import it too).
+
+GPT-2 architecture, 4 layers, width 256, 4 heads, vocabulary 32,000 (11.4M parameters), random init,
+fp32; 16-token prompts; 32 new tokens at temperature 1 with EOS disabled; a rule-based reward.
+
+The tokenizer is a word-level one over the ids: token ``i`` is the word ``w{i}`` (0 = ``<pad>``,
+1 = ``<unk>``, ``vocab - 1`` = ``</s>``, the EOS token as in ``rlbits.models.tiny``), so a prompt of 16
+words is 16 tokens and decoding joins words with spaces. "EOS disabled": prompts never contain EOS and a
+random-init model samples it with probability ~1/32000 per token, so in practice every row decodes all 32
+tokens (the benchmarks record the mean response length to show it); both frameworks need an EOS id to run
+(rlbits refuses a tokenizer without one).
+The reward of a response is the fraction of its words with an even id (computable from text or ids alike).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+PAD_ID = 0
+UNK_ID = 1
+
+
+def model_config(vocab: int = 32000, width: int = 256, layers: int = 4, heads: int = 4, positions: int = 1024):
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=vocab,
+        n_embd=width,
+        n_layer=layers,
+        n_head=heads,
+        n_positions=positions,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=PAD_ID,
+        eos_token_id=None,
+        pad_token_id=PAD_ID,
+    )
+
+
+def tokenizer(vocab: int = 32000):
+    """A word-level fast tokenizer whose token ``i`` is ``w{i}``; pad ``<pad>`` (0), EOS ``</s>`` (vocab - 1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": PAD_ID, "<unk>": UNK_ID}
+    words.update({f"w{i}": i for i in range(2, vocab - 1)})
+    words["</s>"] = vocab - 1
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
+    )
+    fast.padding_side = "left"
+    return fast
+
+
+def build_model_folder(path: str | os.PathLike, *, seed: int = 0, **arch) -> Path:
+    """Save a random-init GPT-2 (``model_config(**arch)``) and the tokenizer to ``path`` (HF format); reuse
+    the folder if it already holds the same config."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    path = Path(path)
+    config = model_config(**arch)
+    if (path / "config.json").is_file() and (path / "seed.txt").is_file():
+        if (path / "seed.txt").read_text() == f"{seed} {sorted(arch.items())}":
+            return path
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD_ID
+    model.save_pretrained(path)
+    tokenizer(config.vocab_size).save_pretrained(path)
+    (path / "seed.txt").write_text(f"{seed} {sorted(arch.items())}")
+    return path
+
+
+def prompts(n: int, *, length: int = 16, vocab: int = 32000, seed: int = 0) -> list[str]:
+    """``n`` prompts of ``length`` random words (tokens 2..vocab-1)."""
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(2, vocab)}" for _ in range(length)) for _ in range(n)]
+
+
+def reward_from_text(response: str) -> float:
+    """Fraction of the response's words with an even id (0 for an empty response)."""
+    words = response.split()
+    if not words:
+        return 0.0
+    return sum(1 for w in words if w[1:].isdigit() and int(w[1:]) % 2 == 0) / len(words)
+
+
+def rlbits_reward(prompts, responses, **columns) -> list[float]:
+    """The reward as an ``rlbits.score`` callable."""
+    return [reward_from_text(r) for r in responses]
+
+
+def trl_reward(prompts, completions, **kwargs) -> list[float]:
+    """The reward as a TRL reward function."""
+    return [reward_from_text(c) for c in completions]

@@ -1,0 +1,477 @@
+"""Seconds per RL step: rlbits GRPO / RLOO / PPO against TRL's GRPOTrainer, RLOOTrainer (trl 1.16) and
+PPOTrainer (trl 1.12, ``trl.experimental.ppo``), side by side on the standard workload of issue 7.
+
+Workload (``benchmarks/_workload.py``): GPT-2 architecture, 4 layers, width 256, 4 heads, vocabulary 32,000
+(11.4M parameters), random init, fp32, 2 threads; 8 prompts x 4 generations = 32 rollouts of 16-token
+prompts and 32 new tokens at temperature 1 (EOS never sampled in practice); reward = fraction of response
+tokens with an even id; one optimizer step per rollout batch (PPO: 4 epochs of one minibatch, a value
+model of the same size). Both frameworks run one microbatch of 32 rows.
+
+Settings matched on both sides (each framework's defaults otherwise):
+
+- GRPO: group-normalised advantages, token-mean loss, no KL (TRL's default ``beta=0``: no reference
+  model; rlbits still runs its reference pass, for the ``init_policy_kl`` metric).
+- RLOO: leave-one-out baseline, KL to the reference in the reward with coefficient 0.05 (TRL's default).
+- PPO: 4 epochs x 1 minibatch, KL in the reward 0.05, GAE(1, 0.95), separate critic. TRL's PPOTrainer
+  samples one response per prompt (32 prompts); rlbits 8 x 4 (the same tokens).
+- TRL's PPOTrainer takes a reward *model*; a rule-based one is patched in (``get_reward`` on a marker
+  module computes the same even-id fraction from the token ids).
+
+rlbits runs through its real library path: ``rlbits.train`` on a policy folder saved from the random-init
+model with a Python reward callable, exactly as a user would (``run_dir`` under a temp folder, validation,
+TensorBoard and progress bars off). TRL runs its trainers' ``train()``. Each framework is one worker
+process (TRL in its own venv: ``--trl116-python`` / ``--trl112-python``); a callback in each blocks after
+every step until the driver says go, so the driver runs the frameworks **interleaved step by step**: a
+change in machine load hits all alike. Step time = wall time from "go" to the end of the step (the
+framework's whole loop iteration: rollout, scoring, reference, update, logging). The first step of each
+worker is a warm-up (not timed). Peak RSS = ``ru_maxrss`` of the worker process at its last timed step.
+
+    python benchmarks/bench_step.py                      # all frameworks, 6 timed steps, ~8 min on 2 cores
+    python benchmarks/bench_step.py --steps 3 --only rlbits-grpo trl-grpo
+    python benchmarks/bench_step.py --no-bf16            # skip the rlbits bf16 variants
+
+Writes ``benchmarks/results/bench_step.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _workload as W  # noqa: E402
+
+ALGOS = ("grpo", "rloo", "ppo")
+DEFAULT_TRL116 = "/work/venv-trl116/bin/python"
+DEFAULT_TRL112 = "/work/venv-trl112/bin/python"
+# Seconds the driver waits between handing turns: OpenMP threads of the worker that just finished may
+# spin briefly before sleeping; this keeps them off the next worker's cores.
+_PAUSE_S = 0.3
+
+
+# --- the worker side ------------------------------------------------------------------------------------
+
+
+def _send(kind: str, **payload) -> None:
+    print("@@" + json.dumps({"kind": kind, **payload}), flush=True)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _Turns:
+    """Called at the end of every step: report it, then block until the driver says go."""
+
+    def __init__(self, total_steps: int):
+        self.total = total_steps
+        self.t0 = None
+        self.count = 0
+
+    def step_done(self, extra: dict | None = None) -> None:
+        now = time.perf_counter()
+        self.count += 1
+        if self.t0 is None:
+            _send("ready", peak_rss_mib=_peak_rss_mib())
+        else:
+            _send("step", seconds=now - self.t0, peak_rss_mib=_peak_rss_mib(), **(extra or {}))
+        if self.count < self.total:
+            line = sys.stdin.readline()
+            if line.strip() != "go":
+                raise SystemExit(f"worker: expected 'go' from the driver, got {line!r}")
+            self.t0 = time.perf_counter()
+
+
+def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
+    import contextlib
+
+    import torch
+
+    import rlbits
+    from rlbits.loops.api import resolve_config
+
+    torch.set_num_threads(args.threads)
+    total = 1 + args.steps
+    common = dict(
+        policy=str(folder),
+        run_dir=str(run_dir),
+        max_num_steps=total,
+        max_new_tokens=args.new_tokens,
+        temperature=1.0,
+        microbatch_size=32,
+        cpu_threads=args.threads,
+        learning_rate=1e-5,
+        val_period=0,
+        val_at_start=False,
+        val_at_end=False,
+        save_period=0,
+        tensorboard=False,
+        progress=False,
+        log_samples=0,
+        device="cpu",
+    )
+    algo = args.worker.split("-")[1]
+    if algo == "ppo":
+        cfg = dict(
+            loop="ppo",
+            num_prompts_per_step=8,
+            num_generations_per_prompt=4,
+            ppo_epochs=4,
+            num_minibatches=1,
+            kl_coef=0.05,
+            kl_in_reward=True,
+            **common,
+        )
+    else:
+        cfg = dict(
+            loop="reinforce",
+            num_prompts_per_step=8,
+            num_generations_per_prompt=4,
+            baseline=algo,
+            loss_agg="token-mean",
+            **common,
+        )
+        if algo == "rloo":
+            cfg.update(kl_in_reward=True, kl_coef=0.05)
+    autocast = contextlib.nullcontext()
+    if args.precision == "bf16":
+        probe = resolve_config(dict(cfg))
+        if "precision" in {f for f in probe.__dataclass_fields__}:
+            cfg["precision"] = "bf16"  # the loops apply bf16 autocast themselves
+        else:  # older loops: wrap the whole run in CPU autocast, what the precision field does
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    turns = _Turns(total)
+
+    class Callback:
+        def on_metrics(self, step, metrics):
+            if "time/step" in metrics:
+                turns.step_done(
+                    {
+                        "loop_time_step": metrics["time/step"],
+                        "phases": {k: v for k, v in metrics.items() if k.startswith("time/")},
+                        "response_len": metrics.get("response_len"),
+                    }
+                )
+
+    prompts = W.prompts(8 * (total + 2), length=args.prompt_len, seed=1)
+    with autocast:
+        rlbits.train(reward_fn=W.rlbits_reward, prompts=prompts, config=cfg, callbacks=[Callback()])
+
+
+def _trl_callback(turns: _Turns):
+    from transformers import TrainerCallback
+
+    class Turn(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            turns.step_done()
+
+    return Turn()
+
+
+def _trl_reinforce_worker(args, folder: Path, out_dir: Path) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    algo = args.worker.split("-")[1]
+    total = 1 + args.steps
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.padding_side = "left"
+    dataset = Dataset.from_dict({"prompt": W.prompts(8 * (total + 2), length=args.prompt_len, seed=1)})
+    common = dict(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=32,
+        gradient_accumulation_steps=1,
+        num_generations=4,
+        max_completion_length=args.new_tokens,
+        temperature=1.0,
+        learning_rate=1e-5,
+        max_steps=total,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    if algo == "grpo":
+        from trl import GRPOConfig as Config
+        from trl import GRPOTrainer as Trainer
+    else:
+        from trl import RLOOConfig as Config
+        from trl import RLOOTrainer as Trainer
+    trainer = Trainer(
+        model=str(folder),
+        reward_funcs=W.trl_reward,
+        args=Config(**common),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[_trl_callback(_Turns(total))],
+    )
+    trainer.train()
+
+
+def _trl_ppo_worker(args, folder: Path, out_dir: Path) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    import trl.experimental.ppo.ppo_trainer as ppo_module
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    torch.set_num_threads(args.threads)
+    total = 1 + args.steps
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.padding_side = "left"
+
+    class RuleReward(torch.nn.Module):
+        """Marker for the patched ``get_reward``: the even-id fraction of each response."""
+
+    original = ppo_module.get_reward
+
+    def get_reward(model, query_responses, pad_token_id, context_length):
+        if not isinstance(model, RuleReward):
+            return original(model, query_responses, pad_token_id, context_length)
+        response = query_responses[:, context_length:]
+        real = response != pad_token_id
+        even = real & (response % 2 == 0)
+        score = even.sum(1).float() / real.sum(1).clamp(min=1).float()
+        return None, score, real.sum(1) - 1
+
+    ppo_module.get_reward = get_reward
+    prompts = W.prompts(32 * (total + 2), length=args.prompt_len, seed=1)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    dataset = Dataset.from_dict({"input_ids": ids})
+    policy = AutoModelForCausalLM.from_pretrained(folder)
+    ref = AutoModelForCausalLM.from_pretrained(folder)
+    value = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1)
+    value.config.pad_token_id = tokenizer.pad_token_id
+    config = PPOConfig(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=32,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=4,
+        local_rollout_forward_batch_size=32,
+        response_length=args.new_tokens,
+        temperature=1.0,
+        kl_coef=0.05,
+        learning_rate=1e-5,
+        total_episodes=32 * total,
+        num_sample_generations=0,
+        stop_token=None,
+        missing_eos_penalty=None,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=ref,
+        reward_model=RuleReward(),
+        train_dataset=dataset,
+        value_model=value,
+        callbacks=[_trl_callback(_Turns(total))],
+    )
+    trainer.train()
+
+
+def _worker(args) -> None:
+    folder = Path(args.model_folder)
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench_step_{args.worker}_"))
+    try:
+        if args.worker.startswith("rlbits-"):
+            _rlbits_worker(args, folder, tmp / "run")
+        elif args.worker == "trl-ppo":
+            _trl_ppo_worker(args, folder, tmp / "out")
+        else:
+            _trl_reinforce_worker(args, folder, tmp / "out")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _send("exit", peak_rss_mib=_peak_rss_mib())
+
+
+# --- the driver -----------------------------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(self, name: str, python: str, argv: list[str]):
+        self.name = name
+        self.proc = subprocess.Popen(
+            [python, str(Path(__file__).resolve()), *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
+        self.messages: list[dict] = []
+        self.error: str | None = None
+
+    def read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                err = self.proc.stderr.read()
+                self.error = err[-3000:]
+                raise RuntimeError(f"worker {self.name} died:\n{self.error}")
+            if line.startswith("@@"):
+                msg = json.loads(line[2:])
+                self.messages.append(msg)
+                return msg
+
+    def go(self) -> dict:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=6, help="timed steps per framework (after one warm-up step)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--trl116-python", default=DEFAULT_TRL116)
+    p.add_argument("--trl112-python", default=DEFAULT_TRL112)
+    p.add_argument("--no-bf16", action="store_true", help="skip the rlbits bf16 variants")
+    p.add_argument("--only", nargs="+", help="run only these workers (e.g. rlbits-grpo trl-grpo)")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "bench_step.json")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    p.add_argument("--model-folder", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return {}
+
+    folder = W.build_model_folder(Path(tempfile.gettempdir()) / "rlbits_bench_standard_model")
+    shared = [f"--steps={args.steps}", f"--threads={args.threads}", f"--prompt-len={args.prompt_len}",
+              f"--new-tokens={args.new_tokens}", f"--model-folder={folder}"]  # fmt: skip
+    specs = []  # (name, python, precision)
+    for algo in ALGOS:
+        specs.append((f"rlbits-{algo}", sys.executable, "fp32"))
+        if not args.no_bf16 and algo != "ppo":
+            specs.append((f"rlbits-{algo}-bf16", sys.executable, "bf16"))
+        if not args.no_bf16 and algo == "ppo":
+            specs.append((f"rlbits-{algo}-bf16", sys.executable, "bf16"))
+        trl_python = args.trl112_python if algo == "ppo" else args.trl116_python
+        if Path(trl_python).exists():
+            specs.append((f"trl-{algo}", trl_python, "fp32"))
+        else:
+            print(f"skipping trl-{algo}: {trl_python} not found (see benchmarks/RESULTS.md to install)")
+    if args.only:
+        specs = [s for s in specs if s[0] in args.only]
+    load_start = _load()
+    workers = []
+    for name, python, precision in specs:
+        worker_name = name.removesuffix("-bf16")
+        workers.append(Worker(name, python, [f"--worker={worker_name}", f"--precision={precision}", *shared]))
+    # Warm-up step of every worker (they may overlap); each then blocks until its first "go".
+    failed = {}
+    for w in workers:
+        try:
+            w.read()
+        except RuntimeError as e:
+            failed[w.name] = str(e)
+            print(e, file=sys.stderr)
+    alive = [w for w in workers if w.name not in failed]
+    loads = []
+    for i in range(args.steps):
+        for w in alive:
+            time.sleep(_PAUSE_S)
+            loads.append(_load())
+            msg = w.go()
+            print(f"step {i + 1}/{args.steps} {w.name:<18} {msg['seconds']:7.3f} s  (load {loads[-1]:.2f})", flush=True)
+    for w in alive:
+        try:
+            w.read()  # "exit"
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+        w.proc.wait(timeout=120)
+
+    results = {}
+    for w in alive:
+        steps = [m for m in w.messages if m["kind"] == "step"]
+        secs = [m["seconds"] for m in steps]
+        results[w.name] = {
+            "median_s": statistics.median(secs),
+            "best_s": min(secs),
+            "times_s": secs,
+            "peak_rss_mib": steps[-1]["peak_rss_mib"],
+            "loop_time_step_s": [m.get("loop_time_step") for m in steps if m.get("loop_time_step") is not None],
+            "response_len": [m.get("response_len") for m in steps if m.get("response_len") is not None],
+            "phases_last_step": steps[-1].get("phases"),
+        }
+    for name, err in failed.items():
+        results[name] = {"error": err[-2000:]}
+
+    rows = []
+    for algo in ALGOS:
+        trl = results.get(f"trl-{algo}", {})
+        for name in (f"rlbits-{algo}", f"rlbits-{algo}-bf16", f"trl-{algo}"):
+            r = results.get(name)
+            if r is None or "error" in r:
+                continue
+            ratio = trl["median_s"] / r["median_s"] if "median_s" in trl and not name.startswith("trl") else None
+            rows.append((name, r["median_s"], r["best_s"], r["peak_rss_mib"], ratio))
+    table = ["| framework | median s/step | best s/step | peak RSS MiB | TRL / this (median) |", "|---|---|---|---|---|"]
+    for name, med, best, rss, ratio in rows:
+        table.append(f"| {name} | {med:.3f} | {best:.3f} | {rss:.0f} | {'' if ratio is None else f'{ratio:.2f}x'} |")
+    print("\n".join(table))
+
+    import torch
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "python": platform.python_version()}  # fmt: skip
+    for key, python in (("trl_grpo_rloo", args.trl116_python), ("trl_ppo", args.trl112_python)):
+        if Path(python).exists():
+            out = subprocess.run([python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True)
+            versions[key] = out.stdout.strip()
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "threads": args.threads,
+        "steps": args.steps,
+        "versions": versions,
+        "load_average_1min": {"start": load_start, "per_step": loads, "end": _load()},
+        "results": results,
+        "table": "\n".join(table),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
