@@ -8,6 +8,8 @@ a vectorised recursion on the compacted rows, and scatters the result back.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlbits.functional import _checks
@@ -122,6 +124,8 @@ def token_rewards(
     """
     _checks.ndim("rewards", rewards, 1, "[B]")
     _checks.ndim("action_mask", action_mask, 2, "[B, R]")
+    if kl is not None:
+        _checks.tensor("kl", kl)
     if rewards.shape[0] != action_mask.shape[0]:
         raise ValueError(
             f"rewards has {rewards.shape[0]} rows but action_mask has shape {tuple(action_mask.shape)}"
@@ -138,6 +142,7 @@ def token_rewards(
         out = torch.where(positions[None, :] == last, rewards.to(dtype)[:, None], zero)
     if kl is not None:
         _checks.same_shape(action_mask=action_mask, kl=kl)
+        _checks.finite("kl_coef", kl_coef)
         out = out - kl_coef * torch.where(mask, kl.to(dtype), zero)
     return out.to(out_dtype)
 
@@ -178,6 +183,8 @@ def gae(
         ValueError: inputs are not all [B, R] of one shape.
     """
     _check_2d(token_rewards=token_rewards, values=values, action_mask=action_mask)
+    _checks.in_range("gamma", gamma, 0, 1)
+    _checks.in_range("lam", lam, 0, 1)
     out_dtype = torch.promote_types(token_rewards.dtype, values.dtype)
     dtype = _checks.compute_dtype(token_rewards, values)
     if values.shape[1] == 0:
@@ -209,6 +216,11 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.to(_checks.compute_dtype(rewards)).view(-1, group_size)
 
 
+def _float_dtype(rewards: torch.Tensor) -> torch.dtype:
+    """``rewards.dtype`` if floating point, else float32 (0/1 or integer rewards must not round advantages)."""
+    return rewards.dtype if rewards.is_floating_point() else torch.float32
+
+
 def rloo_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Leave-one-out baseline: the mean reward of the *other* samples of the same prompt.
 
@@ -227,7 +239,7 @@ def rloo_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """
     groups = _groups(rewards, group_size)
     baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-    return baseline.reshape(-1).to(rewards.dtype)
+    return baseline.reshape(-1).to(_float_dtype(rewards))
 
 
 def group_normalize(
@@ -252,8 +264,9 @@ def group_normalize(
     Raises:
         ValueError: ``rewards`` is not 1-D, ``K < 2``, or ``B % K != 0``.
     """
+    _checks.in_range("eps", eps, 0, math.inf, high_open=True)
     groups = _groups(rewards, group_size)
     out = groups - groups.mean(dim=1, keepdim=True)
     if scale:
         out = out / (groups.std(dim=1, keepdim=True) + eps)
-    return out.reshape(-1).to(rewards.dtype)
+    return out.reshape(-1).to(_float_dtype(rewards))

@@ -39,6 +39,7 @@ def ilql_targets(
     """
     for name, t in (("token_rewards", token_rewards), ("values", values), ("action_mask", action_mask)):
         _checks.ndim(name, t, 2, "[B, R]")
+    _checks.in_range("gamma", gamma, 0, 1)
     _checks.same_shape(token_rewards=token_rewards, values=values, action_mask=action_mask)
     out_dtype = torch.promote_types(token_rewards.dtype, values.dtype)
     dtype = _checks.compute_dtype(token_rewards, values)
@@ -107,8 +108,7 @@ def expectile_loss(
     Raises:
         ValueError: mismatched shapes, ``tau`` outside (0, 1).
     """
-    if not 0 < tau < 1:
-        raise ValueError(f"tau must be in (0, 1), got {tau}")
+    _checks.in_range("tau", tau, 0, 1, low_open=True, high_open=True)
     dtype = _check(action_mask, values=values, target_q=target_q)
     mask = action_mask.to(torch.bool)
     v = values.to(dtype)
@@ -123,6 +123,8 @@ def _masked_nll(
 ) -> torch.Tensor:
     _checks.ndim("action_mask", action_mask, 2, "[B, R]")
     _checks.ndim(name, logits, 3, "[B, R, V]")
+    _checks.floating(name, logits)
+    _checks.integer("actions", actions)
     if logits.shape[:2] != action_mask.shape or actions.shape != action_mask.shape:
         raise ValueError(
             f"{name} {tuple(logits.shape)}, actions {tuple(actions.shape)} and action_mask "
@@ -197,6 +199,8 @@ def ilql_logits(logits: torch.Tensor, q: torch.Tensor, v: torch.Tensor, beta: fl
         ValueError: shapes disagree.
     """
     _checks.same_shape(logits=logits, q=q)
+    _checks.tensor("v", v)
+    _checks.finite("beta", beta)
     if v.shape != logits.shape[:-1]:
         raise ValueError(f"v has shape {tuple(v.shape)} but must be logits.shape[:-1] = {tuple(logits.shape[:-1])}")
     return (logits + beta * (q - v.unsqueeze(-1))).to(logits.dtype)

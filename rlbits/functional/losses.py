@@ -9,6 +9,8 @@ summed gradients equal one big batch's.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlbits.functional import _checks
@@ -110,10 +112,12 @@ def ppo_loss(
     _check_per_token(action_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     _checks.aggregation(agg)
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    if clip_eps < 0 or clip_eps_high < 0:
-        raise ValueError(f"clip_eps and clip_eps_high must be >= 0, got {clip_eps} and {clip_eps_high}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be > 1 (Ye 2020), got {dual_clip}")
+    _checks.in_range("clip_eps", clip_eps, 0, math.inf, high_open=True)
+    _checks.in_range("clip_eps_high", clip_eps_high, 0, math.inf, high_open=True)
+    if dual_clip is not None and not (
+        isinstance(dual_clip, torch.Tensor) or (_checks.is_number(dual_clip) and 1 < dual_clip < math.inf)
+    ):
+        raise ValueError(f"dual_clip must be > 1 (Ye 2020) and finite, or None; got {dual_clip!r}")
     dtype = _checks.compute_dtype(logprobs, old_logprobs, advantages)
     mask = action_mask.to(torch.bool)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
@@ -209,8 +213,8 @@ def value_loss(
     """
     _check_per_token(action_mask, values=values, old_values=old_values, returns=returns)
     _checks.aggregation(agg)
-    if clip_eps is not None and not clip_eps > 0:
-        raise ValueError(f"clip_eps must be > 0 or None, got {clip_eps}")
+    if clip_eps is not None:
+        _checks.in_range("clip_eps", clip_eps, 0, math.inf, low_open=True, high_open=True)
     dtype = _checks.compute_dtype(values, old_values, returns)
     mask = action_mask.to(torch.bool)
     v = values.to(dtype)

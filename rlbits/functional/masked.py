@@ -13,6 +13,8 @@ from rlbits.functional import _checks
 
 
 def _prepare(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _checks.tensor("x", x)
+    _checks.tensor("mask", mask)
     if mask.shape != x.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)} but x has shape {tuple(x.shape)}; they must match")
     _checks.floating("x", x)

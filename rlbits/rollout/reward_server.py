@@ -27,6 +27,7 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import math
 import os
 import socket
 import threading
@@ -40,7 +41,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from rlbits.rollout.score import RewardError, RewardServerError, _resolve, score_texts
+from rlbits.rollout.score import RewardError, RewardServerError, _resolve, describe_sample, score_texts
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # 16 MiB of JSON: tens of thousands of typical samples
 _MAX_RESPONSE_BYTES = 64 * 2**20
@@ -155,9 +156,12 @@ class RewardClient:
         for i, r in enumerate(rewards):
             if isinstance(r, bool) or not isinstance(r, (int, float)):
                 raise RewardServerError(
-                    f"{where} answered reward {_show(r)} for sample {i}; expected a number", 200
+                    f"{where} answered reward {_show(r)} for {describe_sample(i, prompts[i], responses[i])}; "
+                    "expected a number",
+                    200,
                 )
-        return [float(r) for r in rewards]
+        # An int beyond float64 becomes +-inf, which ``score`` then rejects naming the sample.
+        return [_to_float(r) for r in rewards]
 
     def _request(self, method: str, path: str, body: bytes | None) -> Any:
         url = self.url + path
@@ -218,6 +222,13 @@ class RewardClient:
                 "per request, e.g. score(..., batch_size=...))"
             )
         raise RewardServerError(f"{where} failed after {attempts}; last error: {last}{hint}", status)
+
+
+def _to_float(r: int | float) -> float:
+    try:
+        return float(r)
+    except OverflowError:
+        return math.inf if r > 0 else -math.inf
 
 
 def _show(value: Any, limit: int = 120) -> str:

@@ -173,7 +173,12 @@ def validate_rewards(
         )
     values = []
     for i, v in enumerate(out):
-        f = _as_float(v)
+        try:
+            f = _as_float(v)
+        except OverflowError:  # an int (or Fraction) beyond float64
+            raise InvalidRewardError(
+                f"{source} returned {type(v).__name__} {_cut(v)} for {sample(i)}; it overflows float32"
+            ) from None
         if f is None:
             raise InvalidRewardError(
                 f"{source} returned {type(v).__name__} {_cut(v)} for {sample(i)}; rewards must be numbers"
