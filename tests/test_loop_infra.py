@@ -97,8 +97,9 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_every_rng(tmp_path
     expected = (torch.rand(4, generator=gen), torch.rand(4), random.random(), np.random.rand())
     restored = load_policy(path / "policy")
     optimizer2 = torch.optim.AdamW(restored.parameters(), lr=1e-3)
-    state = load_checkpoint(latest_checkpoint(tmp_path), optimizers={"policy": optimizer2}, generators={"sampling": gen})
-    assert state == {"step": 5, "consumed_samples": 40}
+    state = load_checkpoint(latest_checkpoint(tmp_path), models={"policy": restored},
+                            optimizers={"policy": optimizer2}, generators={"sampling": gen})
+    assert state == {"step": 5, "consumed_samples": 40, "world_size": 1}
     got = (torch.rand(4, generator=gen), torch.rand(4), random.random(), np.random.rand())
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and got[2:] == expected[2:]
     for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values(), strict=False):
@@ -136,7 +137,7 @@ def test_checkpoint_refuses_non_finite_state(tmp_path):
     model, _ = _model_and_optimizer()
     with pytest.raises(ValueError, match="not finite JSON"):
         save_checkpoint(tmp_path, 1, models={"policy": model}, state={"val_reward": float("nan")})
-    assert list_checkpoints(tmp_path) == [] and not any((tmp_path / "checkpoints").iterdir())
+    assert list_checkpoints(tmp_path) == [] and not (tmp_path / "checkpoints").exists()
 
 
 # --- prompt stream ---------------------------------------------------------------------------------------

@@ -153,7 +153,9 @@ def save_checkpoint(
         payload: dict[str, Any] = {"optimizers": _optimizer_states(models, optimizers)}
         if sharded:
             payload["models"] = {name: get_model_state_dict(m) for name, m in models.items()}
-        dcp.save(payload, checkpoint_id=tmp / "dcp", no_dist=env.world_size == 1)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(payload, checkpoint_id=tmp / "dcp", no_dist=env.world_size == 1)
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(_rng_state(generators or {}), tmp / "rng" / f"rank_{env.rank}.pt")
         if env.is_main:
@@ -291,7 +293,9 @@ def load_checkpoint(
         payload["models"] = {name: get_model_state_dict(models[name]) for name in in_dcp}
     if payload:
         try:
-            dcp.load(payload, checkpoint_id=path / "dcp", no_dist=env.world_size == 1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(payload, checkpoint_id=path / "dcp", no_dist=env.world_size == 1)
         except Exception as e:  # DCP names the missing key deep in its planner; say what was asked for
             raise ValueError(
                 f"checkpoint {str(path)!r} cannot restore models {in_dcp} / optimizers {sorted(optimizers or {})}: {e}"

@@ -67,8 +67,16 @@ from tensordict import TensorDict, TensorDictBase
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rlbits.batch import build_batch, make_prompts, pad_right, trim_padding
-from rlbits.dist.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from rlbits.dist.checkpoint import (
+    export_model,
+    hf_folder,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+    tokenizer_folder,
+)
 from rlbits.dist.env import DistEnv
+from rlbits.dist.reduce import global_count, reduce_metrics
 from rlbits.functional import (
     awac_loss,
     cql_loss,
@@ -80,11 +88,13 @@ from rlbits.functional import (
 )
 from rlbits.loops.common import (
     PhaseTimer,
+    autocast,
     clip_and_step,
     disable_dropout,
     load_policy_and_tokenizer,
     make_optimizer,
     policy_path,
+    prepare,
     rollout,
     sample_rows,
     score_rollout,
@@ -458,6 +468,15 @@ class State:
     checkpoint: Path | None = None
 
 
+def _fresh_model(cfg: ILQLConfig, env: DistEnv | None = None) -> tuple[ILQLModel, Any]:
+    """The initial policy with new Q/V heads (seeded by ``cfg.seed``) and its tokenizer."""
+    policy, tokenizer = load_policy_and_tokenizer(policy_path(cfg), env or DistEnv())
+    model = ILQLModel(
+        policy, two_qs=cfg.two_qs, head_layers=cfg.head_layers, shared_trunk=cfg.shared_trunk, seed=cfg.seed
+    )
+    return model, tokenizer
+
+
 def init_state(cfg: ILQLConfig, env: DistEnv, *, resume_from: str | Path | None = None) -> State:
     """The ILQL model, tokenizer, optimizer and counters: fresh from the policy, or from a checkpoint.
 
@@ -465,24 +484,21 @@ def init_state(cfg: ILQLConfig, env: DistEnv, *, resume_from: str | Path | None 
     Resumed: model (heads and target heads included), optimizer, RNG states and counters of
     ``resume_from``. ``total_steps`` is set by ``train`` once the dataset size is known.
     """
-    if resume_from is None:
-        policy, tokenizer = load_policy_and_tokenizer(policy_path(cfg), env)
-        model = ILQLModel(
-            policy,
-            two_qs=cfg.two_qs,
-            head_layers=cfg.head_layers,
-            shared_trunk=cfg.shared_trunk,
-            seed=cfg.seed,
-        )
-    else:
-        folder = Path(resume_from) / MODEL_NAME
+    folder = hf_folder(resume_from, MODEL_NAME)
+    if folder is not None:  # saved at world size 1: the ILQL model's own folder
         model = ILQLModel.from_pretrained(folder)
         tokenizer = load_tokenizer(folder)
-    model = disable_dropout(model).to(env.device).train()
+    else:  # fresh, or its weights come from the checkpoint's dcp/ below
+        model, tokenizer = _fresh_model(cfg, env)
+        if resume_from is not None:
+            tokenizer = load_tokenizer(tokenizer_folder(resume_from))
+    model = prepare(disable_dropout(model).to(env.device).train(), cfg, env)
     optimizer = make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay)
     state = State(model=model, tokenizer=tokenizer, optimizer=optimizer)
     if resume_from is not None:
-        saved = load_checkpoint(resume_from, optimizers={"ilql": optimizer})
+        saved = load_checkpoint(
+            resume_from, models={MODEL_NAME: model}, optimizers={MODEL_NAME: optimizer}, env=env
+        )
         state.step = saved["current_step"]
         state.consumed_samples = saved["consumed_samples"]
         state.total_valid_tokens = saved["total_valid_tokens"]
@@ -558,9 +574,14 @@ def dataset_stats(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------------------
 
 
-def next_batch(data: TensorDict, stream: PromptStream, batch_size: int) -> TensorDictBase:
-    """Phase 1: the next ``batch_size`` rows of the per-epoch shuffled order, padding trimmed."""
-    index = torch.tensor(stream.next(batch_size), dtype=torch.int64)
+def next_batch(
+    data: TensorDict, stream: PromptStream, batch_size: int, env: DistEnv | None = None
+) -> TensorDictBase:
+    """Phase 1: the next ``batch_size`` rows of the per-epoch shuffled order, padding trimmed (under torchrun:
+    this rank's ``batch_size`` rows of the next ``batch_size * world_size``)."""
+    env = env or DistEnv()
+    rows = stream.next(batch_size * env.world_size)[env.rank * batch_size : (env.rank + 1) * batch_size]
+    index = torch.tensor(rows, dtype=torch.int64)
     return trim_padding(data[index])
 
 
@@ -616,19 +637,24 @@ def ilql_loss(
     return loss, metrics
 
 
-def update(state: State, batch: TensorDictBase, cfg: ILQLConfig, step: int) -> dict[str, torch.Tensor]:
-    """Phase 2: forward/backward over microbatches of ``batch``, clip, one optimizer step.
+def update(
+    state: State, batch: TensorDictBase, cfg: ILQLConfig, step: int, env: DistEnv | None = None
+) -> dict[str, torch.Tensor]:
+    """Phase 2: forward/backward over microbatches of ``batch``, clip, one optimizer step. Every loss term is
+    divided by the global action-token count, so N ranks take the step one process takes on the whole batch.
 
     Raises:
         FloatingPointError: a non-finite loss or gradient, naming the step and phase; no update is applied.
     """
     model = state.model
     mask = batch["action_mask"]
-    num_tokens = mask.sum()
+    num_tokens = global_count(mask, env or DistEnv()).clamp(min=1)
     sums: dict[str, torch.Tensor] = {}
     for mb in batch.split(cfg.microbatch_size, dim=0):
         mb = trim_padding(mb)
-        out = model(mb["input_ids"], mb["attention_mask"], position_ids_from_mask(mb["attention_mask"]))
+        with autocast(model, cfg):
+            out = model(mb["input_ids"], mb["attention_mask"], position_ids_from_mask(mb["attention_mask"]))
+        out = {k: v.float() for k, v in out.items()}
         loss, metrics = ilql_loss(out, mb, cfg, num_tokens)
         if not torch.isfinite(loss):
             state.optimizer.zero_grad(set_to_none=True)
@@ -666,22 +692,28 @@ def steered_validate(
     beta: float,
     reward: Any = None,
     prompts: Sequence[str] | None = None,
+    env: DistEnv | None = None,
 ) -> tuple[dict[str, float], TensorDictBase]:
     """Mean test-split reward of steered decoding at ``beta`` (``rlbits.loops.common.validate`` on a
     ``SteeredPolicy``: same prompts, same noise as the base model's validation)."""
-    return validate_policy(SteeredPolicy(model, beta), tokenizer, cfg, reward=reward, prompts=prompts)
+    return validate_policy(SteeredPolicy(model, beta), tokenizer, cfg, reward=reward, prompts=prompts, env=env)
 
 
 def validate(
-    state: State, cfg: ILQLConfig, *, reward: Any = None, prompts: Sequence[str] | None = None
+    state: State,
+    cfg: ILQLConfig,
+    *,
+    reward: Any = None,
+    prompts: Sequence[str] | None = None,
+    env: DistEnv | None = None,
 ) -> tuple[dict[str, float], TensorDictBase]:
     """Phase 4: steered decoding at ``cfg.beta`` (``val_reward``, ...) and the LM alone (``val_reward_policy``)."""
     metrics, batch = steered_validate(
-        state.model, state.tokenizer, cfg, beta=cfg.beta, reward=reward, prompts=prompts
+        state.model, state.tokenizer, cfg, beta=cfg.beta, reward=reward, prompts=prompts, env=env
     )
     if cfg.beta != 0:
         plain, _ = steered_validate(
-            state.model, state.tokenizer, cfg, beta=0.0, reward=reward, prompts=prompts
+            state.model, state.tokenizer, cfg, beta=0.0, reward=reward, prompts=prompts, env=env
         )
         metrics["val_reward_policy"] = plain["val_reward"]
     else:
@@ -689,13 +721,14 @@ def validate(
     return metrics, batch
 
 
-def save(state: State, cfg: ILQLConfig, *, total_steps: int) -> Path:
-    """Phase 5: checkpoint ``RUN_DIR/checkpoints/step_N`` (the ILQL model as ``policy/``, optimizer, counters)."""
+def save(state: State, cfg: ILQLConfig, *, total_steps: int, env: DistEnv | None = None) -> Path:
+    """Phase 5: checkpoint ``RUN_DIR/checkpoints/step_N`` (the ILQL model as ``policy/``, optimizer, counters;
+    every rank calls it)."""
     return save_checkpoint(
         cfg.run_dir,
         state.step,
         models={MODEL_NAME: state.model},
-        optimizers={"ilql": state.optimizer},
+        optimizers={MODEL_NAME: state.optimizer},
         state={
             "consumed_samples": state.consumed_samples,
             "current_step": state.step,
@@ -706,6 +739,7 @@ def save(state: State, cfg: ILQLConfig, *, total_steps: int) -> Path:
         },
         tokenizer=state.tokenizer,
         keep=cfg.keep_checkpoints,
+        env=env,
     )
 
 
@@ -767,7 +801,7 @@ def train(
         if state.step == 0:
             start = {**dataset_stats(rows), "time/dataset": timer.seconds["dataset"]}
             if cfg.val_at_start:
-                val, batch = validate(state, cfg, reward=reward)
+                val, batch = validate(state, cfg, reward=reward, env=env)
                 state.val_reward = val["val_reward"]
                 start.update(val)
                 run.log_samples(0, sample_rows(batch, cfg.log_samples))
@@ -778,38 +812,39 @@ def train(
             t0 = time.perf_counter()
             step = state.step + 1
             with timer("data"):
-                batch = next_batch(data, stream, cfg.batch_size)
+                batch = next_batch(data, stream, cfg.batch_size, env)
             with timer("update"):
-                metrics = update(state, batch, cfg, step)
+                metrics = update(state, batch, cfg, step, env)
             with timer("sync"):
                 sync_targets(state.model, cfg, step)
             state.step = step
             state.consumed_samples = stream.consumed_samples
-            n_tokens = int(batch["action_mask"].sum())
+            n_tokens = int(global_count(batch["action_mask"], env).item())
             state.total_valid_tokens += n_tokens
-            metrics = {k: float(v) for k, v in metrics.items()}
+            metrics = reduce_metrics(metrics, env)
             metrics["epoch"] = stream.epoch
             metrics["tokens_per_s"] = n_tokens / max(time.perf_counter() - t0, 1e-9)
             is_last = step == state.total_steps
             if (cfg.val_period and step % cfg.val_period == 0) or (is_last and cfg.val_at_end):
                 with timer("validate"):
-                    val, vbatch = validate(state, cfg, reward=reward)
+                    val, vbatch = validate(state, cfg, reward=reward, env=env)
                 state.val_reward = val["val_reward"]
                 metrics.update(val)
                 run.log_samples(step, sample_rows(vbatch, cfg.log_samples))
                 last_val = step
-            if env.is_main and (
-                (cfg.save_period and step % cfg.save_period == 0) or is_last or run.should_stop
-            ):
+            if (cfg.save_period and step % cfg.save_period == 0) or is_last or run.should_stop:
                 with timer("save"):
-                    save(state, cfg, total_steps=state.total_steps)
+                    save(state, cfg, total_steps=state.total_steps, env=env)
             metrics.update(timer.metrics())
             run.log(step, metrics)
             run.progress(
                 step, loss=metrics["loss"], **({"val_reward": state.val_reward} if last_val == step else {})
             )
-        if env.is_main and state.step == state.total_steps:  # a stopped run has its checkpoint, not final/
-            state.model.save_pretrained(Path(cfg.run_dir) / "final", tokenizer=state.tokenizer)
+        if state.step == state.total_steps:  # a stopped run has its checkpoint, not final/
+            export_model(
+                state.model, Path(cfg.run_dir) / "final", tokenizer=state.tokenizer, env=env,
+                build=lambda: _fresh_model(cfg)[0],
+            )  # fmt: skip
     finally:
         run.close()
     return Path(cfg.run_dir)

@@ -65,9 +65,10 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import collate, split_microbatches, split_minibatches
-from rlbits.dist.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from rlbits.dist.checkpoint import export_model, hf_folder, load_checkpoint, resume_checkpoint, save_checkpoint
 from rlbits.dist.env import DistEnv
-from rlbits.dist.reduce import global_count, reduce_metrics
+from rlbits.dist.parallelize import unsharded
+from rlbits.dist.reduce import all_reduce_max, global_count, reduce_metrics
 from rlbits.functional import (
     KL_ESTIMATORS,
     aggregate_loss,
@@ -83,7 +84,7 @@ from rlbits.loops.config import ConfigError, RunConfig
 from rlbits.loops.data import PromptStream
 from rlbits.loops.run import Run
 from rlbits.models.forward import policy_logprobs
-from rlbits.models.load import save_pretrained
+from rlbits.models.load import load_pretrained
 from rlbits.tasks import get_task
 
 BASELINES = ("rloo", "grpo", "grpo_unscaled", "none")
@@ -226,12 +227,11 @@ def init_state(
     """Load the policy (from ``resume_from/policy`` when resuming) and a frozen reference, build the optimizer,
     the generators and the prompt stream, and restore optimizer, RNG states and counters from the checkpoint."""
     init_path = common.policy_path(cfg)
-    policy, tokenizer = common.load_policy_and_tokenizer(
-        str(Path(resume_from) / "policy") if resume_from is not None else init_path, env
-    )
+    policy, tokenizer = common.load_policy_and_tokenizer(str(hf_folder(resume_from, "policy") or init_path), env)
     reference, _ = common.load_policy_and_tokenizer(init_path, env)
     reference.eval().requires_grad_(False)
     policy.train()
+    policy, reference = common.prepare(policy, cfg, env), common.prepare(reference, cfg, env)
     optimizer = common.make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay)
     sampler = torch.Generator(device=env.device).manual_seed(cfg.seed + 1000 * env.rank)
     shuffler = torch.Generator().manual_seed(cfg.seed + 1)
@@ -242,8 +242,10 @@ def init_state(
     if resume_from is not None:
         saved = load_checkpoint(
             resume_from,
+            models={"policy": policy},
             optimizers={"policy": optimizer},
             generators={"sampler": sampler, "shuffler": shuffler},
+            env=env,
         )
         state.stream.consumed_samples = saved["consumed_samples"]
         state.step = saved["current_step"]
@@ -257,15 +259,16 @@ def init_state(
 
 def rollout(state: State, cfg: ReinforceConfig, prompts: Sequence[str]) -> TensorDictBase:
     """Phase 1: K responses per prompt at ``cfg.temperature`` (groups contiguous), behaviour logprobs."""
-    return common.rollout(
-        state.policy,
-        state.tokenizer,
-        prompts,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        num_samples=cfg.num_generations_per_prompt,
-        generator=state.sampler,
-    )
+    with common.autocast(state.policy, cfg):
+        return common.rollout(
+            state.policy,
+            state.tokenizer,
+            prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            num_samples=cfg.num_generations_per_prompt,
+            generator=state.sampler,
+        )
 
 
 def score(batch: TensorDictBase, reward: Any) -> torch.Tensor:
@@ -279,16 +282,23 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return groups.amax(dim=1) > groups.amin(dim=1)
 
 
-def sample_batch(state: State, cfg: ReinforceConfig, reward: Any) -> tuple[TensorDictBase, dict[str, float]]:
+def sample_batch(
+    state: State, cfg: ReinforceConfig, reward: Any, env: DistEnv | None = None
+) -> tuple[TensorDictBase, dict[str, float]]:
     """Phases 1-2: generate and score one batch; with ``cfg.dynamic_sampling``, keep only informative groups
     and generate more batches until ``num_prompts_per_step`` groups are kept or the batch budget is spent.
+
+    Under torchrun each rank takes its ``num_prompts_per_step`` prompts of every draw of
+    ``num_prompts_per_step * world_size`` (whole groups stay on one rank), and every rank draws until no
+    rank needs more, so the prompt stream stays in step across ranks.
 
     Returns:
         ``(batch, stats)``: the training batch (its groups contiguous, ``group`` renumbered) and
         ``gen_batches``, ``kept_groups``, and over every generated response ``zero_std_frac`` (groups),
         ``gen_rewards`` (mean reward) and ``gen_tokens`` (action tokens).
     """
-    k = cfg.num_generations_per_prompt
+    env = env or DistEnv()
+    k, n = cfg.num_generations_per_prompt, cfg.num_prompts_per_step
     max_batches = cfg.dynamic_sampling_max_gen_batches if cfg.dynamic_sampling else 1
     kept: list[TensorDictBase] = []
     n_kept = n_groups = n_zero = n_gen = 0
@@ -296,7 +306,12 @@ def sample_batch(state: State, cfg: ReinforceConfig, reward: Any) -> tuple[Tenso
     gen_tokens = 0
     last = None
     for _ in range(max_batches):
-        batch = rollout(state, cfg, state.stream.next(cfg.num_prompts_per_step))
+        prompts = state.stream.next(n * env.world_size)[env.rank * n : (env.rank + 1) * n]
+        if cfg.dynamic_sampling and n_kept >= n:  # this rank is full; others still draw
+            if all_reduce_max(torch.tensor(0, device=env.device), env).item() == 0:
+                break
+            continue
+        batch = rollout(state, cfg, prompts)
         rewards = score(batch, reward)
         n_gen += 1
         reward_sum += rewards.sum().item()
@@ -316,7 +331,7 @@ def sample_batch(state: State, cfg: ReinforceConfig, reward: Any) -> tuple[Tenso
             rows = (keep[:, None] * k + torch.arange(k, device=keep.device)).flatten()
             kept.append(batch[rows])
             n_kept += keep.numel()
-        if n_kept >= cfg.num_prompts_per_step:
+        if all_reduce_max(torch.tensor(n - min(n_kept, n), device=env.device), env).item() == 0:
             break
     if not kept:  # no informative group at all: train on the last batch (only a KL loss can move it)
         kept = [last]
@@ -336,9 +351,10 @@ def sample_batch(state: State, cfg: ReinforceConfig, reward: Any) -> tuple[Tenso
 
 def reference(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> torch.Tensor:
     """Phase 3: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen initial policy."""
-    return common.reference_logprobs(
-        state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size
-    )
+    with unsharded(state.reference), common.autocast(state.reference, cfg):
+        return common.reference_logprobs(
+            state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size
+        )
 
 
 # --- 4. advantages ---------------------------------------------------------------------------------------
@@ -360,7 +376,7 @@ def advantages(batch: TensorDictBase, cfg: ReinforceConfig) -> dict[str, torch.T
     k = cfg.num_generations_per_prompt
     shaped = rewards
     if cfg.kl_in_reward:
-        kl = kl_penalty(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator)
+        kl = common.kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator)
         shaped = rewards - cfg.kl_coef * torch.where(action_mask, kl, 0.0).sum(-1)
     if cfg.baseline == "rloo":
         baseline = rloo_baseline(shaped, k)
@@ -406,11 +422,11 @@ def policy_gradient_loss(
     mask = micro["loss_mask"]
     agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
     if cfg.clipped:
-        loss, m = ppo_loss(
+        loss, m = common.kernel(ppo_loss, cfg)(
             logprobs, micro["logprobs"], micro["advantages"], mask, cfg.clip_eps, cfg.clip_eps_high, **agg
         )
         return loss, {"clipfrac": m["clipfrac"], "approx_kl": m["approx_kl"]}
-    loss, _ = reinforce_loss(logprobs, micro["advantages"], mask, **agg)
+    loss, _ = common.kernel(reinforce_loss, cfg)(logprobs, micro["advantages"], mask, **agg)
     # ppo_loss's approx_kl: the k3 estimate of KL(pi_old || pi_theta) on the sampled tokens.
     approx_kl = masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)
     return loss, {"clipfrac": torch.zeros(()), "approx_kl": approx_kl}
@@ -434,6 +450,7 @@ def update(
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
     num_mb = min(cfg.num_minibatches, int(batch.batch_size[0]) // cfg.num_generations_per_prompt or 1)
+    num_mb = -int(all_reduce_max(torch.tensor(-num_mb, device=env.device), env).item())  # the same on every rank
     sums: dict[str, torch.Tensor] = {}
     token_total = torch.zeros(())
     losses, kl_losses, norms = [], [], []
@@ -446,11 +463,13 @@ def update(
             num_tokens = global_count(minibatch["loss_mask"], env).clamp(min=1)
             num_seqs = global_count(minibatch["loss_mask"].any(-1), env).clamp(min=1)
             mb_loss, mb_kl = torch.zeros(()), torch.zeros(())
-            for micro in split_microbatches(minibatch, cfg.microbatch_size):
+            for micro in common.pad_microbatches(list(split_microbatches(minibatch, cfg.microbatch_size)), env):
                 mask = micro["loss_mask"]
-                logprobs, entropy = policy_logprobs(
-                    policy, micro, temperature=cfg.temperature, return_entropy=True
-                )
+                with common.autocast(policy, cfg):
+                    logprobs, entropy = policy_logprobs(
+                        policy, micro, temperature=cfg.temperature, return_entropy=True
+                    )
+                logprobs, entropy = logprobs.float(), entropy.float()
                 loss, metrics = policy_gradient_loss(logprobs, micro, cfg, num_tokens, num_seqs)
                 kl_loss = torch.zeros(())
                 if cfg.kl_loss_coef > 0:
@@ -487,14 +506,15 @@ def update(
 
 
 def validate(
-    state: State, cfg: ReinforceConfig, reward: Any = None
+    state: State, cfg: ReinforceConfig, reward: Any = None, env: DistEnv | None = None
 ) -> tuple[dict[str, float], TensorDictBase]:
     """Phase 6: mean test-split reward (``val_reward``) with the validation generator (greedy if val_greedy)."""
-    return common.validate(state.policy, state.tokenizer, cfg, reward=reward)
+    return common.validate(state.policy, state.tokenizer, cfg, reward=reward, env=env)
 
 
-def save(state: State, cfg: ReinforceConfig) -> Path:
-    """Phase 7: checkpoint ``RUN_DIR/checkpoints/step_N`` (policy HF folder, optimizer, generators, counters)."""
+def save(state: State, cfg: ReinforceConfig, env: DistEnv | None = None) -> Path:
+    """Phase 7: checkpoint ``RUN_DIR/checkpoints/step_N`` (policy, optimizer, generators, counters; every rank
+    calls it)."""
     path = save_checkpoint(
         cfg.run_dir,
         state.step,
@@ -503,6 +523,7 @@ def save(state: State, cfg: ReinforceConfig) -> Path:
         generators={"sampler": state.sampler, "shuffler": state.shuffler},
         tokenizer=state.tokenizer,
         keep=cfg.keep_checkpoints,
+        env=env,
         state={
             "consumed_samples": state.stream.consumed_samples,
             "current_step": state.step,
@@ -515,9 +536,13 @@ def save(state: State, cfg: ReinforceConfig) -> Path:
     return path
 
 
-def export(state: State, cfg: ReinforceConfig) -> Path:
-    """The trained policy and its tokenizer as ``RUN_DIR/final/`` (``from_pretrained`` loads it)."""
-    return save_pretrained(state.policy, state.tokenizer, Path(cfg.run_dir) / "final")
+def export(state: State, cfg: ReinforceConfig, env: DistEnv | None = None) -> Path | None:
+    """The trained policy and its tokenizer as ``RUN_DIR/final/`` (``from_pretrained`` loads it), written by
+    rank 0 (every rank calls it)."""
+    return export_model(
+        state.policy, Path(cfg.run_dir) / "final", tokenizer=state.tokenizer, env=env,
+        build=lambda: load_pretrained(common.policy_path(cfg))[0],
+    )  # fmt: skip
 
 
 # --- one step and the loop ---------------------------------------------------------------------------------
@@ -530,7 +555,7 @@ def train_step(
     timer = common.PhaseTimer()
     t0 = time.perf_counter()
     with timer("rollout"):
-        batch, sampling = sample_batch(state, cfg, reward)
+        batch, sampling = sample_batch(state, cfg, reward, env)
     with timer("reference"):
         reference(state, batch, cfg)
     with timer("advantages"):
@@ -538,7 +563,7 @@ def train_step(
     with timer("update"):
         metrics.update(update(state, batch, cfg, env))
     state.step += 1
-    state.total_valid_tokens += int(batch["action_mask"].sum())
+    state.total_valid_tokens += int(global_count(batch["action_mask"], env).item())
     metrics.update(sampling)
     metrics = reduce_metrics(metrics, env)
     metrics.update(timer.metrics())
@@ -582,7 +607,7 @@ def train(
     run.install_signal_handlers()
     try:
         if cfg.val_at_start and state.step == 0:
-            val, _ = validate(state, cfg, reward)
+            val, _ = validate(state, cfg, reward, env)
             state.val_reward = val["val_reward"]
             run.log(0, val)
         saved_step = state.step if ckpt is not None else -1
@@ -592,7 +617,7 @@ def train(
             last = stop or state.step >= cfg.max_num_steps or state.stream.epoch >= cfg.max_num_epochs
             if (cfg.val_period and state.step % cfg.val_period == 0) or (last and cfg.val_at_end):
                 t0 = time.perf_counter()
-                val, _ = validate(state, cfg, reward)
+                val, _ = validate(state, cfg, reward, env)
                 state.val_reward = val["val_reward"]
                 metrics.update(val)
                 metrics["time/validate"] = time.perf_counter() - t0
@@ -601,13 +626,12 @@ def train(
             run.progress(state.step, reward=metrics["rewards"], kl=metrics["init_policy_kl"])
             if last:
                 break
-            if cfg.save_period and state.step % cfg.save_period == 0 and env.is_main:
-                save(state, cfg)
+            if cfg.save_period and state.step % cfg.save_period == 0:
+                save(state, cfg, env)
                 saved_step = state.step
-        if env.is_main:
-            if saved_step != state.step:
-                save(state, cfg)
-            export(state, cfg)
+        if saved_step != state.step:
+            save(state, cfg, env)
+        export(state, cfg, env)
     finally:
         run.close()
     return Path(cfg.run_dir)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlbits.dist.env import DistEnv
+from rlbits.dist.reduce import all_reduce_max
 from rlbits.loops.config import RunConfig, save_config
 
 
@@ -99,10 +100,14 @@ class Run:
 
     @property
     def should_stop(self) -> bool:
-        """True once a signal or a callback asked the run to end after the current step."""
+        """True once a signal or a callback asked the run to end after the current step. Under torchrun a
+        stop asked on any rank stops every rank (a collective: every rank reads it at the same points)."""
         for cb in self.callbacks:
             if hasattr(cb, "should_stop") and cb.should_stop():
                 self._stop_requested = True
+        if self.env.world_size > 1:
+            flag = torch.tensor(int(self._stop_requested), device=self.env.device)
+            self._stop_requested = bool(all_reduce_max(flag, self.env).item())
         return self._stop_requested
 
     # --- writing ------------------------------------------------------------------------------------
