@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -497,3 +498,139 @@ def test_tiny_left_padding_matches_unpadded(arch, impl):
         out = model(padded, attention_mask=mask, position_ids=pos).logits
     assert not out.isnan().any()  # fully masked pad rows stay finite
     torch.testing.assert_close(out[:, 3:], plain, rtol=0, atol=2e-6)
+
+
+# ---------------------------------------------------------------- safe loading (issue 8)
+
+
+def _pickle_only_folder(path, model):
+    """A folder with config.json and only a pickled state dict (the pre-safetensors HF format)."""
+    path.mkdir()
+    model.config.save_pretrained(path)
+    torch.save(model.state_dict(), path / "pytorch_model.bin")
+    return path
+
+
+def test_pickle_weights_are_refused_everywhere(tmp_path):
+    """load_policy / ValueModel / ILQLModel / RewardModel read safetensors only; the error says how to convert."""
+    from transformers import GPT2ForSequenceClassification
+
+    from rlbits.rollout.score import RewardModel
+
+    folder = _pickle_only_folder(tmp_path / "bin", tiny_causal_lm())
+    tiny_tokenizer(V).save_pretrained(folder)
+    match = r"'.*bin' has no safetensors weights \(only pickle weights \['pytorch_model.bin'\]\).*convert"
+    for load in (load_policy, load_pretrained, ValueModel.from_pretrained, ILQLModel.from_pretrained):
+        with pytest.raises(ValueError, match=match):
+            load(folder)
+    rm = GPT2ForSequenceClassification(tiny_config("gpt2", V, num_labels=1))
+    rm_folder = _pickle_only_folder(tmp_path / "rm_bin", rm)
+    tiny_tokenizer(V).save_pretrained(rm_folder)
+    with pytest.raises(ValueError, match="reward model folder .* has no safetensors weights"):
+        RewardModel.from_pretrained(rm_folder)
+    # the same weights as safetensors load (the check is not over-eager)
+    save_pretrained(tiny_causal_lm(), tiny_tokenizer(V), tmp_path / "st")
+    assert isinstance(load_policy(tmp_path / "st"), torch.nn.Module)
+
+
+CUSTOM_CODE = '''
+import pathlib
+pathlib.Path(__file__).with_name("CODE_RAN").write_text("yes")  # the side effect the test looks for
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+class CustomConfig(GPT2Config):
+    model_type = "rlbits-custom-gpt2"
+
+
+class CustomModel(GPT2LMHeadModel):
+    config_class = CustomConfig
+'''
+
+
+def test_remote_code_runs_only_when_asked(tmp_path):
+    """A folder whose config points at its own Python code: refused (and the code not run) by default."""
+    folder = tmp_path / "custom"
+    save_pretrained(tiny_causal_lm(), tiny_tokenizer(V), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "rlbits-custom-gpt2"
+    config["auto_map"] = {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "custom.py").write_text(CUSTOM_CODE)
+    for load in (load_policy, load_pretrained):
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            load(folder)
+    assert not (folder / "CODE_RAN").exists()
+    try:
+        load_policy(folder, trust_remote_code=True)
+    except Exception:  # noqa: BLE001 (whether transformers then loads it is not the point)
+        pass
+    # transformers copies the code into its modules cache and imports it from there
+    from transformers.utils import HF_MODULES_CACHE
+
+    assert any(Path(HF_MODULES_CACHE).rglob("CODE_RAN")), "trust_remote_code=True did not run the folder's code"
+
+
+def _calls(tree, attr: str):
+    import ast
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name == attr:
+                yield node
+
+
+def _unsafe_loads(source: str, name: str, in_tests: bool = False) -> list[str]:
+    """What in ``source`` could unpickle untrusted data or run a model folder's code."""
+    import ast
+
+    tree = ast.parse(source, filename=name)
+    bad = []
+    for node in _calls(tree, "load"):
+        f = node.func
+        owner = getattr(f.value, "id", None) if isinstance(f, ast.Attribute) else None
+        if owner == "torch":
+            kw = {k.arg: k.value for k in node.keywords}
+            if not (isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True):
+                bad.append(f"{name}:{node.lineno}: torch.load without weights_only=True")
+        if owner in ("pickle", "dill", "cloudpickle", "joblib"):
+            bad.append(f"{name}:{node.lineno}: {owner}.load")
+    for node in _calls(tree, "loads"):
+        if isinstance(node.func, ast.Attribute) and getattr(node.func.value, "id", None) == "pickle":
+            bad.append(f"{name}:{node.lineno}: pickle.loads")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "trust_remote_code" and not in_tests:
+            if isinstance(node.value, ast.Constant) and node.value.value is True:
+                bad.append(f"{name}:{node.value.lineno}: trust_remote_code=True")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            positional = node.args.posonlyargs + node.args.args
+            defaults = [None] * (len(positional) - len(node.args.defaults)) + node.args.defaults
+            defaults += node.args.kw_defaults
+            for a, d in zip(args, defaults, strict=True):
+                if a.arg == "trust_remote_code" and not (isinstance(d, ast.Constant) and d.value is False):
+                    bad.append(f"{name}:{node.lineno}: {node.name}(trust_remote_code=...) does not default to False")
+    return bad
+
+
+def test_source_loads_no_pickle_and_trusts_no_remote_code():
+    """Every ``torch.load`` in the project passes ``weights_only=True``; nothing calls ``pickle.load(s)``,
+    passes ``trust_remote_code=True`` literally, or defaults a ``trust_remote_code`` parameter to anything
+    but False."""
+    unsafe = (
+        "import torch, pickle\n"
+        "a = torch.load('x')\nb = torch.load('x', weights_only=False)\nc = pickle.loads(b'')\n"
+        "m = f(p, trust_remote_code=True)\ndef g(p, *, trust_remote_code=True): pass\n"
+        "ok = torch.load('x', weights_only=True)\n"
+    )
+    assert len(_unsafe_loads(unsafe, "snippet")) == 5  # the scan itself finds each kind
+    root = Path(__file__).resolve().parents[1]
+    files = [p for d in ("rlbits", "benchmarks", "tutorials", "tests") for p in (root / d).rglob("*.py")]
+    assert len(files) > 30
+    bad = []
+    for path in files:
+        rel = path.relative_to(root)
+        bad += _unsafe_loads(path.read_text(), str(rel), in_tests=rel.parts[0] == "tests")
+    assert not bad, "\n".join(bad)

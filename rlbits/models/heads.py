@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
-from rlbits.models.load import atomic_folder, check_folder, load_policy, read_json
+from rlbits.models.load import atomic_folder, check_folder, check_safetensors, load_policy, read_json
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_CONFIG = "value_head.json"
@@ -128,14 +128,18 @@ class ValueModel(nn.Module):
 
         Raises:
             CheckpointNotFoundError: folder or ``config.json`` missing.
-            ValueError: ``value_head.json`` without the weights, or weights of the wrong shape.
+            ValueError: ``value_head.json`` without the weights, weights of the wrong shape, or no safetensors
+                weights (pickle files are not loaded).
         """
         p = check_folder(path, "value model")
         meta = read_json(p / VALUE_HEAD_CONFIG, "value model") if (p / VALUE_HEAD_CONFIG).exists() else None
         attn = attn_implementation or (meta or {}).get("attn_implementation")
         extra = {"attn_implementation": attn} if attn else {}
-        config = AutoConfig.from_pretrained(p)
-        backbone = AutoModel.from_pretrained(p, config=config, dtype=dtype or torch.float32, **extra)
+        config = AutoConfig.from_pretrained(p, local_files_only=True)
+        check_safetensors(p, "value model")
+        backbone = AutoModel.from_pretrained(
+            p, config=config, dtype=dtype or torch.float32, use_safetensors=True, local_files_only=True, **extra
+        )
         model = cls(backbone, seed=seed)
         if meta is not None:
             state = _load_tensors(p / VALUE_HEAD_WEIGHTS, "value model")

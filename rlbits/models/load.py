@@ -1,7 +1,9 @@
 """Hugging Face causal LMs in and out of local folders, and the frozen reference policy.
 
 Only local folders are read: nothing is downloaded (a hub name such as ``"gpt2"`` that is not a folder is an
-error). Weights are written as safetensors. Every load checks the folder before transformers sees it, so a
+error). Weights are written and read as safetensors only: a folder holding only pickle weights
+(``pytorch_model.bin``, ``*.pt``) is refused, because unpickling can run code. Code shipped in a model folder
+runs only with ``trust_remote_code=True``. Every load checks the folder before transformers sees it, so a
 wrong path gives an error that names the path and what was found there.
 """
 
@@ -45,6 +47,29 @@ def check_folder(path: str | os.PathLike, what: str = "checkpoint") -> Path:
             "it is not a Hugging Face model folder"
         )
     return p
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def check_safetensors(path: str | os.PathLike, what: str = "checkpoint") -> Path:
+    """Return ``path`` as a Path if its weights are safetensors (``*.safetensors``, or a sharded index).
+
+    Raises:
+        ValueError: the folder has no safetensors weights (pickle weights such as ``pytorch_model.bin`` are
+            not loaded: unpickling a file can run arbitrary code). The message says how to convert a trusted
+            folder.
+    """
+    p = Path(path).expanduser()
+    if any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file():
+        return p
+    pickles = sorted(x.name for x in p.iterdir() if x.name.endswith(PICKLE_SUFFIXES))
+    found = f"only pickle weights {pickles}" if pickles else "no weight file"
+    raise ValueError(
+        f"{what} folder {str(path)!r} has no safetensors weights ({found}); rlbits loads safetensors only, "
+        "since unpickling a file can run code. If you trust the folder, convert it once: "
+        "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path) (transformers writes safetensors)"
+    )
 
 
 def _is_causal_lm(config) -> tuple[bool, str]:
@@ -96,20 +121,27 @@ def load_policy(
 
     Raises:
         CheckpointNotFoundError: the folder or its ``config.json`` is missing.
-        ValueError: the config is not a causal LM (e.g. a BERT classifier or a ValueModel backbone); the
-            message names the path and what the config describes.
+        ValueError: the config is not a causal LM (e.g. a BERT classifier or a ValueModel backbone), or the
+            folder has no safetensors weights; the message names the path and what was found.
     """
     p = check_folder(path, "policy")
-    config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
     ok, found = _is_causal_lm(config)
     if not ok:
         raise ValueError(
             f"config.json in {str(path)!r} describes {found}; load_policy needs a causal LM "
             "(an AutoModelForCausalLM such as GPT2LMHeadModel or LlamaForCausalLM)"
         )
+    check_safetensors(p, "policy")
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = AutoModelForCausalLM.from_pretrained(
-        p, config=config, dtype=_dtype(dtype), trust_remote_code=trust_remote_code, **extra
+        p,
+        config=config,
+        dtype=_dtype(dtype),
+        trust_remote_code=trust_remote_code,
+        use_safetensors=True,
+        local_files_only=True,
+        **extra,
     )
     if device is not None:
         model = model.to(device)
@@ -148,7 +180,7 @@ def load_tokenizer(
     if not p.is_dir():
         raise CheckpointNotFoundError(f"tokenizer folder {str(path)!r} does not exist or is not a folder")
     try:
-        tok = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"no loadable tokenizer in {str(path)!r} ({type(e).__name__}: {e})") from e
     if isinstance(tok, bool) or not hasattr(tok, "convert_tokens_to_ids"):

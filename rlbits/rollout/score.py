@@ -309,15 +309,20 @@ class RewardModel:
         ``num_labels=1`` in its config, ``AutoTokenizer``); nothing is downloaded.
 
         Raises:
-            ValueError: ``path`` is not a folder, or as ``RewardModel``.
+            ValueError: ``path`` is not a folder, has no safetensors weights, or as ``RewardModel``.
         """
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise ValueError(f"reward model path {path!r} is not a folder (expected a saved HF model folder)")
+        from rlbits.models.load import check_safetensors
+
+        check_safetensors(path, "reward model")
         kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code)
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, **kwargs)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=dtype, use_safetensors=True, **kwargs
+        )
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         if device is not None:
             model = model.to(device)

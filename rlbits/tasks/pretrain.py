@@ -340,7 +340,7 @@ def plateau_check(
     lr = lr if lr is not None else 0.1 * info["lr"]
     before = evaluate(model_path, task, n=n)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path).train()
+    model = AutoModelForCausalLM.from_pretrained(model_path, use_safetensors=True).train()
     texts = module.corpus(info["corpus_size"], seed)
     data, lengths = _encode(tokenizer, texts, info["n_positions"])
     starts = _loss_starts(tokenizer, data, info.get("loss_after"))
@@ -446,7 +446,7 @@ def evaluate(
 
     module = get_task(task)
     prompts = module.prompts(split)[:n]
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, use_safetensors=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     max_new_tokens = max_new_tokens or module.PRETRAIN["max_new_tokens"]
     encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
