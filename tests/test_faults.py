@@ -49,6 +49,9 @@ COMMON = [
 ]  # fmt: skip
 LOOPS = {
     "ppo": ["configs/ppo_sentiment.yaml", *COMMON, "microbatch_size=2", "ppo_epochs=2", "num_minibatches=2"],
+    # ILQL steps are ~10x shorter: more of them, so a signal lands mid-run
+    "ilql": ["configs/ilql_sentiment.yaml", *COMMON, "max_num_steps=30", "dataset_size=8", "dataset_batch_size=8",
+             "batch_size=4", "microbatch_size=4", "val_period=10"],  # fmt: skip
     "reinforce": [
         "configs/rloo_arithmetic.yaml",
         *COMMON,
@@ -167,10 +170,15 @@ def reference_runs(env, tmp_path_factory):
         if loop not in done:
             run_to_end(train_args(loop, env, root / loop), env)
             done[loop] = root / loop
-            assert [r["step"] for r in comparable_rows(done[loop])] == list(range(1, STEPS + 1))
+            steps = [r["step"] for r in comparable_rows(done[loop])]
+            assert steps == list(range(steps[0], steps[-1] + 1)) and steps[-1] == last_step(loop)
         return done[loop]
 
     return get
+
+
+def last_step(loop: str) -> int:
+    return int(next(a for a in reversed(LOOPS[loop]) if a.startswith("max_num_steps="))[len("max_num_steps=") :])
 
 
 def corrupt_newest(run_dir: Path, how: str) -> int:
@@ -239,7 +247,7 @@ def signal_run(args: list[str], env: dict, run_dir: Path, after_step: int, delay
 CORRUPTIONS = {0: ("truncate", "manifest"), 1: ("flip", "truncate")}
 
 
-@pytest.mark.parametrize("loop", sorted(LOOPS))
+@pytest.mark.parametrize("loop", ["ppo", "reinforce"])  # ILQL: see the xfail test of its save/log order
 @pytest.mark.parametrize("seed", sorted(CORRUPTIONS))
 def test_kill9_corrupt_resume_matches_the_uninterrupted_run(loop, seed, env, reference_runs, tmp_path):
     """Two kill -9 at random moments, each followed by damage to the newest checkpoint, then resumes."""
@@ -280,8 +288,8 @@ def test_kill9_corrupt_resume_matches_the_uninterrupted_run(loop, seed, env, ref
 
 @pytest.mark.parametrize(
     "loop,sig",
-    [("ppo", signal.SIGTERM), ("reinforce", signal.SIGTERM), ("ppo", signal.SIGINT)],
-    ids=["ppo-SIGTERM", "reinforce-SIGTERM", "ppo-SIGINT"],
+    [("ppo", signal.SIGTERM), ("reinforce", signal.SIGTERM), ("ilql", signal.SIGTERM), ("ppo", signal.SIGINT)],
+    ids=["ppo-SIGTERM", "reinforce-SIGTERM", "ilql-SIGTERM", "ppo-SIGINT"],
 )
 def test_sigterm_sigint_save_the_current_step_and_exit_0(loop, sig, env, reference_runs, tmp_path):
     reference = reference_runs(loop)
@@ -290,7 +298,7 @@ def test_sigterm_sigint_save_the_current_step_and_exit_0(loop, sig, env, referen
     assert sent is not None, err[-3000:]
     assert rc == 0, f"{signal.Signals(sig).name} mid-run: expected exit 0, got {rc}:\n{err[-3000:]}"
     stopped = max(logged_steps(run_dir))
-    assert sent[0] <= stopped <= sent[1] + 1 < STEPS  # the step in flight finished, no later one started
+    assert sent[0] <= stopped <= sent[1] + 1 < last_step(loop)  # the step in flight finished, no later one
     assert resumable_step(run_dir) == stopped, "no checkpoint of the step the signal interrupted"
     assert leftovers(run_dir) == []
     run_to_end(resume_args(run_dir), env)

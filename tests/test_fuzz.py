@@ -634,3 +634,72 @@ def test_oversized_answer_is_rejected(monkeypatch):
 def test_dataclass_configs_are_frozen_after_fuzzing():  # the fuzz never mutates a shared default
     for cls in CONFIG_CLASSES.values():
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+
+
+# --------------------------------------------------------------------------------------------------------
+# (c) random requests to the built-in reward server
+# --------------------------------------------------------------------------------------------------------
+
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False), st.text(max_size=4))
+JSON = st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                        st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+                    max_leaves=8)  # fmt: skip
+
+
+@st.composite
+def score_requests(draw):
+    """Request bodies: mostly near-valid /score payloads with one part broken, sometimes arbitrary JSON/bytes."""
+    kind = draw(st.sampled_from(["near", "near", "near", "json", "bytes"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=40))
+    if kind == "json":
+        return json.dumps(draw(JSON)).encode()
+    n = draw(st.integers(0, 3))
+    body = {"prompts": [f"p{i}" for i in range(n)], "responses": [f"r{i}" for i in range(n)]}
+    if draw(st.booleans()):
+        body["columns"] = {"answer": list(range(n))}
+    field = draw(st.sampled_from(["prompts", "responses", "columns", "extra", "none"]))
+    if field != "none":
+        body[field] = draw(JSON)
+    return json.dumps(body).encode()
+
+
+@settings(max_examples=60)
+@given(body=score_requests())
+def test_reward_server_answers_any_request_with_json_and_a_status(body):
+    """Any body gets a JSON answer: 200 with one finite reward per sample, or 400/500 with ``error``; the
+    server never drops the connection or answers with a traceback."""
+    import http.client
+
+    from rlbits.rollout.reward_server import RewardServer
+
+    def reward(prompts, responses, answer=None):
+        return [float(len(r)) for r in responses]
+
+    server = _SERVER.get("server")
+    if server is None:
+        server = _SERVER["server"] = RewardServer(reward, port=0, max_request_bytes=4096).start()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("POST", "/score", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        status, raw = response.status, response.read()
+    finally:
+        conn.close()
+    answer = json.loads(raw)
+    assert isinstance(answer, dict)
+    if status == 200:
+        request = json.loads(body)
+        assert answer == {"rewards": [float(len(r)) for r in request["responses"]]}
+    else:
+        assert status in (400, 500) and set(answer) == {"error"} and answer["error"], (status, answer)
+
+
+_SERVER: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_shared_server():
+    yield
+    if "server" in _SERVER:
+        _SERVER.pop("server").stop()
