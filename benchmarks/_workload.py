@@ -23,7 +23,9 @@ PAD_ID = 0
 UNK_ID = 1
 
 
-def model_config(vocab: int = 32000, width: int = 256, layers: int = 4, heads: int = 4, positions: int = 1024):
+def model_config(
+    vocab: int = 32000, width: int = 256, layers: int = 4, heads: int = 4, positions: int = 1024
+):
     from transformers import GPT2Config
 
     return GPT2Config(

@@ -229,10 +229,9 @@ def _trl_reinforce_worker(args, folder: Path, out_dir: Path) -> None:
 
 def _trl_ppo_worker(args, folder: Path, out_dir: Path) -> None:
     import torch
+    import trl.experimental.ppo.ppo_trainer as ppo_module
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    import trl.experimental.ppo.ppo_trainer as ppo_module
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     torch.set_num_threads(args.threads)
@@ -410,7 +409,10 @@ def main(argv=None) -> dict:
             time.sleep(_PAUSE_S)
             loads.append(_load())
             msg = w.go()
-            print(f"step {i + 1}/{args.steps} {w.name:<18} {msg['seconds']:7.3f} s  (load {loads[-1]:.2f})", flush=True)
+            print(
+                f"step {i + 1}/{args.steps} {w.name:<18} {msg['seconds']:7.3f} s  (load {loads[-1]:.2f})",
+                flush=True,
+            )
     for w in alive:
         try:
             w.read()  # "exit"
@@ -427,7 +429,9 @@ def main(argv=None) -> dict:
             "best_s": min(secs),
             "times_s": secs,
             "peak_rss_mib": steps[-1]["peak_rss_mib"],
-            "loop_time_step_s": [m.get("loop_time_step") for m in steps if m.get("loop_time_step") is not None],
+            "loop_time_step_s": [
+                m.get("loop_time_step") for m in steps if m.get("loop_time_step") is not None
+            ],
             "response_len": [m.get("response_len") for m in steps if m.get("response_len") is not None],
             "phases_last_step": steps[-1].get("phases"),
         }
@@ -441,11 +445,18 @@ def main(argv=None) -> dict:
             r = results.get(name)
             if r is None or "error" in r:
                 continue
-            ratio = trl["median_s"] / r["median_s"] if "median_s" in trl and not name.startswith("trl") else None
+            ratio = (
+                trl["median_s"] / r["median_s"] if "median_s" in trl and not name.startswith("trl") else None
+            )
             rows.append((name, r["median_s"], r["best_s"], r["peak_rss_mib"], ratio))
-    table = ["| framework | median s/step | best s/step | peak RSS MiB | TRL / this (median) |", "|---|---|---|---|---|"]
+    table = [
+        "| framework | median s/step | best s/step | peak RSS MiB | TRL / this (median) |",
+        "|---|---|---|---|---|",
+    ]
     for name, med, best, rss, ratio in rows:
-        table.append(f"| {name} | {med:.3f} | {best:.3f} | {rss:.0f} | {'' if ratio is None else f'{ratio:.2f}x'} |")
+        table.append(
+            f"| {name} | {med:.3f} | {best:.3f} | {rss:.0f} | {'' if ratio is None else f'{ratio:.2f}x'} |"
+        )
     print("\n".join(table))
 
     import torch
@@ -455,7 +466,9 @@ def main(argv=None) -> dict:
                 "python": platform.python_version()}  # fmt: skip
     for key, python in (("trl_grpo_rloo", args.trl116_python), ("trl_ppo", args.trl112_python)):
         if Path(python).exists():
-            out = subprocess.run([python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True)
+            out = subprocess.run(
+                [python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
+            )
             versions[key] = out.stdout.strip()
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

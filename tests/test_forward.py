@@ -6,8 +6,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+import rlbits.functional.logprobs as logprobs_mod
+import rlbits.models.forward as forward_mod
 from rlbits.batch import build_batch
-from rlbits.models.forward import critic_values, policy_logprobs, position_ids_from_mask
+from rlbits.functional.logprobs import logprobs_from_hidden
+from rlbits.models.forward import critic_values, policy_logprobs, position_ids_from_mask, split_head
 from rlbits.models.heads import ValueModel
 from rlbits.models.tiny import tiny_causal_lm
 
@@ -122,7 +125,8 @@ def test_policy_logprobs_gradient_matches_plain_forward(models):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_lm_head_sees_response_positions_only(models):
+def test_lm_head_sees_response_positions_only(models, monkeypatch):
+    # The logits path (models without split_head): the head gets R + 1 positions, not P + R.
     model = models["qwen2"]
     batch = _batch()
     seen = []
@@ -130,9 +134,111 @@ def test_lm_head_sees_response_positions_only(models):
     try:
         with torch.no_grad():
             policy_logprobs(model, batch)
+            assert seen == []  # fused path: the head module never runs, no [B, R, V] logits
+            monkeypatch.setattr(forward_mod, "split_head", lambda m: None)
+            policy_logprobs(model, batch)
     finally:
         handle.remove()
     assert seen == [batch["responses"].shape[1] + 1]
+
+
+def _hidden_reference(hidden, weight, tokens, temperature):
+    z = (hidden.double() @ weight.double().T) / temperature
+    logp = torch.log_softmax(z, -1)
+    return logp.gather(-1, tokens[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 1000])
+def test_logprobs_from_hidden_values_and_gradients(monkeypatch, temperature, chunk_rows):
+    V_, H = 50, 8
+    monkeypatch.setattr(logprobs_mod, "_HEAD_CHUNK_ELEMENTS", chunk_rows * V_)  # chunk edges inside rows
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 5, H, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V_, H, generator=g, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, V_, (3, 5), generator=g)
+    a, b = (
+        torch.randn(3, 5, generator=g, dtype=torch.float64),
+        torch.randn(3, 5, generator=g, dtype=torch.float64),
+    )
+    lp, ent = logprobs_from_hidden(hidden, weight, tokens, temperature, return_entropy=True)
+    ref_lp, ref_ent = _hidden_reference(hidden, weight, tokens, temperature)
+    assert lp.dtype == torch.float64 and lp.shape == (3, 5)
+    assert torch.allclose(lp, ref_lp, atol=1e-12) and torch.allclose(ent, ref_ent, atol=1e-12)
+    # logprob and entropy gradients, together and each alone
+    for loss, ref_loss in (
+        ((lp * a + ent * b).sum(), (ref_lp * a + ref_ent * b).sum()),
+        ((lp * a).sum(), (ref_lp * a).sum()),
+        ((ent * b).sum(), (ref_ent * b).sum()),
+    ):
+        ours = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+        ref = torch.autograd.grad(ref_loss, (hidden, weight), retain_graph=True)
+        for x, y in zip(ours, ref, strict=True):
+            assert torch.allclose(x, y, atol=1e-10)
+    assert torch.autograd.gradcheck(
+        lambda h, w: logprobs_from_hidden(h, w, tokens[:1, :2], temperature, return_entropy=True),
+        (hidden[:1, :2].detach().requires_grad_(), weight.detach().requires_grad_()),
+    )
+
+
+def test_logprobs_from_hidden_float32_and_bf16_autocast():
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(4, 6, 16, generator=g)
+    weight = torch.randn(300, 16, generator=g) * 0.3
+    tokens = torch.randint(0, 300, (4, 6), generator=g)
+    ref_lp, _ = _hidden_reference(hidden, weight, tokens, 1.0)
+    lp = logprobs_from_hidden(hidden, weight, tokens)
+    assert lp.dtype == torch.float32 and (lp.double() - ref_lp).abs().max() < 1e-5
+    w = weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp16 = logprobs_from_hidden(hidden, w, tokens)
+    assert lp16.dtype == torch.float32  # softmax in float32, matmul in bf16
+    assert (lp16.double() - ref_lp).abs().max() < 0.1
+    lp16.sum().backward()
+    assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
+
+
+def test_logprobs_from_hidden_errors():
+    h, w, t = torch.randn(2, 3, 4), torch.randn(10, 4), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="weight must be"):
+        logprobs_from_hidden(h, torch.randn(10, 5), t)
+    with pytest.raises(ValueError, match="tokens has shape"):
+        logprobs_from_hidden(h, w, t[:, :2])
+    with pytest.raises(ValueError, match="integer"):
+        logprobs_from_hidden(h, w, t.float())
+    with pytest.raises(ValueError, match="temperature"):
+        logprobs_from_hidden(h, w, t, 0.0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_head_equals_logits_path(models, arch, monkeypatch):
+    model = models[arch]
+    batch = _batch()
+    assert split_head(model) is not None
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(1))
+    lp, ent = policy_logprobs(model, batch, temperature=0.8, return_entropy=True)
+    fused = torch.autograd.grad((lp * weights).sum() + ent.sum(), params)
+    monkeypatch.setattr(forward_mod, "split_head", lambda m: None)
+    lp2, ent2 = policy_logprobs(model, batch, temperature=0.8, return_entropy=True)
+    plain = torch.autograd.grad((lp2 * weights).sum() + ent2.sum(), params)
+    assert torch.allclose(lp, lp2, atol=1e-5) and torch.allclose(ent, ent2, atol=1e-5)
+    for x, y in zip(fused, plain, strict=True):
+        assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_split_head_only_for_plain_bias_free_heads(models):
+    model = models["gpt2"]
+    backbone, head = split_head(model)
+    assert head is model.lm_head and backbone is model.base_model
+
+    class Other(torch.nn.Module):
+        config = type("C", (), {"model_type": "gemma2"})()
+
+    assert split_head(Other()) is None
+    biased = tiny_causal_lm("llama", V, seed=5)
+    biased.lm_head = torch.nn.Linear(biased.lm_head.in_features, V, bias=True)
+    assert split_head(biased) is None
 
 
 class _PositionValue(torch.nn.Module):

@@ -84,7 +84,9 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad.view(logits.shape), None, None
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Log-probability of each token under ``softmax(logits / temperature)``.
 
     ``log p(token) = logits[token] / T - logsumexp(logits / T)``: a gather minus a log-partition, computed
@@ -155,3 +157,181 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     step = _rows_per_chunk(flat.shape[0], vocab)
     parts = [entropy(flat[s : s + step]) for s in range(0, flat.shape[0], step)]
     return torch.cat(parts).view(logits.shape[:-1])
+
+
+# --- fused output layer + logprobs ------------------------------------------------------------------------
+
+# Elements of one [rows, V] logits chunk in the fused head (16 MiB of float32): large enough for an efficient
+# matmul, small enough to stay in cache for the softmax passes over it.
+_HEAD_CHUNK_ELEMENTS = 1 << 22
+
+
+def _softmax_dtype(mm_dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else runs its softmax in float32."""
+    return torch.float64 if mm_dtype == torch.float64 else torch.float32
+
+
+def _head_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The matmul dtype: autocast's when it is on for this device, else the hidden states'."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
+
+
+class _HiddenTokenLogprobs(torch.autograd.Function):
+    """Token logprobs (and entropies) of ``softmax(hidden @ weight.T / T)`` computed chunk by chunk.
+
+    Forward keeps only the log-partition and entropy per row; backward recomputes each chunk's logits (one
+    extra matmul) rather than storing [N, V]. Gradient of ``logp = z[tok] - lse(z)`` with ``z = logits / T``:
+    ``g (onehot - p) / T``; of ``H = lse(z) - sum p z``: ``-p (log p + H) / T``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, temperature, mm_dtype):
+        n, vocab = hidden.shape[0], weight.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False):
+            h = hidden.to(mm_dtype)
+            w = weight.to(mm_dtype)
+            rows = max(1, min(n, _HEAD_CHUNK_ELEMENTS // max(vocab, 1)))
+            cdt = _softmax_dtype(mm_dtype)
+            opts = dict(dtype=cdt, device=hidden.device)
+            buf = torch.empty(rows, vocab, dtype=mm_dtype, device=hidden.device)
+            z32 = buf if mm_dtype == cdt else torch.empty(rows, vocab, **opts)
+            e = torch.empty(rows, vocab, **opts)
+            logp = torch.empty(n, **opts)
+            lse = torch.empty(n, **opts)
+            ent = torch.empty(n, **opts)
+            idx = tokens.reshape(-1, 1)
+            for s in range(0, n, rows):
+                k = min(rows, n - s)
+                z = z32[:k]
+                torch.mm(h[s : s + k], w.t(), out=buf[:k])
+                if z32 is not buf:
+                    z.copy_(buf[:k])
+                if temperature != 1.0:
+                    z.div_(temperature)
+                peak = z.amax(dim=-1, keepdim=True)
+                z.sub_(peak)  # z - max: exp cannot overflow
+                p = torch.exp(z, out=e[:k])
+                total = p.sum(dim=-1, keepdim=True)
+                log_total = total.log()
+                lse[s : s + k] = (peak + log_total).squeeze(1)
+                logp[s : s + k] = (z.gather(1, idx[s : s + k]) - log_total).squeeze(1)
+                # H = log S - sum(e * z') / S with z' = z - max and S = sum(e)
+                ent[s : s + k] = (log_total - p.mul_(z).sum(dim=-1, keepdim=True) / total).squeeze(1)
+        ctx.save_for_backward(hidden, weight, tokens, lse, ent)
+        ctx.temperature = temperature
+        ctx.mm_dtype = mm_dtype
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, tokens, lse, ent = ctx.saved_tensors
+        if g_logp is None and g_ent is None:
+            return None, None, None, None, None
+        temperature, mm_dtype = ctx.temperature, ctx.mm_dtype
+        n, vocab = hidden.shape[0], weight.shape[0]
+        device = hidden.device
+        inv_t = 1.0 / temperature
+        with torch.autocast(device.type, enabled=False):
+            h = hidden.to(mm_dtype)
+            w = weight.to(mm_dtype)
+            rows = max(1, min(n, _HEAD_CHUNK_ELEMENTS // max(vocab, 1)))
+            cdt = lse.dtype
+            buf = torch.empty(rows, vocab, dtype=mm_dtype, device=device)
+            z32 = buf if mm_dtype == cdt else torch.empty(rows, vocab, dtype=cdt, device=device)
+            e = torch.empty(rows, vocab, dtype=cdt, device=device)
+            e_mm = e if mm_dtype == cdt else torch.empty(rows, vocab, dtype=mm_dtype, device=device)
+            grad_h = torch.empty(n, hidden.shape[1], dtype=mm_dtype, device=device)
+            grad_w = torch.zeros(weight.shape, dtype=cdt, device=device)
+            part_w = None if mm_dtype == cdt else torch.empty(weight.shape, dtype=mm_dtype, device=device)
+            idx = tokens.reshape(-1, 1)
+            gl = (g_logp.reshape(-1, 1).to(cdt) * inv_t) if g_logp is not None else None
+            ge = (g_ent.reshape(-1, 1).to(cdt) * inv_t) if g_ent is not None else None
+            for s in range(0, n, rows):
+                k = min(rows, n - s)
+                z = z32[:k]
+                torch.mm(h[s : s + k], w.t(), out=buf[:k])
+                if z32 is not buf:
+                    z.copy_(buf[:k])
+                if temperature != 1.0:
+                    z.div_(temperature)
+                z.sub_(lse[s : s + k, None])  # log p
+                p = torch.exp(z, out=e[:k])
+                # d/dz of gl * logp[tok] + ge * H  =  gl (onehot - p) - ge p (log p + H)
+                if ge is None:
+                    p.mul_(-gl[s : s + k])
+                else:
+                    coef = z.add_(ent[s : s + k, None]).mul_(ge[s : s + k])
+                    if gl is not None:
+                        coef.add_(gl[s : s + k])
+                    p.mul_(coef).neg_()
+                if gl is not None:
+                    p.scatter_add_(1, idx[s : s + k], gl[s : s + k])
+                g = p if e_mm is e else e_mm[:k].copy_(p)
+                torch.mm(g, w, out=grad_h[s : s + k])
+                if part_w is None:
+                    grad_w.addmm_(g.t(), h[s : s + k])
+                else:
+                    grad_w.add_(torch.mm(g.t(), h[s : s + k], out=part_w))
+        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Token logprobs of a linear output layer without ever holding the [N, V] logits.
+
+    ``logprobs_from_logits(hidden @ weight.T, tokens, temperature)``, computed over chunks of ~16 MiB of
+    logits at a time (Liger-kernel's fused linear cross-entropy, applied to RL's per-token logprobs): the
+    forward pass keeps one float per row; the backward pass recomputes each chunk's logits (a third matmul)
+    and writes ``d hidden`` and ``d weight`` directly. On a 2-core CPU with V = 32k it avoids the page faults
+    and memory passes of [B, R, V] float32 tensors, and the peak memory of the head drops from several
+    [B, R, V] copies to one chunk. Under ``torch.autocast`` the matmuls run in the autocast dtype (e.g.
+    bf16) and the softmax in float32.
+
+    Args:
+        hidden: [..., H] float, the final hidden states (after the last norm) that predict ``tokens``.
+        weight: [V, H] the output layer's weight (the tied embedding for GPT-2); no bias.
+        tokens: [...] int64 in ``[0, V)``, the shape of ``hidden`` without its last dim.
+        temperature: > 0.
+        return_entropy: also return the entropy of ``softmax(logits / T)`` (differentiable).
+
+    Returns:
+        [...] float32 logprobs, or ``(logprobs, entropy)``; both differentiable w.r.t. ``hidden`` and
+        ``weight``.
+
+    Raises:
+        ValueError: shapes disagree, tokens are not integers, or ``temperature <= 0``.
+    """
+    _checks.floating("hidden", hidden)
+    _checks.floating("weight", weight)
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {tuple(weight.shape)}"
+        )
+    if hidden.shape[:-1] != tokens.shape:
+        raise ValueError(
+            f"tokens has shape {tuple(tokens.shape)} but hidden has shape {tuple(hidden.shape)}; "
+            "tokens must equal hidden.shape[:-1]"
+        )
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logp, ent = _HiddenTokenLogprobs.apply(
+        flat, weight, tokens.reshape(-1).long(), float(temperature), _head_dtype(hidden)
+    )
+    logp = logp.view(tokens.shape)
+    if return_entropy:
+        return logp, ent.view(tokens.shape)
+    return logp
