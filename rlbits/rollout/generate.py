@@ -16,8 +16,8 @@ and the step compilable; on CPU the speed is the same as ``DynamicCache`` within
 32k, B = 8 and 32, 32 and 200 new tokens: the LM head dominates). Models without static-cache support use
 HF's ``DynamicCache``.
 
-On CPU with at most 8 rows, the decode step of GPT-2/Llama/Mistral/Qwen2/Qwen3 models runs the backbone
-and applies the LM head itself as ``(W @ h.T).T``, 2-5x faster than ``F.linear`` for that skinny product
+On CPU with at most 64 rows, the decode step of GPT-2/Llama/Mistral/Qwen2/Qwen3 models runs the backbone
+and applies the LM head itself as ``(W @ h.T).T``, faster than ``F.linear`` for that skinny product
 (see ``_small_batch_head``); the logits agree to float rounding.
 
 The ``logprobs`` returned are the log-probabilities of the sampled tokens under
@@ -37,7 +37,7 @@ from tensordict import TensorDict
 
 from rlbits.batch import build_batch, group_ids
 from rlbits.functional import entropy_from_logits
-from rlbits.models.forward import accepts_logits_to_keep, position_ids_from_mask
+from rlbits.models.forward import accepts_logits_to_keep, position_ids_from_mask, split_head
 
 # Steps between host-side "all rows finished?" checks. On an accelerator each check stalls the launch
 # queue, so it runs every few steps (the extra steps it may decode are trimmed from the output); on CPU
@@ -46,10 +46,8 @@ _EOS_CHECK_EVERY = 8
 _EOS_CHECK_EVERY_CPU = 1
 # Block size of the two-level inverse-CDF sampler (see ``_sample``).
 _SAMPLE_BLOCK = 256
-# Model types whose causal-LM logits are exactly ``lm_head(backbone(...).last_hidden_state)`` (no logit
-# scaling or soft-capping), so the decode step may apply the head itself (see ``_small_batch_head``).
-_PLAIN_HEAD_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3"})
-_SMALL_BATCH_HEAD_ROWS = 8
+# Most rows for which the decode step applies the LM head as ``(W @ h.T).T`` (see ``_small_batch_head``).
+_SMALL_BATCH_HEAD_ROWS = 64
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -187,19 +185,15 @@ def _small_batch_head(policy: torch.nn.Module, batch_size: int, device: torch.de
     """``(backbone, lm_head)`` when the decode step should apply the LM head itself as ``(W @ h.T).T``.
 
     On CPU with few rows, ``F.linear(h, W)`` for a [V, H] head picks a slow kernel for the skinny
-    [B, H] x [H, V] product; ``W @ h.T`` is 2-5x faster at B <= 8 (V = 32k, H = 256) and slower at
-    B >= 16. Only for model types whose logits are exactly ``lm_head(last_hidden_state)``. Returns None
-    to call the policy as is.
+    [B, H] x [H, V] product. Measured on the 2-core benchmark machine (V = 32k, H = 256, float32, 2
+    threads; ``benchmarks/RESULTS.md``): ``W @ h.T`` takes 0.6-0.75x the time at 8-64 rows and about the
+    same at 128, so it is used up to ``_SMALL_BATCH_HEAD_ROWS`` = 64 rows. Only for models whose logits are
+    exactly ``lm_head(last_hidden_state)`` (``rlbits.models.forward.split_head``). Returns None to call
+    the policy as is.
     """
     if device.type != "cpu" or batch_size > _SMALL_BATCH_HEAD_ROWS:
         return None
-    if getattr(getattr(policy, "config", None), "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
-        return None
-    head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
-    backbone = getattr(policy, "base_model", policy)
-    if type(head) is not torch.nn.Linear or backbone is policy:
-        return None
-    return backbone, head
+    return split_head(policy)
 
 
 def _forward_last(policy, split, input_ids, attention_mask, position_ids, cache, keep_last: bool):
@@ -265,9 +259,14 @@ def _check_args(
         raise ValueError("pad_token_id must be an int token id (it fills responses after EOS)")
 
 
-def _max_positions(policy: torch.nn.Module) -> int | None:
+def _max_positions(policy: torch.nn.Module) -> tuple[str, int] | None:
+    """``(config field, value)`` of the model's context length, or None when its config names none."""
     config = getattr(policy, "config", None)
-    return getattr(config, "max_position_embeddings", None) if config is not None else None
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None) if config is not None else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return name, value
+    return None
 
 
 @torch.no_grad()
@@ -341,10 +340,10 @@ def generate(
     prompt_mask = prompts_td["prompt_mask"].bool()
     P = prompts.shape[1]
     limit = _max_positions(policy)
-    if limit is not None and P + max_new_tokens > limit:
+    if limit is not None and P + max_new_tokens > limit[1]:
         raise ValueError(
-            f"prompt length P = {P} plus max_new_tokens = {max_new_tokens} exceeds the model's context "
-            f"(max_position_embeddings = {limit}); lower max_new_tokens or truncate the prompts"
+            f"prompt length P = {P} plus max_new_tokens = {max_new_tokens} = {P + max_new_tokens} exceeds the "
+            f"model's context ({limit[0]} = {limit[1]}); lower max_new_tokens or truncate the prompts"
         )
     empty = (~prompt_mask.any(dim=1)).nonzero().flatten()
     if empty.numel():
