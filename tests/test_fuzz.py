@@ -82,6 +82,7 @@ def _field_ok(value, tp) -> bool:
 
 
 @pytest.mark.parametrize("loop", sorted(LOOPS))
+@settings(max_examples=150)
 @given(data=st.data())
 def test_config_dicts_give_a_valid_config_or_a_clear_error(loop, data):
     values = data.draw(config_dicts(loop))
@@ -96,7 +97,7 @@ def test_config_dicts_give_a_valid_config_or_a_clear_error(loop, data):
     for key, value in values.items():
         got = getattr(cfg, key)
         assert got == value or (isinstance(value, float) and math.isnan(value) and math.isnan(got)) or (
-            isinstance(value, str) and got == float(value)
+            isinstance(value, (str, int)) and not isinstance(value, bool) and got == float(value)
         ), f"{key}: given {value!r}, config holds {got!r}"
     bad = {f: getattr(cfg, f) for f in hints if f in values and not _field_ok(getattr(cfg, f), hints[f])}
     assert not bad, f"config accepted out-of-type or non-finite values {bad}"
@@ -170,6 +171,12 @@ def test_non_string_yaml_keys_are_a_config_error(key, tmp_path):
         resolve_config({"loop": "ppo", key: 2})
 
 
+@pytest.mark.xfail(strict=True, reason="_coerce: float(int) raises OverflowError for an int beyond float (loops/config.py)")
+def test_an_int_too_large_for_a_float_field_is_a_config_error():
+    with pytest.raises(ConfigError, match="kl_coef"):
+        resolve_config({"loop": "ppo", "kl_coef": 10**400})  # YAML reads a 400-digit number as an int
+
+
 @pytest.mark.xfail(strict=True, reason="seed is unbounded: torch.manual_seed overflows later (loops/config.py)")
 def test_a_seed_torch_cannot_take_is_a_config_error():
     with pytest.raises(ConfigError, match="seed"):
@@ -198,6 +205,7 @@ OVERRIDE_VALUES = st.one_of(
 )
 
 
+@settings(max_examples=100)
 @given(
     pairs=st.lists(
         st.tuples(st.one_of(st.sampled_from(sorted(_fields(CONFIG_CLASSES["ppo"]))), st.text(max_size=6)),
@@ -295,6 +303,7 @@ def _spoil(t: torch.Tensor, kind: str, defect: str):
     return t
 
 
+@settings(max_examples=500)  # ~2 ms each: 16 kernels x 8 defects x shapes x dtypes
 @given(
     name=st.sampled_from(sorted(KERNELS)),
     b=st.integers(0, 4),
@@ -355,6 +364,7 @@ def test_group_sizes_that_do_not_divide_b_are_clear_errors(b, k, fn, dtype):
     assert out.shape == (b,) and out.is_floating_point(), (out.shape, out.dtype)
 
 
+@settings(max_examples=150)
 @given(
     fn=st.sampled_from(["gae", "ilql_targets", "ppo_loss", "value_loss", "expectile_loss", "kl_penalty",
                         "aggregate_loss", "token_rewards", "ilql_logits"]),  # fmt: skip
@@ -451,6 +461,7 @@ def reward_outputs(draw, n: int):
     return draw(st.sampled_from([ValueError("bad"), KeyError("answer"), ZeroDivisionError(), RuntimeError("x")])), "raise", None
 
 
+@settings(max_examples=200)
 @given(data=st.data(), n=st.integers(0, 5))
 def test_reward_outputs_are_validated_and_the_sample_is_named(data, n):
     prompts = [f"p{i}" for i in range(n)]
@@ -492,6 +503,7 @@ def _numeric_ok(v) -> bool:
         return False
 
 
+@settings(max_examples=150)
 @given(
     n=st.integers(0, 4),
     texts=st.sampled_from(["ok", "missing", "short", "not_str", "nested"]),
