@@ -689,19 +689,34 @@ def collate(batches: Sequence[TensorDictBase], pad_token_id: int | None = None) 
 # --------------------------------------------------------------------------------------------------------
 
 
-def split_microbatches(batch: TensorDictBase, microbatch_size: int) -> list[TensorDictBase]:
+def split_microbatches(
+    batch: TensorDictBase, microbatch_size: int, *, sort_by_length: bool = False
+) -> list[TensorDictBase]:
     """Consecutive slices of ``microbatch_size`` rows, for gradient accumulation.
 
     The slices are views of ``batch`` (no copy); the last one may be smaller; text keys stay aligned.
     ``torch.cat(split_microbatches(b, n))`` equals ``b``. An empty batch gives an empty list.
 
+    With ``sort_by_length`` the rows are first ordered by their real length (prompt plus response tokens,
+    from ``attention_mask``; a stable sort), so each microbatch holds rows of similar length and the forward
+    helpers (``rlbits.models.forward``), which cut every microbatch to its longest row, compute almost no
+    padding. The slices are then copies, and their concatenation is ``b`` in that order. Losses aggregated
+    with a global token count (``num_tokens``) give the same gradient either way (up to float summation
+    order). Reads the lengths on the host (one device sync).
+
     Raises:
-        ValueError: ``microbatch_size < 1``.
+        ValueError: ``microbatch_size < 1``, or ``sort_by_length`` without ``attention_mask``.
     """
     if microbatch_size < 1:
         raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
     if batch.batch_size[0] == 0:
         return []
+    if sort_by_length and batch.batch_size[0] > microbatch_size:
+        if ATTENTION_MASK not in batch.keys():
+            raise ValueError(f"sort_by_length needs {ATTENTION_MASK!r} in the batch to read row lengths")
+        lengths = batch.get(ATTENTION_MASK).sum(dim=1).cpu()
+        order = torch.sort(lengths, stable=True).indices
+        batch = batch[order.to(batch.device)]
     return list(batch.split(microbatch_size, dim=0))
 
 

@@ -377,6 +377,23 @@ def test_split_microbatches_round_trip_and_views(batch):
         rb.split_microbatches(batch, 0)
 
 
+def test_split_microbatches_sort_by_length_groups_similar_rows():
+    # rows of real lengths (prompt + response) 5, 2, 4, 2, 3: sorted (stable) -> rows 1, 3, 4, 2, 0
+    prompts = rb.make_prompts([[1, 2], [3], [4, 5, 6], [7], [8]], pad_token_id=PAD)
+    responses = torch.tensor([[9, 9, 9], [9, 0, 0], [9, 0, 0], [9, 0, 0], [9, 9, 0]])
+    mask = responses != 0
+    td = rb.build_batch(
+        prompts[rb.PROMPTS], prompts[rb.PROMPT_MASK], responses, mask, rewards=torch.arange(5.0)
+    )
+    parts = rb.split_microbatches(td, 2, sort_by_length=True)
+    assert [p[rb.REWARDS].tolist() for p in parts] == [[1.0, 3.0], [4.0, 2.0], [0.0]]
+    assert [p[rb.ATTENTION_MASK].sum(1).tolist() for p in parts] == [[2, 2], [3, 4], [5]]
+    # one microbatch: nothing to sort, still the views of the batch
+    assert_same_batch(rb.split_microbatches(td, 5, sort_by_length=True)[0], td)
+    with pytest.raises(ValueError, match="sort_by_length needs 'attention_mask'"):
+        rb.split_microbatches(TensorDict(x=torch.zeros(3), batch_size=[3]), 1, sort_by_length=True)
+
+
 def _grouped(num_groups, group_size):
     prompts = rb.make_prompts([[i + 1] for i in range(num_groups)], pad_token_id=PAD)
     prompts.set(rb.PROMPT_TEXT, NonTensorStack.from_list([f"p{i}" for i in range(num_groups)]))

@@ -142,6 +142,60 @@ def test_lm_head_sees_response_positions_only(models, monkeypatch):
     assert seen == [batch["responses"].shape[1] + 1]
 
 
+def _pad_columns(batch, left: int, right: int):
+    """The same rows with ``left`` extra all-padding prompt columns and ``right`` response columns."""
+    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
+    pad = torch.nn.functional.pad
+    return build_batch(
+        pad(batch["prompts"], (left, 0), value=PAD),
+        pad(batch["prompt_mask"], (left, 0), value=False),
+        pad(batch["responses"], (0, right), value=PAD),
+        pad(batch["action_mask"], (0, right), value=False),
+        response_mask=pad(batch["response_mask"], (0, right), value=False),
+    ), (P, R)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_padding_columns_cost_nothing_and_change_nothing(models, monkeypatch, fused):
+    model = models["gpt2"]
+    if not fused:
+        monkeypatch.setattr(forward_mod, "split_head", lambda m: None)
+    batch = _batch()
+    padded, (P, R) = _pad_columns(batch, left=3, right=4)
+    seen = []
+    handle = model.transformer.register_forward_hook(lambda m, inp, out: seen.append(out[0].shape[1]))
+    try:
+        lp, ent = policy_logprobs(model, batch, return_entropy=True)
+        lp2, ent2 = policy_logprobs(model, padded, return_entropy=True)
+    finally:
+        handle.remove()
+    assert seen == [P + R, P + R]  # the extra columns never reach the model
+    assert lp2.shape == (3, R + 4) and (lp2[:, R:] == 0).all() and (ent2[:, R:] == 0).all()
+    assert torch.allclose(lp2[:, :R], lp, atol=1e-6) and torch.allclose(ent2[:, :R], ent, atol=1e-6)
+    # one microbatch per row: each cut to its own length, same result
+    lp3 = policy_logprobs(model, padded, microbatch_size=1)
+    assert torch.allclose(lp3, lp2, atol=1e-5)
+    # gradients are those of the untrimmed batch
+    params = [p for p in model.parameters() if p.requires_grad]
+    g1 = torch.autograd.grad(lp.sum(), params)
+    g2 = torch.autograd.grad(lp3.sum(), params)
+    for x, y in zip(g1, g2, strict=True):
+        assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_critic_values_trimmed_columns():
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gpt2", V, seed=5)
+    critic = ValueModel.from_policy(model, seed=0)
+    batch = _batch()
+    padded, (P, R) = _pad_columns(batch, left=2, right=3)
+    with torch.no_grad():
+        v = critic_values(critic, batch)
+        v2 = critic_values(critic, padded, microbatch_size=2)
+    assert v2.shape == (3, R + 3) and (v2[:, R:] == 0).all()
+    assert torch.allclose(v2[:, :R], v, atol=1e-5)
+
+
 def _hidden_reference(hidden, weight, tokens, temperature):
     z = (hidden.double() @ weight.double().T) / temperature
     logp = torch.log_softmax(z, -1)
@@ -258,9 +312,11 @@ def test_critic_values_slice_by_hand():
     # row 1: one prompt token (position 0 at column 3), action mask [T, F, F, T, T]
     assert values[1].tolist() == [1030.0, 0.0, 0.0, 1063.0, 1074.0]
     assert values[2].tolist() == [2031.0, 0.0, 0.0, 0.0, 0.0]
-    # microbatching slices each microbatch by itself (row offsets restart at 0 in each)
+    # microbatching slices each microbatch by itself (row offsets restart at 0 in each), and cuts it to its
+    # real columns: row 2 alone has 2 prompt columns and 1 response column, so its prompt's last token
+    # sits at column 1 (position 1)
     mb = critic_values(_PositionValue(), batch, microbatch_size=2)
-    assert mb[2].tolist() == [31.0, 0.0, 0.0, 0.0, 0.0]
+    assert mb[2].tolist() == [11.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_critic_values_value_model_reference(models):
