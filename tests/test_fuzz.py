@@ -715,3 +715,50 @@ def _stop_shared_server():
     yield
     if "server" in _SERVER:
         _SERVER.pop("server").stop()
+
+
+# --------------------------------------------------------------------------------------------------------
+# (c) built-in task rewards
+# --------------------------------------------------------------------------------------------------------
+
+TEXTS = st.lists(st.text(max_size=12), max_size=4)
+TASK_ARGS = st.one_of(TEXTS, TEXTS, st.none(), st.text(max_size=5), st.integers(), st.lists(st.integers(), min_size=1, max_size=2),
+                      st.lists(st.none(), min_size=1, max_size=2))  # fmt: skip
+
+
+@settings(max_examples=150)
+@given(
+    task=st.sampled_from(["sentiment", "arithmetic"]),
+    prompts=TASK_ARGS,
+    responses=TASK_ARGS,
+    arithmetic_prompts=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
+def test_task_rewards_are_in_range_or_a_clear_error(task, prompts, responses, arithmetic_prompts, seed):
+    from rlbits.tasks import get_task
+
+    module = get_task(task)
+    if arithmetic_prompts and isinstance(prompts, list) and task == "arithmetic":
+        import random
+
+        rng = random.Random(seed)
+        prompts = [f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=" for _ in prompts]
+    valid_lists = all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in (prompts, responses))
+    try:
+        out = module.reward(prompts, responses)
+    except CLEAR as e:
+        assert not valid_lists or len(prompts) != len(responses) or task == "arithmetic", e
+        assert any(w in str(e) for w in ("prompts", "responses")), e
+        return
+    assert valid_lists and len(out) == len(prompts) == len(responses), (prompts, responses, out)
+    assert all(isinstance(x, float) for x in out)
+    low = -1.0 if task == "sentiment" else 0.0
+    assert all(low <= x <= 1.0 for x in out), out
+
+
+@pytest.mark.parametrize("name", ["ppo", "", None, ["sentiment"], 3])
+def test_unknown_task_names_are_a_clear_error(name):
+    from rlbits.tasks import get_task
+
+    with pytest.raises(ValueError, match="valid tasks: 'arithmetic', 'sentiment'"):
+        get_task(name)

@@ -29,7 +29,7 @@ def get_task(name: str) -> ModuleType:
     Raises:
         ValueError: ``name`` is not a registered task; the message lists the valid names.
     """
-    if name not in TASKS:
+    if not isinstance(name, str) or name not in TASKS:
         valid = ", ".join(map(repr, sorted(TASKS)))
         raise ValueError(f"unknown task {name!r}; valid tasks: {valid}")
     return importlib.import_module(TASKS[name])

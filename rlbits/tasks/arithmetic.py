@@ -148,8 +148,11 @@ def reward(prompts: list[str], responses: list[str]) -> list[float]:
         ValueError: the lists differ in length, or a prompt is not ``"a+b="`` (the message gives its index).
     """
     for name, value in (("prompts", prompts), ("responses", responses)):
-        if isinstance(value, str) or not all(isinstance(x, str) for x in value):
-            raise TypeError(f"{name} must be a list of str")
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a list of str, got {type(value).__name__}")
+        bad = next((i for i, x in enumerate(value) if not isinstance(x, str)), None)
+        if bad is not None:
+            raise TypeError(f"{name} must be a list of str; {name}[{bad}] is {type(value[bad]).__name__}")
     if len(prompts) != len(responses):
         raise ValueError(
             f"prompts and responses must have the same length, got {len(prompts)} and {len(responses)}"
