@@ -762,3 +762,18 @@ def test_unknown_task_names_are_a_clear_error(name):
 
     with pytest.raises(ValueError, match="valid tasks: 'arithmetic', 'sentiment'"):
         get_task(name)
+
+
+@pytest.mark.parametrize("fn", ["cql_loss", "awac_loss"])
+def test_empty_vocabulary_is_a_clear_error(fn):
+    m = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        getattr(rlbits, fn)(torch.randn(2, 3, 0), torch.zeros(2, 3, dtype=torch.long), m)
+
+
+@pytest.mark.xfail(strict=True, reason="logprobs.py: V = 0 reaches a reshape inside torch (RuntimeError)")
+@pytest.mark.parametrize("fn", ["logprobs_from_logits", "entropy_from_logits"])
+def test_logprob_kernels_reject_an_empty_vocabulary(fn):
+    args = (torch.randn(2, 3, 0),) + ((torch.zeros(2, 3, dtype=torch.long),) if fn == "logprobs_from_logits" else ())
+    with pytest.raises(ValueError, match="logits"):
+        getattr(rlbits, fn)(*args)

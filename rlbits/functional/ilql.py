@@ -125,6 +125,8 @@ def _masked_nll(
     _checks.ndim(name, logits, 3, "[B, R, V]")
     _checks.floating(name, logits)
     _checks.integer("actions", actions)
+    if logits.shape[-1] == 0:
+        raise ValueError(f"{name} has an empty vocabulary dimension (shape {tuple(logits.shape)})")
     if logits.shape[:2] != action_mask.shape or actions.shape != action_mask.shape:
         raise ValueError(
             f"{name} {tuple(logits.shape)}, actions {tuple(actions.shape)} and action_mask "
