@@ -26,7 +26,7 @@ change in machine load hits all alike. Step time = wall time from "go" to the en
 framework's whole loop iteration: rollout, scoring, reference, update, logging). The first step of each
 worker is a warm-up (not timed). Peak RSS = ``ru_maxrss`` of the worker process at its last timed step.
 
-    python benchmarks/bench_step.py                      # all frameworks, 6 timed steps, ~8 min on 2 cores
+    python benchmarks/bench_step.py                      # all frameworks, 5 timed steps, ~6 min on 2 quiet cores
     python benchmarks/bench_step.py --steps 3 --only rlbits-grpo trl-grpo
     python benchmarks/bench_step.py --no-bf16            # skip the rlbits bf16 variants
 
@@ -355,7 +355,7 @@ def _load() -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=6, help="timed steps per framework (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per framework (after one warm-up step)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
