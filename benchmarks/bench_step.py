@@ -24,7 +24,7 @@ process (TRL in its own venv: ``--trl116-python`` / ``--trl112-python``); a call
 every step until the driver says go, so the driver runs the frameworks **interleaved step by step**: a
 change in machine load hits all alike. Step time = wall time from "go" to the end of the step (the
 framework's whole loop iteration: rollout, scoring, reference, update, logging). The first step of each
-worker is a warm-up (not timed). Peak RSS = ``ru_maxrss`` of the worker process at its last timed step.
+worker is a warm-up (not timed; the workers warm up one after the other). Peak RSS = ``ru_maxrss`` of the worker process at its last timed step.
 
     python benchmarks/bench_step.py                      # all frameworks, 5 timed steps, ~6 min on 2 quiet cores
     python benchmarks/bench_step.py --steps 3 --only rlbits-grpo trl-grpo
@@ -378,9 +378,7 @@ def main(argv=None) -> dict:
     specs = []  # (name, python, precision)
     for algo in ALGOS:
         specs.append((f"rlbits-{algo}", sys.executable, "fp32"))
-        if not args.no_bf16 and algo != "ppo":
-            specs.append((f"rlbits-{algo}-bf16", sys.executable, "bf16"))
-        if not args.no_bf16 and algo == "ppo":
+        if not args.no_bf16:
             specs.append((f"rlbits-{algo}-bf16", sys.executable, "bf16"))
         trl_python = args.trl112_python if algo == "ppo" else args.trl116_python
         if Path(trl_python).exists():
@@ -390,15 +388,16 @@ def main(argv=None) -> dict:
     if args.only:
         specs = [s for s in specs if s[0] in args.only]
     load_start = _load()
-    workers = []
+    # Start the workers one at a time: each runs its warm-up step alone (18 threads of simultaneous
+    # warm-ups on 2 cores thrash), then blocks until its first "go".
+    workers, failed = [], {}
     for name, python, precision in specs:
         worker_name = name.removesuffix("-bf16")
-        workers.append(Worker(name, python, [f"--worker={worker_name}", f"--precision={precision}", *shared]))
-    # Warm-up step of every worker (they may overlap); each then blocks until its first "go".
-    failed = {}
-    for w in workers:
+        w = Worker(name, python, [f"--worker={worker_name}", f"--precision={precision}", *shared])
+        workers.append(w)
         try:
             w.read()
+            print(f"warm-up done: {name} (load {_load():.2f})", flush=True)
         except RuntimeError as e:
             failed[w.name] = str(e)
             print(e, file=sys.stderr)
