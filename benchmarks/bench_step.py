@@ -353,6 +353,42 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
+def _drive(specs, shared, steps, workers):
+    """Warm up the workers one after the other, then run ``steps`` rounds of one step each, in turn."""
+    loads = [_load()]
+    # Start the workers one at a time: each runs its warm-up step alone (18 threads of simultaneous
+    # warm-ups on 2 cores thrash), then blocks until its first "go".
+    failed = {}
+    for name, python, precision in specs:
+        worker_name = name.removesuffix("-bf16")
+        w = Worker(name, python, [f"--worker={worker_name}", f"--precision={precision}", *shared])
+        workers.append(w)
+        try:
+            w.read()
+            print(f"warm-up done: {name} (load {_load():.2f})", flush=True)
+        except RuntimeError as e:
+            failed[w.name] = str(e)
+            print(e, file=sys.stderr)
+    alive = [w for w in workers if w.name not in failed]
+    for i in range(steps):
+        for w in alive:
+            time.sleep(_PAUSE_S)
+            loads.append(_load())
+            msg = w.go()
+            print(
+                f"step {i + 1}/{steps} {w.name:<18} {msg['seconds']:7.3f} s  (load {loads[-1]:.2f})",
+                flush=True,
+            )
+    for w in alive:
+        try:
+            w.read()  # "exit"
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+        w.proc.wait(timeout=120)
+
+    return loads, failed, alive
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=5, help="timed steps per framework (after one warm-up step)")
@@ -387,38 +423,14 @@ def main(argv=None) -> dict:
             print(f"skipping trl-{algo}: {trl_python} not found (see benchmarks/RESULTS.md to install)")
     if args.only:
         specs = [s for s in specs if s[0] in args.only]
-    load_start = _load()
-    # Start the workers one at a time: each runs its warm-up step alone (18 threads of simultaneous
-    # warm-ups on 2 cores thrash), then blocks until its first "go".
-    workers, failed = [], {}
-    for name, python, precision in specs:
-        worker_name = name.removesuffix("-bf16")
-        w = Worker(name, python, [f"--worker={worker_name}", f"--precision={precision}", *shared])
-        workers.append(w)
-        try:
-            w.read()
-            print(f"warm-up done: {name} (load {_load():.2f})", flush=True)
-        except RuntimeError as e:
-            failed[w.name] = str(e)
-            print(e, file=sys.stderr)
-    alive = [w for w in workers if w.name not in failed]
-    loads = []
-    for i in range(args.steps):
-        for w in alive:
-            time.sleep(_PAUSE_S)
-            loads.append(_load())
-            msg = w.go()
-            print(
-                f"step {i + 1}/{args.steps} {w.name:<18} {msg['seconds']:7.3f} s  (load {loads[-1]:.2f})",
-                flush=True,
-            )
-    for w in alive:
-        try:
-            w.read()  # "exit"
-        except RuntimeError as e:
-            print(e, file=sys.stderr)
-        w.proc.wait(timeout=120)
-
+    workers: list[Worker] = []
+    try:
+        loads, failed, alive = _drive(specs, shared, args.steps, workers)
+    finally:
+        for w in workers:  # never leave a worker behind (e.g. on Ctrl-C)
+            if w.proc.poll() is None:
+                w.proc.kill()
+    load_start = loads[0] if loads else _load()
     results = {}
     for w in alive:
         steps = [m for m in w.messages if m["kind"] == "step"]
@@ -475,7 +487,7 @@ def main(argv=None) -> dict:
         "threads": args.threads,
         "steps": args.steps,
         "versions": versions,
-        "load_average_1min": {"start": load_start, "per_step": loads, "end": _load()},
+        "load_average_1min": {"start": load_start, "per_step": loads[1:], "end": _load()},
         "results": results,
         "table": "\n".join(table),
     }
