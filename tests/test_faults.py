@@ -185,7 +185,9 @@ def corrupt_newest(run_dir: Path, how: str) -> int:
     """Damage the newest checkpoint on disk; returns its step."""
     step = checkpoint_steps(run_dir)[-1]
     folder = run_dir / "checkpoints" / f"step_{step}"
-    weights = max(folder.rglob("*.safetensors"), key=lambda p: p.stat().st_size)
+    # the largest weight file (safetensors at world size 1), else the largest file of whatever format
+    files = list(folder.rglob("*.safetensors")) or [p for p in folder.rglob("*") if p.is_file()]
+    weights = max(files, key=lambda p: p.stat().st_size)
     if how == "truncate":
         data = weights.read_bytes()
         weights.write_bytes(data[: len(data) // 2])
