@@ -308,9 +308,13 @@ def load_checkpoint(
     if saved.get("world_size", 1) == env.world_size and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=True), generators or {})
     elif generators:
+        # No stream to map from N ranks to M: reseed each from its seed and the step, so the continued run
+        # neither replays the first steps' noise nor depends on anything but (seed, step, rank).
+        for g in generators.values():
+            g.manual_seed((g.initial_seed() * 1_000_003 + int(saved.get("step", 0))) % 2**63)
         warnings.warn(
             f"checkpoint {str(path)!r} was saved at world size {saved.get('world_size', 1)}, resumed at "
-            f"{env.world_size}: RNG streams restart from their seeds (the run continues, not bit-exactly)",
+            f"{env.world_size}: RNG streams are reseeded from (seed, step, rank) (the run continues, not bit-exactly)",
             stacklevel=2,
         )
     return saved

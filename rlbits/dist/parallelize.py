@@ -84,6 +84,10 @@ def shard(
 
         for block in blocks:
             checkpoint(block)
+        for m in model.modules():  # a KV cache filled in forward would be filled again by the recompute
+            config = getattr(m, "config", None)
+            if hasattr(config, "use_cache"):
+                config.use_cache = False
     if compile_blocks:
         for block in blocks:
             block.compile()
@@ -103,7 +107,11 @@ def shard(
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     for m in _fsdp_modules(model):
         m.set_gradient_divide_factor(1.0)  # losses are already divided by the global count
+        m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     model.rlbits_reshard_after_forward = reshard_after_forward  # restored by ``unsharded``
+    # Make ``model`` the FSDP root now, not at its first forward: a fast path that calls a submodule
+    # directly first (e.g. generate's decode through the backbone) would make each block its own root.
+    model._get_fsdp_state()._lazy_init()
     return model
 
 

@@ -76,6 +76,7 @@ from rlbits.dist.checkpoint import (
     tokenizer_folder,
 )
 from rlbits.dist.env import DistEnv
+from rlbits.dist.parallelize import unsharded
 from rlbits.dist.reduce import global_count, reduce_metrics
 from rlbits.functional import (
     awac_loss,
@@ -540,17 +541,18 @@ def load_or_build_dataset(
         rows = read_dataset(cfg.dataset_path)
     else:
         task = get_task(cfg.task)
-        rows = build_offline_dataset(
-            reward if reward is not None else cfg.task,
-            state.model.policy,
-            state.tokenizer,
-            list(prompts) if prompts is not None else task.prompts("train"),
-            cfg.dataset_size,
-            seed=cfg.seed,
-            temperature=cfg.dataset_temperature,
-            max_new_tokens=cfg.max_new_tokens,
-            batch_size=cfg.dataset_batch_size,
-        )
+        with unsharded(state.model):  # a sharded model's root holds the embeddings: gather all of it
+            rows = build_offline_dataset(
+                reward if reward is not None else cfg.task,
+                state.model.policy,
+                state.tokenizer,
+                list(prompts) if prompts is not None else task.prompts("train"),
+                cfg.dataset_size,
+                seed=cfg.seed,
+                temperature=cfg.dataset_temperature,
+                max_new_tokens=cfg.max_new_tokens,
+                batch_size=cfg.dataset_batch_size,
+            )
     if write:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_dataset(rows, path)

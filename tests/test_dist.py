@@ -1,0 +1,219 @@
+"""Scaling out: sharding helpers, 1-process vs 2-rank FSDP2 parity, torchrun launches of every loop,
+checkpoints that move between world sizes, compile without per-step recompilation, bf16.
+
+The torchrun tests run 2 CPU processes on gloo (marked slow; they still run in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rlbits.dist.env import DistEnv
+from rlbits.dist.parallelize import shard, transformer_blocks, unsharded
+from rlbits.models.heads import ILQLModel, ValueModel
+from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+V = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_policy")
+    tiny_causal_lm("gpt2", V, seed=0).save_pretrained(path)
+    tiny_tokenizer(V).save_pretrained(path)
+    return str(path)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    return out
+
+
+def python(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    return out
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+# --- sharding helpers, in process ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_transformer_blocks_are_found_in_lms_and_in_the_models_holding_them(arch):
+    policy = tiny_causal_lm(arch, V, seed=0)
+    n = policy.config.num_hidden_layers
+    assert len(transformer_blocks(policy)) == n
+    assert len(transformer_blocks(ValueModel.from_policy(policy))) == n
+    assert len(transformer_blocks(ILQLModel(policy, shared_trunk=False))) == 2 * n  # policy + its own trunk
+    with pytest.raises(ValueError, match="transformer blocks"):
+        transformer_blocks(torch.nn.Linear(2, 2))
+
+
+def test_shard_at_world_size_one_keeps_names_and_gradients_with_activation_checkpointing():
+    plain, checkpointed = tiny_causal_lm("gpt2", V, seed=0), tiny_causal_lm("gpt2", V, seed=0)
+    shard(checkpointed, DistEnv(), activation_checkpointing=True)
+    assert list(plain.state_dict()) == list(checkpointed.state_dict())
+    x = torch.randint(0, V, (3, 9))
+    for model in (plain, checkpointed):
+        model.train()
+        model(input_ids=x).logits.square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad(), unsharded(checkpointed):  # a no-op for an unsharded model
+        assert checkpointed(input_ids=x).logits.shape == (3, 9, V)
+
+
+# --- 1 process with B rows vs 2 FSDP2 ranks with B/2 each ------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+def test_one_update_on_two_fsdp_ranks_equals_one_process(algo, tmp_path):
+    worker = str(ROOT / "tests" / "dist_worker.py")
+    python(worker, algo, str(tmp_path / "one.pt"))
+    torchrun(worker, algo, str(tmp_path / "two.pt"))
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    init = tiny_causal_lm("gpt2", 48, seed=0).state_dict()
+    moved = max((one["policy"][k] - init[k]).abs().max().item() for k in init)
+    assert moved > 1e-3  # the update is large enough for a wrong gradient to show
+    for model in one:
+        for name, a in one[model].items():
+            b = two[model][name]
+            assert (a - b).abs().max() <= 1e-5 * a.abs().max() + 1e-8, f"{model}.{name}"
+
+
+# --- torchrun launches ------------------------------------------------------------------------------------
+
+CONFIGS = {"ppo": "configs/ppo_sentiment.yaml", "reinforce": "configs/rloo_arithmetic.yaml", "ilql": "configs/ilql_sentiment.yaml"}
+COMMON = ["max_num_steps=2", "max_new_tokens=5", "max_val_samples=4", "progress=false", "tensorboard=false",
+          "save_period=1", "val_period=0", "task=arithmetic"]  # fmt: skip
+LOOPS = {
+    "ppo": ["num_prompts_per_step=4", "num_generations_per_prompt=2", "microbatch_size=4",
+            "num_minibatches=2"],
+    "reinforce": ["num_prompts_per_step=2", "num_generations_per_prompt=4", "microbatch_size=4"],
+    "ilql": ["batch_size=4", "microbatch_size=2", "dataset_size=16", "dataset_batch_size=8"],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_torchrun_two_ranks_runs_each_loop(loop, tiny_path, tmp_path):
+    run_dir = tmp_path / "run"
+    torchrun("-m", "rlbits", "train", CONFIGS[loop], f"policy={tiny_path}", f"run_dir={run_dir}", *COMMON, *LOOPS[loop])
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(v is None or v == v for r in rows for v in r.values())  # nothing NaN
+    ckpt = run_dir / "checkpoints" / "step_2"
+    assert (ckpt / "dcp" / ".metadata").is_file() and sorted(p.name for p in (ckpt / "rng").iterdir()) == [
+        "rank_0.pt",
+        "rank_1.pt",
+    ]
+    assert json.loads((ckpt / "state.json").read_text())["world_size"] == 2
+    assert (run_dir / "final" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_between_two_ranks_and_one(tiny_path, tmp_path):
+    from rlbits.dist.checkpoint import load_checkpoint
+    from rlbits.models.load import load_pretrained
+
+    run_dir = tmp_path / "run"
+    args = [CONFIGS["reinforce"], f"policy={tiny_path}", f"run_dir={run_dir}", *COMMON, *LOOPS["reinforce"]]
+    torchrun("-m", "rlbits", "train", *args)  # steps 1-2 on 2 ranks
+    # The sharded DCP weights of step 2, loaded in one process, are the policy rank 0 exported at step 2.
+    exported, _ = load_pretrained(run_dir / "final")
+    fresh, _ = load_pretrained(tiny_path)
+    load_checkpoint(run_dir / "checkpoints" / "step_2", models={"policy": fresh})
+    for (name, a), b in zip(exported.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    python("-m", "rlbits", "train", "--resume", str(run_dir), "max_num_steps=3")  # step 3 on 1 rank
+    step3 = run_dir / "checkpoints" / "step_3"
+    assert json.loads((step3 / "state.json").read_text())["world_size"] == 1 and (step3 / "policy").is_dir()
+    torchrun("-m", "rlbits", "train", "--resume", str(run_dir), "max_num_steps=4")  # step 4 on 2 ranks again
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    # 2 prompts per rank per step: 2 steps at 2 ranks, 1 at 1 rank, 1 at 2 ranks
+    assert [rows[i]["consumed_samples"] for i in (2, 3, 4)] == [8, 10, 14]
+    after, _ = load_pretrained(run_dir / "final")  # exported at step 4 from 2 ranks again
+    fresh, _ = load_pretrained(tiny_path)
+    load_checkpoint(run_dir / "checkpoints" / "step_4", models={"policy": fresh})
+    for (name, a), b in zip(after.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+# --- compile and precision in one process ----------------------------------------------------------------
+
+
+def _ppo_batch(policy, value_model, R: int, seed: int):
+    from rlbits.batch import build_batch
+    from rlbits.models.forward import critic_values, policy_logprobs
+
+    g = torch.Generator().manual_seed(seed)
+    B, P = 6, 4
+    prompts = torch.randint(3, V - 1, (B, P), generator=g)
+    responses = torch.randint(3, V - 1, (B, R), generator=g)
+    action_mask = torch.arange(R)[None, :] < torch.randint(1, R + 1, (B,), generator=g)[:, None]
+    action_mask[0] = True  # the longest row has R tokens
+    batch = build_batch(prompts, torch.ones(B, P, dtype=torch.bool), responses, action_mask, rewards=torch.randn(B, generator=g))
+    with torch.no_grad():
+        batch["logprobs"] = policy_logprobs(policy, batch)
+        batch["ref_logprobs"] = batch["logprobs"] + 0.1 * torch.randn(B, R, generator=g)
+        batch["values"] = critic_values(value_model, batch)
+    return batch
+
+
+@pytest.mark.slow
+def test_compile_does_not_recompile_as_response_lengths_change():
+    """PPO's advantage and update phases with ``compile=True`` over steps whose responses are 5, 9, 7, 12, 6
+    tokens long: the kernels compile in the first steps, then never again."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from rlbits.loops import common, ppo
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = ppo.PPOConfig(compile=True, ppo_epochs=1, num_minibatches=1, microbatch_size=6, kl_in_reward=True)
+    policy = common.disable_dropout(tiny_causal_lm("gpt2", V, seed=0)).train()
+    value_model = common.disable_dropout(ValueModel.from_policy(policy)).train()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (policy, value_model)]
+    graphs = []
+    for step, R in enumerate([5, 9, 7, 12, 6]):
+        batch = _ppo_batch(policy, value_model, R, seed=step)
+        ppo.advantages(batch, cfg, DistEnv(), kl_coef=0.05 + 0.01 * step)  # the adaptive coefficient changes too
+        out = ppo.update(policy, value_model, *opts, batch, cfg, DistEnv())
+        assert torch.isfinite(out["actor_loss"]) and torch.isfinite(out["critic_loss"])
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+    assert graphs[0] > 0, "nothing was compiled"
+    assert graphs[-1] == graphs[0], f"recompiled as shapes changed: graphs after each step {graphs}"
+
+
+@pytest.mark.slow
+def test_bf16_precision_runs_each_loop_in_one_process(tiny_path, tmp_path):
+    from rlbits.loops.api import train
+
+    for loop, extra in LOOPS.items():
+        overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in COMMON + extra)}
+        overrides.update(policy=tiny_path, run_dir=str(tmp_path / loop), precision="bf16", max_num_steps=1)
+        train(config=ROOT / CONFIGS[loop], **overrides)
+        row = metrics(tmp_path / loop)[-1]
+        assert row["step"] == 1 and all(v is None or v == v for v in row.values()), (loop, row)
