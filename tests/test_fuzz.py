@@ -244,7 +244,17 @@ def test_cli_overrides_give_exit_2_naming_the_key_or_a_valid_config(pairs):
     assert rc == 0 and len(seen) == 1
     for key, value in parse_overrides(args).items():
         got = getattr(seen[0], key)
-        assert got == value or (isinstance(got, float) and got == float(value)), (key, value, got)
+        assert _same(got, value), (key, value, got)
+
+
+def _same(got, value) -> bool:
+    """A config field holds the override's value (a float field holds float(value); NaN equals NaN)."""
+    if got == value:
+        return True
+    if isinstance(got, float):
+        f = float(value)
+        return got == f or (math.isnan(got) and math.isnan(f))
+    return False
 
 
 # --------------------------------------------------------------------------------------------------------
