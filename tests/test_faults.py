@@ -442,3 +442,16 @@ def test_nan_reward_error_names_the_step_and_phase(env, tmp_path, monkeypatch):
     monkeypatch.setenv("RLBITS_CACHE", env["env"]["RLBITS_CACHE"])
     with pytest.raises(ValueError, match=r"step 2.*score|score.*step 2"):
         _train_with_reward(env, tmp_path / "run", _BadAfter(good=1))
+
+
+def test_every_checkpoint_damaged_or_no_run_gives_a_clear_error(short_run, tmp_path, capsys):
+    """Resume when no checkpoint verifies: each is skipped with a warning, then an error naming the run; a
+    folder that is not a run: exit 2 naming its config.yaml."""
+    for step in checkpoint_steps(short_run):
+        (short_run / "checkpoints" / f"step_{step}" / "manifest.json").unlink()
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        with pytest.raises(FileNotFoundError, match="has no checkpoint to resume from"):
+            _cli("--resume", str(short_run), "max_num_steps=3")
+    capsys.readouterr()
+    assert _cli("--resume", str(tmp_path / "not_a_run")) == 2
+    assert "not_a_run/config.yaml" in capsys.readouterr().err
