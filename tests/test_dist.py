@@ -160,6 +160,50 @@ def test_checkpoint_moves_between_two_ranks_and_one(tiny_path, tmp_path):
         assert torch.equal(a, b), name
 
 
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+@pytest.mark.slow
+def test_torchrun_max_restarts_resumes_after_a_rank_is_killed(tiny_path, tmp_path):
+    """kill -9 one rank after the step-2 checkpoint: torchrun restarts the job, which resumes by itself and
+    finishes; metrics.jsonl reads as one run."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           "-m", "rlbits", "train", CONFIGS["reinforce"], f"policy={tiny_path}", f"run_dir={run_dir}", *COMMON,
+           *LOOPS["reinforce"], "max_num_steps=8"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+    killed = None
+    try:
+        deadline = time.time() + 180
+        while killed is None and time.time() < deadline and proc.poll() is None:
+            if (run_dir / "checkpoints" / "step_2").is_dir():
+                children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+                victims = [int(c) for c in children if _rank_of(int(c)) == 1]
+                if victims:
+                    os.kill(victims[0], signal.SIGKILL)
+                    killed = victims[0]
+            time.sleep(0.05)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed is not None, "never saw the step-2 checkpoint and a rank-1 worker"
+    assert proc.returncode == 0, output[-6000:]
+    assert "SIGKILL" in output or "Signals.SIGKILL" in output or "-9" in output, output[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(9))
+    assert rows[-1]["consumed_samples"] == 8 * 2 * 2  # the data position survived the restart
+
+
 # --- compile and precision in one process ----------------------------------------------------------------
 
 

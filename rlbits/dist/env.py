@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,20 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device(device)
 
 
+def _elastic_store(rank: int, world_size: int) -> dict:
+    """Under torchrun, a store whose keys are prefixed by the restart attempt: after ``--max-restarts``
+    restarts the workers, a new rank must not read an address a killed rank published in an earlier
+    attempt (seen as gloo "connection refused" on restart). Empty (the env:// default) otherwise."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None:
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+        timeout=timedelta(minutes=10),
+    )  # fmt: skip
+    return {"store": dist.PrefixStore(f"rlbits/attempt_{attempt}", store), "rank": rank, "world_size": world_size}
+
+
 def init(device: str = "auto") -> DistEnv:
     """Return ``(rank, world_size, device)`` from the torchrun environment, initialising the process group.
 
@@ -51,7 +66,7 @@ def init(device: str = "auto") -> DistEnv:
     if world_size > 1 and not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", **_elastic_store(rank, world_size))
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from rlbits.dist.checkpoint import latest_checkpoint
 from rlbits.loops.config import ConfigError, RunConfig, config_from_dict, parse_overrides, read_yaml
+from rlbits.loops.run import elastic_restart
 
 # loop name -> (module, config class)
 LOOPS = {
@@ -55,7 +57,7 @@ def resolve_config(
     if isinstance(config, RunConfig):
         values = {**dataclasses.asdict(config), **extra}
     else:
-        if config is None:
+        if config is None and extra.get("loop", "ppo") == "ppo":
             config = default_config_path()
         if config is None:
             values = {}
@@ -87,9 +89,11 @@ def train(
             reward model, or a reward-server URL (see ``rlbits.score``); None = the task's reward.
         prompts: training prompts; None = the task's train split.
         samples: offline dataset for ILQL (``(prompt, response, reward)`` triples or dicts).
-        config: YAML path, dict, config object, or None for ``configs/ppo_sentiment.yaml``.
+        config: YAML path, dict, config object, or None for ``configs/ppo_sentiment.yaml`` (with ``loop=`` another
+            loop in ``overrides``: that loop's defaults).
         callbacks: objects with ``on_metrics``/``on_samples``/``should_stop`` (e.g. a notebook dashboard).
-        resume: continue ``run_dir`` from its latest checkpoint.
+        resume: continue ``run_dir`` from its latest checkpoint. Under ``torchrun --max-restarts`` a restarted
+            job resumes by itself.
         **overrides: config fields to override (``max_num_steps=20``, ``run_dir="runs/x"``).
 
     Raises:
@@ -97,6 +101,8 @@ def train(
     """
     cfg = resolve_config(config, overrides)
     module = loop_module(cfg.loop)
+    if not resume and elastic_restart(cfg.run_dir) and latest_checkpoint(cfg.run_dir) is not None:
+        resume = True  # torchrun --max-restarts restarted the job: continue from its last checkpoint
     kwargs: dict[str, Any] = {"callbacks": callbacks, "resume": resume, "reward": reward_fn, "prompts": prompts}
     if samples is not None:
         if cfg.loop != "ilql":

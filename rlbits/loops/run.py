@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,19 @@ import torch
 from rlbits.dist.env import DistEnv
 from rlbits.dist.reduce import all_reduce_max
 from rlbits.loops.config import RunConfig, save_config
+
+
+ELASTIC_MARKER = ".torchelastic_run_id"
+
+
+def elastic_restart(run_dir: str | Path) -> bool:
+    """True when this process is a ``torchrun --max-restarts`` restart of the job that wrote ``run_dir``
+    (``TORCHELASTIC_RESTART_COUNT > 0`` and ``run_dir`` carries this job's ``TORCHELASTIC_RUN_ID``)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return False
+    marker = Path(run_dir) / ELASTIC_MARKER
+    return marker.is_file() and marker.read_text().strip() == run_id
 
 
 def _to_float(value: Any) -> float:
@@ -54,17 +68,21 @@ class Run:
         self._old_handlers: dict[int, Any] = {}
         if not self.env.is_main:
             return
-        if self.dir.exists() and not resume and (self.dir / "metrics.jsonl").exists():
+        restarted = elastic_restart(self.dir)  # restarted by torchrun before any checkpoint: start over
+        if self.dir.exists() and not resume and not restarted and (self.dir / "metrics.jsonl").exists():
             raise FileExistsError(
                 f"run_dir {str(self.dir)!r} already holds a run; resume it with `rlbits train --resume {self.dir}` "
                 "or choose another run_dir"
             )
         self.dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.dir / "config.yaml")
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # lets a torchrun restart of this job find its run
+            (self.dir / ELASTIC_MARKER).write_text(os.environ["TORCHELASTIC_RUN_ID"] + "\n")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=start_step if resume else None)
+            purge = start_step if resume else (0 if restarted else None)
+            self._writer = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=purge)
         if cfg.wandb:
             try:
                 import wandb
@@ -78,6 +96,8 @@ class Run:
             self._bar = tqdm(total=total_steps or cfg.max_num_steps, initial=start_step, desc=cfg.loop, dynamic_ncols=True)
         if resume:
             self._truncate_after(start_step)
+        elif restarted:
+            self._truncate_after(-1)
 
     # --- signals: SIGINT/SIGTERM finish the current step, then checkpoint and exit ---------------------
 
