@@ -363,7 +363,7 @@ def test_kernels_give_a_correct_shape_or_a_clear_error(name, b, r, v, dtype, spo
 )
 def test_group_sizes_that_do_not_divide_b_are_clear_errors(b, k, fn, dtype):
     rewards = torch.arange(b).to(dtype)
-    valid = isinstance(k, int) and not isinstance(k, bool) and k >= 2 and b % k == 0
+    valid = isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 2 and b % k == 0
     try:
         out = getattr(rlbits, fn)(rewards, group_size=k)
     except CLEAR as e:

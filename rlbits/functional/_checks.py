@@ -7,6 +7,7 @@ are evaluated once at trace time under ``torch.compile(fullgraph=True)``.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -53,8 +54,8 @@ def integer(name: str, t: torch.Tensor) -> None:
 
 
 def is_number(value: object) -> bool:
-    """True for int and float (not bool, not str)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """True for real numbers (int, float, numpy scalars), not for bool or str."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # np.float32 counts; np.bool_ is no Real
 
 
 def in_range(

@@ -9,6 +9,7 @@ a vectorised recursion on the compacted rows, and scatters the result back.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -204,7 +205,7 @@ def gae(
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     _checks.ndim("rewards", rewards, 1, "[B]")
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
         raise ValueError(f"group_size must be an int, got {type(group_size).__name__}")
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2 (a group needs other samples for a baseline), got {group_size}")
