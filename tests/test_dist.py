@@ -37,9 +37,17 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
+# Failures of the launch itself (a port taken by a concurrent test between torchrun's pick and its bind),
+# not of rlbits: retried once.
+LAUNCH_ERRORS = ("Address already in use", "EADDRINUSE", "connectFullMesh")
+
+
 def torchrun(*args: str, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    for attempt in range(2):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+        if out.returncode == 0 or attempt or not any(e in out.stdout + out.stderr for e in LAUNCH_ERRORS):
+            break
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return out
 
