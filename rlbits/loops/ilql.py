@@ -40,10 +40,12 @@ How rlbits departs from trlx:
 Launch::
 
     rlbits train configs/ilql_sentiment.yaml                      # one process (the CLI)
+    torchrun --nproc_per_node 2 -m rlbits train configs/ilql_sentiment.yaml      # 2 FSDP2 ranks
     python -c "from rlbits.loops import ilql; ilql.train(ilql.ILQLConfig(run_dir='runs/ilql'))"
 
-Under ``torchrun`` every rank runs the same one-process computation (no data parallelism yet) and only
-rank 0 writes files.
+Under ``torchrun`` the model (LM, Q/V heads, target heads) is sharded with FSDP2; each rank trains on its
+``batch_size`` rows of every ``batch_size * world_size`` drawn, with losses divided by the global token count
+(docs/scaling.md); rank 0 writes the logs and ``final/``.
 
 Logged metrics (``metrics.jsonl``, per step; docs/ilql.md explains each): ``loss``, ``loss_q``, ``loss_v``,
 ``loss_cql``, ``loss_awac``, ``q_mean``, ``target_q_mean``, ``v_mean``, ``q_target_mean``,

@@ -36,9 +36,10 @@ How rlbits departs from the papers and from trlx / NeMo-Aligner / NeMo-RL / TRL 
   uses), not a second forward pass.
 - No learning-rate schedule: constant learning rates.
 
-Launch (one process; ``torchrun`` runs the same code once ``dist.parallelize`` lands)::
+Launch (one process, or N data-parallel FSDP2 ranks with ``torchrun``; docs/scaling.md)::
 
     rlbits train configs/ppo_sentiment.yaml run_dir=runs/ppo1
+    torchrun --nproc_per_node 2 -m rlbits train configs/ppo_sentiment.yaml run_dir=runs/ppo2
     python -c "from rlbits.loops.ppo import PPOConfig, train; from rlbits.loops.config import load_config; \\
         train(load_config(PPOConfig, 'configs/ppo_sentiment.yaml', ['run_dir=runs/ppo1']))"
 

@@ -39,9 +39,10 @@ How rlbits departs from them (details in docs/reinforce.md):
   has (DAPO/verl generate until full or raise); if none is informative it trains on the last batch, where
   only the KL loss gives a gradient.
 
-Launch (one process; ``torchrun`` with sharding comes with ``rlbits.dist.parallelize``)::
+Launch (one process, or N data-parallel FSDP2 ranks with ``torchrun``; docs/scaling.md)::
 
-    rlbits train configs/rloo_arithmetic.yaml            # or, in Python / a notebook:
+    rlbits train configs/rloo_arithmetic.yaml
+    torchrun --nproc_per_node 2 -m rlbits train configs/rloo_arithmetic.yaml     # or, in a notebook:
     from rlbits.loops.reinforce import ReinforceConfig, train
     train(ReinforceConfig(task="arithmetic", max_num_steps=50, run_dir="runs/rloo"))
 
