@@ -23,7 +23,8 @@ TensorBoard and progress bars off). TRL runs its trainers' ``train()``. Each fra
 process (TRL in its own venv: ``--trl116-python`` / ``--trl112-python``); a callback in each blocks after
 every step until the driver says go, so the driver runs the frameworks **interleaved step by step**: a
 change in machine load hits all alike. Step time = wall time from "go" to the end of the step (the
-framework's whole loop iteration: rollout, scoring, reference, update, logging). The first step of each
+framework's whole loop iteration: rollout, scoring, reference, update, logging); the order of the
+frameworks rotates every round. The first step of each
 worker is a warm-up (not timed; the workers warm up one after the other). Peak RSS = ``ru_maxrss`` of the worker process at its last timed step.
 
     python benchmarks/bench_step.py                      # all frameworks, 5 timed steps, ~6 min on 2 quiet cores
@@ -371,7 +372,9 @@ def _drive(specs, shared, steps, workers):
             print(e, file=sys.stderr)
     alive = [w for w in workers if w.name not in failed]
     for i in range(steps):
-        for w in alive:
+        # Rotate the order every round, so no framework always runs right after the same other one.
+        k = i % len(alive) if alive else 0
+        for w in alive[k:] + alive[:k]:
             time.sleep(_PAUSE_S)
             loads.append(_load())
             msg = w.go()
