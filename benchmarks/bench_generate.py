@@ -16,7 +16,7 @@ timings are only comparable between implementations, not across runs.
     python benchmarks/bench_generate.py                  # batch 8 and 32, prints a table
     python benchmarks/bench_generate.py --batch-sizes 8 --runs 3
 
-Writes ``bench_generate.json`` next to this file (``--out`` to change).
+Writes ``benchmarks/results/bench_generate.json`` (``--out`` to change).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-    p.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_generate.json")
     # Internal: run one measurement in this process and print it as JSON.
     p.add_argument("--worker", choices=("time", "memory"), help=argparse.SUPPRESS)
     p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
