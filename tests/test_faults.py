@@ -249,7 +249,7 @@ def signal_run(args: list[str], env: dict, run_dir: Path, after_step: int, delay
 CORRUPTIONS = {0: ("truncate", "manifest"), 1: ("flip", "truncate")}
 
 
-@pytest.mark.parametrize("loop", ["ppo", "reinforce"])  # ILQL: see the xfail test of its save/log order
+@pytest.mark.parametrize("loop", ["ppo", "reinforce"])  # ILQL: see test_ilql_kill_between_metrics_row_and_checkpoint_loses_no_row
 @pytest.mark.parametrize("seed", sorted(CORRUPTIONS))
 def test_kill9_corrupt_resume_matches_the_uninterrupted_run(loop, seed, env, reference_runs, tmp_path):
     """Two kill -9 at random moments, each followed by damage to the newest checkpoint, then resumes."""
@@ -307,7 +307,7 @@ def test_sigterm_sigint_save_the_current_step_and_exit_0(loop, sig, env, referen
     assert_same_run(run_dir, reference)
 
 
-# --- faults the loops do not survive yet (strict xfail: each flips to a failure once fixed) ----------------
+# --- faults found by the tests above, fixed in the loops (each was a strict xfail first) ---------------------
 
 
 def _cli(*args: str) -> int:
@@ -316,12 +316,6 @@ def _cli(*args: str) -> int:
     return main(["train", *args])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a kill before the first checkpoint leaves metrics.jsonl and no checkpoint: --resume raises "
-    "FileNotFoundError and a fresh start FileExistsError (rlbits/dist/checkpoint.resume_checkpoint, "
-    "rlbits/loops/run.Run); --resume should start such a run over",
-)
 def test_kill_before_the_first_checkpoint_can_be_resumed(env, tmp_path, monkeypatch):
     monkeypatch.setenv("RLBITS_CACHE", env["env"]["RLBITS_CACHE"])
     run_dir = tmp_path / "run"
@@ -347,11 +341,6 @@ def short_run(env, tmp_path, monkeypatch):
     return run_dir
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Run._truncate_after (rlbits/loops/run.py) json-decodes every line: a row torn by a kill "
-    "mid-write makes every later --resume fail with JSONDecodeError",
-)
 def test_a_metrics_row_torn_by_a_kill_does_not_block_resume(short_run):
     with open(short_run / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "time_s": 1.2, "rewa')  # what a kill in the middle of Run.log leaves
@@ -359,11 +348,6 @@ def test_a_metrics_row_torn_by_a_kill_does_not_block_resume(short_run):
     assert [r["step"] for r in comparable_rows(short_run)] == [1, 2, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a temporary folder of a kill while final/ (or a checkpoint) was written is never removed "
-    "(rlbits/_io.atomic_folder names it .final.tmp-PID-*; nothing cleans stale ones on the next start)",
-)
 def test_temporary_folders_of_a_killed_save_are_cleaned_on_resume(short_run):
     (short_run / ".final.tmp-99999-deadbeef").mkdir()  # a kill during save_pretrained(final/)
     (short_run / ".final.tmp-99999-deadbeef" / "config.json").write_text("{}")
@@ -375,19 +359,17 @@ ILQL = ["configs/ilql_sentiment.yaml", *COMMON, "max_num_steps=3", "dataset_size
         "batch_size=4", "microbatch_size=4", "val_period=0"]  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rlbits/loops/ilql.py saves the step's checkpoint before logging its metrics row: a kill between "
-    "the two loses that row for good (PPO and REINFORCE log first, and resume drops rows past the checkpoint)",
-)
-def test_ilql_kill_between_checkpoint_and_metrics_row_loses_no_row(env, tmp_path, monkeypatch):
+def test_ilql_kill_between_metrics_row_and_checkpoint_loses_no_row(env, tmp_path, monkeypatch):
+    """ILQL logs a step's row, then saves its checkpoint (as PPO and REINFORCE do): a kill between the two
+    leaves row 3 and checkpoint 2; the resume drops row 3, redoes step 3 and loses no row."""
     monkeypatch.setenv("RLBITS_CACHE", env["env"]["RLBITS_CACHE"])
     run_dir = tmp_path / "run"
     assert _cli(ILQL[0], f"policy={env['policy']}", f"run_dir={run_dir}", *ILQL[1:]) == 0
     assert resumable_step(run_dir) == 3
-    # The state a kill right after save(step 3) and before run.log(step 3) leaves: checkpoint 3, no row 3.
-    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
-    (run_dir / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] != 3))
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints" / "step_3")  # the kill came after run.log(step 3), before save
+    assert resumable_step(run_dir) == 2
     assert _cli("--resume", str(run_dir), "max_num_steps=4") == 0
     assert [r["step"] for r in comparable_rows(run_dir)] == [0, 1, 2, 3, 4]
 
@@ -433,11 +415,6 @@ def test_nan_reward_mid_run_stops_naming_the_sample_and_keeps_the_last_checkpoin
     assert checkpoint_steps(run_dir) == [1] and leftovers(run_dir) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reward errors raised in a loop's score phase do not say which step (rlbits/loops/common.score_rollout "
-    "could re-raise with 'step N, phase score')",
-)
 def test_nan_reward_error_names_the_step_and_phase(env, tmp_path, monkeypatch):
     monkeypatch.setenv("RLBITS_CACHE", env["env"]["RLBITS_CACHE"])
     with pytest.raises(ValueError, match=r"step 2.*score|score.*step 2"):

@@ -225,12 +225,20 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return None
 
 
-def resume_checkpoint(run_dir: str | Path) -> Path:
+def resume_checkpoint(run_dir: str | Path, *, missing_ok: bool = False) -> Path | None:
     """The checkpoint a ``resume=True`` run continues from: ``latest_checkpoint(run_dir)``.
+
+    Args:
+        missing_ok: return None (with a warning) when the run started (has ``config.yaml``) but never wrote a
+            checkpoint, e.g. it was killed during its first steps, so the caller starts it over. A folder
+            that is not a run, or checkpoints that exist but are all damaged, still raise.
 
     Raises:
         FileNotFoundError: the run has no complete, verifying checkpoint.
     """
+    if missing_ok and (Path(run_dir) / "config.yaml").is_file() and not list_checkpoints(run_dir):
+        warnings.warn(f"run {str(run_dir)!r} has no checkpoint yet (it stopped before its first save): starting it over", stacklevel=2)
+        return None
     path = latest_checkpoint(run_dir)
     if path is None:
         raise FileNotFoundError(

@@ -100,6 +100,18 @@ def pad_microbatches(micros: list[TensorDictBase], env: DistEnv) -> list[TensorD
     return micros + [empty] * (most - len(micros))
 
 
+@contextlib.contextmanager
+def in_phase(step: int, phase: str) -> Iterator[None]:
+    """Prefix the message of a ValueError/TypeError/FloatingPointError/RuntimeError raised inside with
+    ``step N, phase NAME:`` (the exception keeps its type), so a failed run says where it failed."""
+    try:
+        yield
+    except (ValueError, TypeError, FloatingPointError, RuntimeError) as e:
+        if e.args and isinstance(e.args[0], str) and not e.args[0].startswith("step "):
+            e.args = (f"step {step}, phase {phase}: {e.args[0]}", *e.args[1:])
+        raise
+
+
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Set every dropout probability to 0: RL needs the sampling and training forward passes to agree."""
     for module in model.modules():

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -25,6 +26,13 @@ C = TypeVar("C", bound="RunConfig")
 
 class ConfigError(ValueError):
     """A config key or value is invalid; the message names the field and what is allowed."""
+
+
+# Float fields that are coefficients or rates: negative values make no sense in any loop.
+NON_NEGATIVE = frozenset({
+    "weight_decay", "kl_coef", "kl_loss_coef", "entropy_coef", "vf_coef", "critic_learning_rate", "cql_scale",
+    "awac_scale", "dataset_temperature",
+})  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +115,14 @@ class RunConfig:
         for name in ("val_period", "save_period", "log_samples", "cpu_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**53:
+            raise ConfigError(f"seed must be in [0, 2**53), got {self.seed} (seeds torch generators, which take 64 bits)")
+        for f in dataclasses.fields(self):  # no float field may be NaN; only max_grad_norm may be inf
+            value = getattr(self, f.name)
+            if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and f.name != "max_grad_norm")):
+                raise ConfigError(f"{f.name} must be a finite number, got {value} ({field_docs(type(self)).get(f.name, '')})")
+            if isinstance(value, float) and value < 0 and f.name in NON_NEGATIVE:
+                raise ConfigError(f"{f.name} must be >= 0, got {value}")
         if not self.temperature > 0:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if not self.learning_rate > 0:
@@ -173,7 +189,10 @@ def _coerce(cls: type, name: str, value: Any, tp: Any) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(f"{name} must be a float; {value} is too large for one") from None
         if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
             try:
                 return float(value)
@@ -196,6 +215,8 @@ def config_from_dict(cls: type[C], values: dict[str, Any]) -> C:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in values.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"config key {key!r} is a {type(key).__name__}; keys are field names (valid keys: {', '.join(fields)})")
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -215,9 +236,26 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         try:
             out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from e
+        except Exception as e:  # PyYAML also raises RecursionError, ValueError, ... on odd input
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({type(e).__name__}: {e})") from e
     return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that rejects a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: let SafeLoader report it
+                continue
+            if duplicate:
+                raise ConfigError(f"key {key!r} is given twice (line {key_node.start_mark.line + 1})")
+        return super().construct_mapping(node, deep=deep)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -226,9 +264,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except ConfigError as e:
+        raise ConfigError(f"config file {str(path)!r}: {e}") from None
+    except Exception as e:  # PyYAML also raises RecursionError, ValueError, ... on odd input
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {type(e).__name__}: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value, got {type(data).__name__}")
     return data

@@ -785,12 +785,13 @@ def train(
         raise ConfigError(f"cfg must be an ILQLConfig, got {type(cfg).__name__}")
     cfg.validate()
     env = setup(cfg)
-    resume_from = resume_checkpoint(cfg.run_dir) if resume else None
+    resume_from = resume_checkpoint(cfg.run_dir, missing_ok=True) if resume else None
     state = init_state(cfg, env, resume_from=resume_from)
     timer = PhaseTimer()
     with timer("dataset"):
         rows = load_or_build_dataset(
-            cfg, state, samples=samples, reward=reward, prompts=prompts, resume=resume, write=env.is_main
+            cfg, state, samples=samples, reward=reward, prompts=prompts, resume=resume_from is not None,
+            write=env.is_main,
         )
     data = tensorize_dataset(rows, state.tokenizer).to(env.device)
     state.dataset_len = len(rows)
@@ -836,14 +837,13 @@ def train(
                 metrics.update(val)
                 run.log_samples(step, sample_rows(vbatch, cfg.log_samples))
                 last_val = step
-            if (cfg.save_period and step % cfg.save_period == 0) or is_last or run.should_stop:
-                with timer("save"):
-                    save(state, cfg, total_steps=state.total_steps, env=env)
             metrics.update(timer.metrics())
-            run.log(step, metrics)
+            run.log(step, metrics)  # before the checkpoint: a resume drops rows past it, never misses one
             run.progress(
                 step, loss=metrics["loss"], **({"val_reward": state.val_reward} if last_val == step else {})
             )
+            if (cfg.save_period and step % cfg.save_period == 0) or is_last or run.should_stop:
+                save(state, cfg, total_steps=state.total_steps, env=env)
         if state.step == state.total_steps:  # a stopped run has its checkpoint, not final/
             export_model(
                 state.model, Path(cfg.run_dir) / "final", tokenizer=state.tokenizer, env=env,

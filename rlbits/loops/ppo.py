@@ -654,7 +654,7 @@ def train(
     task = get_task(cfg.task)
     reward = reward if reward is not None else task.reward
     train_prompts = list(prompts) if prompts is not None else task.prompts("train")
-    checkpoint = resume_checkpoint(cfg.run_dir) if resume else None
+    checkpoint = resume_checkpoint(cfg.run_dir, missing_ok=True) if resume else None
     state = init_state(cfg, env, resume_from=checkpoint)
     stream = PromptStream(train_prompts, cfg.seed, state.consumed_samples)
     total = total_steps(cfg, len(train_prompts), env.world_size)
@@ -679,7 +679,7 @@ def train(
                     state.policy, state.tokenizer, step_prompts, cfg, generator=state.sampling_generator
                 )
             # 2. score (and the reference policy's reward on the same prompts)
-            with timer("score"):
+            with timer("score"), common.in_phase(step, "score"):
                 score(batch, reward)
                 if cfg.reward_subtract_reference:
                     reference_rewards(

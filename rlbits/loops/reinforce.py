@@ -313,7 +313,8 @@ def sample_batch(
                 break
             continue
         batch = rollout(state, cfg, prompts)
-        rewards = score(batch, reward)
+        with common.in_phase(state.step + 1, "score"):
+            rewards = score(batch, reward)
         n_gen += 1
         reward_sum += rewards.sum().item()
         gen_tokens += int(batch["action_mask"].sum())
@@ -598,7 +599,7 @@ def train(
     if not isinstance(cfg, ReinforceConfig):
         raise TypeError(f"cfg must be a ReinforceConfig, got {type(cfg).__name__}")
     cfg.validate()
-    ckpt = resume_checkpoint(cfg.run_dir) if resume else None
+    ckpt = resume_checkpoint(cfg.run_dir, missing_ok=True) if resume else None
     env = common.setup(cfg)
     state = init_state(cfg, env, resume_from=ckpt, prompts=prompts)
     task_reward = reward if reward is not None else get_task(cfg.task).reward

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,13 @@ def elastic_restart(run_dir: str | Path) -> bool:
         return False
     marker = Path(run_dir) / ELASTIC_MARKER
     return marker.is_file() and marker.read_text().strip() == run_id
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf  # a torn or foreign line: dropped by truncation
 
 
 def _to_float(value: Any) -> float:
@@ -94,8 +102,9 @@ class Run:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps or cfg.max_num_steps, initial=start_step, desc=cfg.loop, dynamic_ncols=True)
-        if resume:
-            self._truncate_after(start_step)
+        self._remove_stale_temporaries()
+        if resume:  # a run resumed at step 0 (no checkpoint yet) starts over: it logs step 0 again
+            self._truncate_after(start_step if start_step > 0 else -1)
         elif restarted:
             self._truncate_after(-1)
 
@@ -133,12 +142,21 @@ class Run:
     # --- writing ------------------------------------------------------------------------------------
 
     def _truncate_after(self, step: int) -> None:
-        """On resume drop lines logged after the checkpoint's step, so the files read as one run."""
+        """On resume drop lines logged after the checkpoint's step, so the files read as one run. A line
+        torn by a kill mid-write (not valid JSON) is dropped too."""
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.dir / name
             if path.exists():
-                lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+                lines = [ln for ln in path.read_text().splitlines() if ln.strip() and _step_of(ln) <= step]
                 path.write_text("".join(ln + "\n" for ln in lines))
+
+    def _remove_stale_temporaries(self) -> None:
+        """Delete the temporary folders a process killed while saving left behind (``.final.tmp-*``,
+        ``checkpoints/.tmp_step_*``): they were never renamed into place, so nothing reads them."""
+        stale = [*self.dir.glob(".*.tmp-*"), *self.dir.glob(".*.old-*"), *self.dir.glob("checkpoints/.tmp_step_*")]
+        for path in stale:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Write one line of ``metrics.jsonl`` (with ``step`` and ``time_s``), TensorBoard and W&B scalars."""
