@@ -9,6 +9,7 @@ import contextlib
 import functools
 import random
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from rlbits.loops.config import RunConfig
 from rlbits.models.forward import policy_logprobs
 from rlbits.models.load import load_pretrained
 from rlbits.rollout.generate import generate
-from rlbits.rollout.score import score
+from rlbits.rollout.score import InvalidRewardError, score
 from rlbits.tasks import get_task
 
 
@@ -110,6 +111,39 @@ def in_phase(step: int, phase: str) -> Iterator[None]:
         if e.args and isinstance(e.args[0], str) and not e.args[0].startswith("step "):
             e.args = (f"step {step}, phase {phase}: {e.args[0]}", *e.args[1:])
         raise
+
+
+SKIPPABLE = (FloatingPointError, InvalidRewardError)
+"""What ``on_nonfinite="skip"`` skips: non-finite losses and gradients, and invalid (e.g. NaN) rewards."""
+
+
+@contextlib.contextmanager
+def agreed(env: DistEnv, enabled: bool = True) -> Iterator[None]:
+    """Under torchrun, make a skippable error inside the block raise on every rank (one all-reduce), so
+    ranks skip a step together instead of waiting for each other in the next collective."""
+    if env.world_size == 1 or not enabled:
+        yield
+        return
+    error = None
+    try:
+        yield
+    except SKIPPABLE as e:
+        error = e
+    if all_reduce_max(torch.tensor(int(error is not None), device=env.device), env).item():
+        raise error if error is not None else FloatingPointError("another rank hit a non-finite value")
+
+
+def any_rank(flag: bool | torch.Tensor, env: DistEnv) -> bool:
+    """True if ``flag`` is true on any rank (``bool(flag)`` at world size 1)."""
+    if env.world_size == 1:
+        return bool(flag)
+    return bool(all_reduce_max(torch.as_tensor(flag).to(env.device, torch.int64), env).item())
+
+
+def skipped_step(error: BaseException, step: int) -> dict[str, float]:
+    """Warn about a step dropped by ``on_nonfinite="skip"``; the metrics to log for it."""
+    warnings.warn(f"skipping step {step}: {error}", stacklevel=2)
+    return {"skipped_step": 1.0}
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

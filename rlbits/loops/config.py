@@ -102,6 +102,8 @@ class RunConfig:
     """``bf16``: bfloat16 matmuls with fp32 master weights and optimizer states (``torch.autocast`` on one process; FSDP2 ``MixedPrecisionPolicy``, bf16 parameters and fp32 gradient reduction, under torchrun). Works on CPU and GPU."""
     compile: bool = False
     """``torch.compile`` the loss and advantage kernels (dynamic shapes: one compilation per kernel, not one per response length) and, on GPU, each transformer block. Compiled code is cached under ``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_$USER``), so later runs start faster."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A NaN/inf reward, loss or gradient: ``stop`` raises (naming step, phase and samples; the last checkpoint stays the newest); ``skip`` drops the rest of that step's update (logging ``skipped_step``) and goes on. Rewards that raise or come back with the wrong count always stop."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of storing them (less memory, ~1/3 more compute)."""
 

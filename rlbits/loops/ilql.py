@@ -91,6 +91,7 @@ from rlbits.functional import (
 )
 from rlbits.loops.common import (
     PhaseTimer,
+    any_rank,
     autocast,
     clip_and_step,
     disable_dropout,
@@ -102,6 +103,7 @@ from rlbits.loops.common import (
     sample_rows,
     score_rollout,
     setup,
+    skipped_step,
 )
 from rlbits.loops.common import validate as validate_policy
 from rlbits.loops.config import ConfigError, RunConfig, field_docs
@@ -660,7 +662,7 @@ def update(
             out = model(mb["input_ids"], mb["attention_mask"], position_ids_from_mask(mb["attention_mask"]))
         out = {k: v.float() for k, v in out.items()}
         loss, metrics = ilql_loss(out, mb, cfg, num_tokens)
-        if not torch.isfinite(loss):
+        if any_rank(~torch.isfinite(loss.detach()), env or DistEnv()):  # every rank raises together
             state.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"step {step}, phase update: the ILQL loss is {loss.item()} ({metrics})")
         loss.backward()
@@ -818,8 +820,15 @@ def train(
             step = state.step + 1
             with timer("data"):
                 batch = next_batch(data, stream, cfg.batch_size, env)
-            with timer("update"):
-                metrics = update(state, batch, cfg, step, env)
+            try:
+                with timer("update"):
+                    metrics = update(state, batch, cfg, step, env)
+            except FloatingPointError as e:
+                if cfg.on_nonfinite != "skip":
+                    raise
+                state.step, state.consumed_samples = step, stream.consumed_samples
+                run.log(step, skipped_step(e, step))
+                continue
             with timer("sync"):
                 sync_targets(state.model, cfg, step)
             state.step = step

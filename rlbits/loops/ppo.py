@@ -61,10 +61,16 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import split_microbatches, split_minibatches
-from rlbits.dist.checkpoint import export_model, hf_folder, load_checkpoint, resume_checkpoint, save_checkpoint
+from rlbits.dist.checkpoint import (
+    export_model,
+    hf_folder,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from rlbits.dist.env import DistEnv
 from rlbits.dist.parallelize import unsharded
-from rlbits.dist.reduce import all_reduce_sum, global_count, reduce_metrics
+from rlbits.dist.reduce import all_reduce_max, all_reduce_sum, global_count, reduce_metrics
 from rlbits.functional import (
     adaptive_kl_coef,
     aggregate_loss,
@@ -564,7 +570,10 @@ def update(
                 _accumulate(losses, "critic_loss", critic)
                 _accumulate(weighted, "value_clipfrac", vstats["clipfrac"] * share)
                 total.backward()
-            if not all(torch.isfinite(v) for v in losses.values()):
+            finite = all(torch.isfinite(v) for v in losses.values())
+            if env.world_size > 1:  # every rank raises together (gradient norms are global already)
+                finite = not all_reduce_max(torch.tensor(int(not finite), device=env.device), env).item()
+            if not finite:
                 policy_optimizer.zero_grad(set_to_none=True)
                 value_optimizer.zero_grad(set_to_none=True)
                 bad = {k: float(v) for k, v in losses.items()}
@@ -668,46 +677,54 @@ def train(
             run.log_samples(
                 0, [{"split": "test", **row} for row in common.sample_rows(val_batch, cfg.log_samples)]
             )
+        skip = cfg.on_nonfinite == "skip"
         while state.step < total and not run.should_stop:
             step = state.step + 1
             timer = common.PhaseTimer()
-            # 1. rollout
-            with timer("rollout"):
-                n = cfg.num_prompts_per_step
-                step_prompts = stream.next(n * env.world_size)[env.rank * n : (env.rank + 1) * n]
-                batch = rollout(
-                    state.policy, state.tokenizer, step_prompts, cfg, generator=state.sampling_generator
-                )
-            # 2. score (and the reference policy's reward on the same prompts)
-            with timer("score"), common.in_phase(step, "score"):
-                score(batch, reward)
-                if cfg.reward_subtract_reference:
-                    reference_rewards(
-                        state.reference,
-                        state.tokenizer,
-                        batch,
-                        reward,
-                        cfg,
-                        generator=state.sampling_generator,
+            try:
+                # 1. rollout
+                with timer("rollout"):
+                    n = cfg.num_prompts_per_step
+                    step_prompts = stream.next(n * env.world_size)[env.rank * n : (env.rank + 1) * n]
+                    batch = rollout(
+                        state.policy, state.tokenizer, step_prompts, cfg, generator=state.sampling_generator
                     )
-            # 3. reference logprobs
-            with timer("reference"):
-                reference(state.reference, batch, cfg)
-            # 4. critic values
-            with timer("values"):
-                values(state.value_model, batch, cfg)
-            # 5. KL-penalised token rewards, GAE advantages and returns
-            with timer("advantages"):
-                metrics = advantages(batch, cfg, env, kl_coef=state.kl_coef)
-            # 6. PPO epochs x minibatches
-            with timer("update"):
-                metrics.update(
-                    update(
-                        state.policy, state.value_model, state.policy_optimizer, state.value_optimizer, batch, cfg, env,
-                        generator=state.minibatch_generator, kl_coef=state.kl_coef,
-                        train_policy=state.step >= cfg.policy_training_start_step, step=step,
-                    )
-                )  # fmt: skip
+                # 2. score (and the reference policy's reward on the same prompts)
+                with timer("score"), common.agreed(env, skip), common.in_phase(step, "score"):
+                    score(batch, reward)
+                    if cfg.reward_subtract_reference:
+                        reference_rewards(
+                            state.reference,
+                            state.tokenizer,
+                            batch,
+                            reward,
+                            cfg,
+                            generator=state.sampling_generator,
+                        )
+                # 3. reference logprobs
+                with timer("reference"):
+                    reference(state.reference, batch, cfg)
+                # 4. critic values
+                with timer("values"):
+                    values(state.value_model, batch, cfg)
+                # 5. KL-penalised token rewards, GAE advantages and returns
+                with timer("advantages"):
+                    metrics = advantages(batch, cfg, env, kl_coef=state.kl_coef)
+                # 6. PPO epochs x minibatches
+                with timer("update"):
+                    metrics.update(
+                        update(
+                            state.policy, state.value_model, state.policy_optimizer, state.value_optimizer, batch, cfg, env,
+                            generator=state.minibatch_generator, kl_coef=state.kl_coef,
+                            train_policy=state.step >= cfg.policy_training_start_step, step=step,
+                        )
+                    )  # fmt: skip
+            except common.SKIPPABLE as e:
+                if not skip:
+                    raise
+                run.log(step, common.skipped_step(e, step))
+                state.step, state.consumed_samples, state.epoch = step, stream.consumed_samples, stream.epoch
+                continue
             # 7. log
             num_tokens = global_count(batch["action_mask"], env)
             metrics.update(common.response_stats(batch))

@@ -66,7 +66,13 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import collate, split_microbatches, split_minibatches
-from rlbits.dist.checkpoint import export_model, hf_folder, load_checkpoint, resume_checkpoint, save_checkpoint
+from rlbits.dist.checkpoint import (
+    export_model,
+    hf_folder,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from rlbits.dist.env import DistEnv
 from rlbits.dist.parallelize import unsharded
 from rlbits.dist.reduce import all_reduce_max, global_count, reduce_metrics
@@ -309,11 +315,13 @@ def sample_batch(
     for _ in range(max_batches):
         prompts = state.stream.next(n * env.world_size)[env.rank * n : (env.rank + 1) * n]
         if cfg.dynamic_sampling and n_kept >= n:  # this rank is full; others still draw
+            with common.agreed(env, cfg.on_nonfinite == "skip"):  # the collective the others run in score
+                pass
             if all_reduce_max(torch.tensor(0, device=env.device), env).item() == 0:
                 break
             continue
         batch = rollout(state, cfg, prompts)
-        with common.in_phase(state.step + 1, "score"):
+        with common.agreed(env, cfg.on_nonfinite == "skip"), common.in_phase(state.step + 1, "score"):
             rewards = score(batch, reward)
         n_gen += 1
         reward_sum += rewards.sum().item()
@@ -478,7 +486,7 @@ def update(
                     kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator)
                     kl_loss = aggregate_loss(kl, mask, cfg.loss_agg, num_tokens, num_seqs)
                     loss = loss + cfg.kl_loss_coef * kl_loss
-                if not torch.isfinite(loss):
+                if common.any_rank(~torch.isfinite(loss.detach()), env):  # every rank raises together
                     policy.zero_grad(set_to_none=True)
                     raise FloatingPointError(
                         f"step {state.step + 1}, phase update: the loss is {loss.item()}"
@@ -614,7 +622,14 @@ def train(
             run.log(0, val)
         saved_step = state.step if ckpt is not None else -1
         while state.step < cfg.max_num_steps and state.stream.epoch < cfg.max_num_epochs:
-            metrics, batch = train_step(state, cfg, env, task_reward)
+            try:
+                metrics, batch = train_step(state, cfg, env, task_reward)
+            except common.SKIPPABLE as e:
+                if cfg.on_nonfinite != "skip":
+                    raise
+                state.step += 1
+                run.log(state.step, common.skipped_step(e, state.step))
+                continue
             stop = run.should_stop
             last = stop or state.step >= cfg.max_num_steps or state.stream.epoch >= cfg.max_num_epochs
             if (cfg.val_period and state.step % cfg.val_period == 0) or (last and cfg.val_at_end):

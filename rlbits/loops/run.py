@@ -24,7 +24,6 @@ from rlbits.dist.env import DistEnv
 from rlbits.dist.reduce import all_reduce_max
 from rlbits.loops.config import RunConfig, save_config
 
-
 ELASTIC_MARKER = ".torchelastic_run_id"
 
 
