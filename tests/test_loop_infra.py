@@ -272,3 +272,13 @@ def test_skip_drops_a_step_with_a_nan_reward_and_goes_on(loop, tiny_policy, tmp_
 def test_on_nonfinite_must_be_stop_or_skip():
     with pytest.raises(ConfigError, match="on_nonfinite"):
         config_from_dict(RunConfig, {"on_nonfinite": "ignore"})
+
+
+def test_checkpoint_refuses_nan_weights_and_keeps_the_previous_one(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    save_checkpoint(tmp_path, 1, models={"policy": model}, optimizers={"policy": optimizer})
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"step 2: policy.transformer.h.0.mlp.c_fc.weight holds NaN"):
+        save_checkpoint(tmp_path, 2, models={"policy": model}, optimizers={"policy": optimizer})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1"] and latest_checkpoint(tmp_path).name == "step_1"

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlbits.dist.env import DistEnv, barrier
 from rlbits.dist.parallelize import is_sharded
+from rlbits.dist.reduce import all_reduce_max
 from rlbits.models.load import save_pretrained
 
 CHECKPOINTS = "checkpoints"
@@ -99,6 +100,23 @@ def _optimizer_states(models: Mapping[str, nn.Module], optimizers: Mapping[str, 
     return {name: get_optimizer_state_dict(models[name], opt) for name, opt in optimizers.items()}
 
 
+def _check_finite(models: Mapping[str, nn.Module], step: int, env: DistEnv) -> None:
+    """Refuse to checkpoint NaN/inf weights (agreed over ranks, so every rank refuses together)."""
+    bad = ""
+    for name, model in models.items():
+        for pname, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if not torch.isfinite(local.detach()).all():
+                bad = f"{name}.{pname}"
+                break
+        if bad:
+            break
+    if env.world_size > 1 and all_reduce_max(torch.tensor(int(bool(bad)), device=env.device), env).item():
+        bad = bad or "a parameter on another rank"
+    if bad:
+        raise ValueError(f"refusing to checkpoint step {step}: {bad} holds NaN/inf (the previous checkpoint stays the newest)")
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -140,6 +158,7 @@ def save_checkpoint(
         text = json.dumps({"step": step, **(state or {}), "world_size": env.world_size}, indent=2, allow_nan=False)
     except ValueError as e:
         raise ValueError(f"checkpoint state for step {step} is not finite JSON: {e}") from e
+    _check_finite(models, step, env)
     sharded = env.world_size > 1 and any(is_sharded(m) for m in models.values())
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step}"
