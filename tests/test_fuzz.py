@@ -22,7 +22,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import torch
-import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -105,9 +104,7 @@ def test_config_dicts_give_a_valid_config_or_a_clear_error(loop, data):
     assert not bad, f"config accepted out-of-type or non-finite values {bad}"
 
 
-# Fields that accept a non-finite or out-of-range float today (found by the test above; a loop-config issue,
-# owned by rlbits/loops/: each loop's validate() should reject them). Strict xfail: fixing one flips it.
-ACCEPTED_BAD_FLOATS: set[tuple[str, str, str]] = set()  # all rejected since RunConfig.validate checks every float
+# Every float field: NaN and inf (max_grad_norm may be inf) and negative coefficients are ConfigErrors.
 BAD_FLOAT_CASES = [
     (loop, name, text)
     for loop in sorted(LOOPS)
@@ -119,18 +116,7 @@ BAD_FLOAT_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "loop,name,text",
-    [
-        pytest.param(
-            *case,
-            marks=pytest.mark.xfail(strict=True, reason="loop config accepts it (reported to rlbits/loops owner)"),
-        )
-        if case in ACCEPTED_BAD_FLOATS
-        else case
-        for case in BAD_FLOAT_CASES
-    ],
-)
+@pytest.mark.parametrize("loop,name,text", BAD_FLOAT_CASES)
 def test_non_finite_or_negative_float_fields_are_rejected(loop, name, text):
     with pytest.raises(ConfigError, match=name):
         config_from_dict(CONFIG_CLASSES[loop], {"loop": loop, name: float(text)})
