@@ -749,8 +749,7 @@ def test_logprob_kernels_reject_an_empty_vocabulary(fn):
 
 YAML_TOKENS = ["seed", "loop", "ppo", "reinforce", "max_num_steps", "a", ":", ": ", " ", "\n", "\n  ", "- ", "[",
                "]", "{", "}", ",", "1", "-3", "1e-5", ".nan", "null", "true", "'", '"', "#", "? ", "&x ", "*x",
-               "!!str ", "!!python/none ", "\t", "|", ">"]  # fmt: skip
-# (explicit !!int/!!float tags are left out here: they crash PyYAML itself, see the tests below)
+               "!!str ", "!!int ", "!!float ", "!!python/none ", "\t", "|", ">"]  # fmt: skip
 
 
 @settings(max_examples=300)
