@@ -99,7 +99,7 @@ def test_one_update_on_two_fsdp_ranks_equals_one_process(algo, tmp_path):
     worker = str(ROOT / "tests" / "dist_worker.py")
     python(worker, algo, str(tmp_path / "one.pt"))
     torchrun(worker, algo, str(tmp_path / "two.pt"))
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    one, two = (torch.load(tmp_path / f, weights_only=True) for f in ("one.pt", "two.pt"))
     init = tiny_causal_lm("gpt2", 48, seed=0).state_dict()
     moved = max((one["policy"][k] - init[k]).abs().max().item() for k in init)
     assert moved > 1e-3  # the update is large enough for a wrong gradient to show

@@ -641,10 +641,6 @@ def _scan(*folders: str) -> list[str]:
     return bad
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tests/test_dist.py calls torch.load(...) without weights_only=True (owned by rlbits/dist's author)",
-)
 def test_test_files_load_no_pickle_either():
     bad = _scan("tests")
     assert not bad, "\n".join(bad)
