@@ -293,9 +293,9 @@ def logprobs_from_hidden(
     ``logprobs_from_logits(hidden @ weight.T, tokens, temperature)``, computed over chunks of ~16 MiB of
     logits at a time (Liger-kernel's fused linear cross-entropy, applied to RL's per-token logprobs): the
     forward pass keeps one float per row; the backward pass recomputes each chunk's logits (a third matmul)
-    and writes ``d hidden`` and ``d weight`` directly. On a 2-core CPU with V = 32k it avoids the page faults
-    and memory passes of [B, R, V] float32 tensors, and the peak memory of the head drops from several
-    [B, R, V] copies to one chunk. Under ``torch.autocast`` the matmuls run in the autocast dtype (e.g.
+    and writes ``d hidden`` and ``d weight`` directly. The peak memory of the head drops from several
+    [B, R, V] copies to one chunk, for one more matmul (1.3x the time of ``F.linear`` +
+    ``logprobs_from_logits`` at B = 2, R = 1024, V = 32k on 2 CPU threads). Under ``torch.autocast`` the matmuls run in the autocast dtype (e.g.
     bf16) and the softmax in float32.
 
     Args:
