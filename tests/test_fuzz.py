@@ -735,7 +735,6 @@ def test_empty_vocabulary_is_a_clear_error(fn):
         getattr(rlbits, fn)(torch.randn(2, 3, 0), torch.zeros(2, 3, dtype=torch.long), m)
 
 
-@pytest.mark.xfail(strict=True, reason="logprobs.py: V = 0 reaches a reshape inside torch (RuntimeError)")
 @pytest.mark.parametrize("fn", ["logprobs_from_logits", "entropy_from_logits"])
 def test_logprob_kernels_reject_an_empty_vocabulary(fn):
     args = (torch.randn(2, 3, 0),) + ((torch.zeros(2, 3, dtype=torch.long),) if fn == "logprobs_from_logits" else ())

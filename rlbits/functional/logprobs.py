@@ -84,6 +84,11 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad.view(logits.shape), None, None
 
 
+def _nonempty_vocab(logits: torch.Tensor) -> None:
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}: it needs a last (vocabulary) dimension of size >= 1")
+
+
 def logprobs_from_logits(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
@@ -108,6 +113,7 @@ def logprobs_from_logits(
             ``temperature <= 0``.
     """
     _checks.floating("logits", logits)
+    _nonempty_vocab(logits)
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(
             f"tokens has shape {tuple(tokens.shape)} but logits has shape {tuple(logits.shape)}; "
@@ -137,6 +143,7 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
         ValueError: logits are not floating point or ``temperature <= 0``.
     """
     _checks.floating("logits", logits)
+    _nonempty_vocab(logits)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     dtype = _checks.compute_dtype(logits)
