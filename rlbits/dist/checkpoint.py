@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlbits.dist.env import DistEnv, barrier
 from rlbits.dist.parallelize import is_sharded
-from rlbits.dist.reduce import all_reduce_max
+from rlbits.dist.reduce import any_rank
 from rlbits.models.load import save_pretrained
 
 CHECKPOINTS = "checkpoints"
@@ -111,7 +111,7 @@ def _check_finite(models: Mapping[str, nn.Module], step: int, env: DistEnv) -> N
                 break
         if bad:
             break
-    if env.world_size > 1 and all_reduce_max(torch.tensor(int(bool(bad)), device=env.device), env).item():
+    if any_rank(bool(bad), env):
         bad = bad or "a parameter on another rank"
     if bad:
         raise ValueError(f"refusing to checkpoint step {step}: {bad} holds NaN/inf (the previous checkpoint stays the newest)")

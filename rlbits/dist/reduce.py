@@ -26,6 +26,14 @@ def all_reduce_max(x: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return out
 
 
+def any_rank(flag: bool | torch.Tensor, env: DistEnv) -> bool:
+    """True if ``flag`` is true on any rank (``bool(flag)`` at world size 1): ranks that must raise, skip or
+    stop together agree with it. One all-reduce and one host sync at world size > 1."""
+    if env.world_size == 1:
+        return bool(flag)
+    return bool(all_reduce_max(torch.as_tensor(flag).to(env.device, torch.int64), env).item())
+
+
 def global_count(mask: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """Number of True entries of ``mask`` over all ranks, as a 0-dim float tensor (a loss denominator)."""
     return all_reduce_sum(mask.sum().to(torch.float32), env)

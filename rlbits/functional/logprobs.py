@@ -84,6 +84,19 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad.view(logits.shape), None, None
 
 
+def _check_tokens(name: str, x: torch.Tensor, tokens: torch.Tensor, temperature: float) -> None:
+    """``tokens`` is an integer tensor of shape ``x.shape[:-1]``, and ``temperature > 0``."""
+    if x.shape[:-1] != tokens.shape:
+        raise ValueError(
+            f"tokens has shape {tuple(tokens.shape)} but {name} has shape {tuple(x.shape)}; "
+            f"tokens must equal {name}.shape[:-1]"
+        )
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
 def _nonempty_vocab(logits: torch.Tensor) -> None:
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits has shape {tuple(logits.shape)}: it needs a last (vocabulary) dimension of size >= 1")
@@ -114,15 +127,7 @@ def logprobs_from_logits(
     """
     _checks.floating("logits", logits)
     _nonempty_vocab(logits)
-    if logits.shape[:-1] != tokens.shape:
-        raise ValueError(
-            f"tokens has shape {tuple(tokens.shape)} but logits has shape {tuple(logits.shape)}; "
-            "tokens must equal logits.shape[:-1]"
-        )
-    if tokens.is_floating_point() or tokens.dtype == torch.bool:
-        raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_tokens("logits", logits, tokens, temperature)
     return _TokenLogprobs.apply(logits, tokens.long(), float(temperature))
 
 
@@ -325,15 +330,7 @@ def logprobs_from_hidden(
         raise ValueError(
             f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {tuple(weight.shape)}"
         )
-    if hidden.shape[:-1] != tokens.shape:
-        raise ValueError(
-            f"tokens has shape {tuple(tokens.shape)} but hidden has shape {tuple(hidden.shape)}; "
-            "tokens must equal hidden.shape[:-1]"
-        )
-    if tokens.is_floating_point() or tokens.dtype == torch.bool:
-        raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_tokens("hidden", hidden, tokens, temperature)
     flat = hidden.reshape(-1, hidden.shape[-1])
     logp, ent = _HiddenTokenLogprobs.apply(
         flat, weight, tokens.reshape(-1).long(), float(temperature), _head_dtype(hidden)

@@ -20,7 +20,7 @@ from tensordict import TensorDictBase
 from rlbits.batch import decode, tokenize_prompts
 from rlbits.dist.env import DistEnv, init
 from rlbits.dist.parallelize import grad_norm_and_clip, is_sharded, shard, unsharded
-from rlbits.dist.reduce import all_reduce_max, all_reduce_sum
+from rlbits.dist.reduce import all_reduce_max, all_reduce_sum, any_rank
 from rlbits.functional import kl_penalty, masked_sum
 from rlbits.loops.config import RunConfig
 from rlbits.models.forward import policy_logprobs
@@ -129,15 +129,8 @@ def agreed(env: DistEnv, enabled: bool = True) -> Iterator[None]:
         yield
     except SKIPPABLE as e:
         error = e
-    if all_reduce_max(torch.tensor(int(error is not None), device=env.device), env).item():
+    if any_rank(error is not None, env):
         raise error if error is not None else FloatingPointError("another rank hit a non-finite value")
-
-
-def any_rank(flag: bool | torch.Tensor, env: DistEnv) -> bool:
-    """True if ``flag`` is true on any rank (``bool(flag)`` at world size 1)."""
-    if env.world_size == 1:
-        return bool(flag)
-    return bool(all_reduce_max(torch.as_tensor(flag).to(env.device, torch.int64), env).item())
 
 
 def skipped_step(error: BaseException, step: int) -> dict[str, float]:

@@ -79,7 +79,7 @@ from rlbits.dist.checkpoint import (
 )
 from rlbits.dist.env import DistEnv
 from rlbits.dist.parallelize import unsharded
-from rlbits.dist.reduce import global_count, reduce_metrics
+from rlbits.dist.reduce import any_rank, global_count, reduce_metrics
 from rlbits.functional import (
     awac_loss,
     cql_loss,
@@ -91,7 +91,6 @@ from rlbits.functional import (
 )
 from rlbits.loops.common import (
     PhaseTimer,
-    any_rank,
     autocast,
     clip_and_step,
     disable_dropout,
@@ -654,7 +653,8 @@ def update(
     """
     model = state.model
     mask = batch["action_mask"]
-    num_tokens = global_count(mask, env or DistEnv()).clamp(min=1)
+    env = env or DistEnv()
+    num_tokens = global_count(mask, env).clamp(min=1)
     sums: dict[str, torch.Tensor] = {}
     for mb in batch.split(cfg.microbatch_size, dim=0):
         mb = trim_padding(mb)
@@ -662,7 +662,7 @@ def update(
             out = model(mb["input_ids"], mb["attention_mask"], position_ids_from_mask(mb["attention_mask"]))
         out = {k: v.float() for k, v in out.items()}
         loss, metrics = ilql_loss(out, mb, cfg, num_tokens)
-        if any_rank(~torch.isfinite(loss.detach()), env or DistEnv()):  # every rank raises together
+        if any_rank(~torch.isfinite(loss.detach()), env):  # every rank raises together
             state.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"step {step}, phase update: the ILQL loss is {loss.item()} ({metrics})")
         loss.backward()

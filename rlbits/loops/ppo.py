@@ -70,7 +70,7 @@ from rlbits.dist.checkpoint import (
 )
 from rlbits.dist.env import DistEnv
 from rlbits.dist.parallelize import unsharded
-from rlbits.dist.reduce import all_reduce_max, all_reduce_sum, global_count, reduce_metrics
+from rlbits.dist.reduce import all_reduce_sum, any_rank, global_count, reduce_metrics
 from rlbits.functional import (
     adaptive_kl_coef,
     aggregate_loss,
@@ -570,10 +570,8 @@ def update(
                 _accumulate(losses, "critic_loss", critic)
                 _accumulate(weighted, "value_clipfrac", vstats["clipfrac"] * share)
                 total.backward()
-            finite = all(torch.isfinite(v) for v in losses.values())
-            if env.world_size > 1:  # every rank raises together (gradient norms are global already)
-                finite = not all_reduce_max(torch.tensor(int(not finite), device=env.device), env).item()
-            if not finite:
+            # every rank raises together (gradient norms are global already)
+            if any_rank(not all(torch.isfinite(v) for v in losses.values()), env):
                 policy_optimizer.zero_grad(set_to_none=True)
                 value_optimizer.zero_grad(set_to_none=True)
                 bad = {k: float(v) for k, v in losses.items()}

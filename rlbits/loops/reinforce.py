@@ -75,7 +75,7 @@ from rlbits.dist.checkpoint import (
 )
 from rlbits.dist.env import DistEnv
 from rlbits.dist.parallelize import unsharded
-from rlbits.dist.reduce import all_reduce_max, global_count, reduce_metrics
+from rlbits.dist.reduce import all_reduce_max, any_rank, global_count, reduce_metrics
 from rlbits.functional import (
     KL_ESTIMATORS,
     aggregate_loss,
@@ -486,7 +486,7 @@ def update(
                     kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator)
                     kl_loss = aggregate_loss(kl, mask, cfg.loss_agg, num_tokens, num_seqs)
                     loss = loss + cfg.kl_loss_coef * kl_loss
-                if common.any_rank(~torch.isfinite(loss.detach()), env):  # every rank raises together
+                if any_rank(~torch.isfinite(loss.detach()), env):  # every rank raises together
                     policy.zero_grad(set_to_none=True)
                     raise FloatingPointError(
                         f"step {state.step + 1}, phase update: the loss is {loss.item()}"

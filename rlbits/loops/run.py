@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rlbits.dist.env import DistEnv
-from rlbits.dist.reduce import all_reduce_max
+from rlbits.dist.reduce import any_rank
 from rlbits.loops.config import RunConfig, save_config
 
 ELASTIC_MARKER = ".torchelastic_run_id"
@@ -133,9 +133,7 @@ class Run:
         for cb in self.callbacks:
             if hasattr(cb, "should_stop") and cb.should_stop():
                 self._stop_requested = True
-        if self.env.world_size > 1:
-            flag = torch.tensor(int(self._stop_requested), device=self.env.device)
-            self._stop_requested = bool(all_reduce_max(flag, self.env).item())
+        self._stop_requested = any_rank(self._stop_requested, self.env)
         return self._stop_requested
 
     # --- writing ------------------------------------------------------------------------------------
