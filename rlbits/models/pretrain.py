@@ -6,6 +6,7 @@ and DESIGN.md's layers let ``tasks`` import nothing above it (``models`` is abov
 """
 
 from rlbits.tasks.pretrain import (  # noqa: F401
+    __all__,
     cache_dir,
     default_model_dir,
     ensure_base_model,
@@ -14,13 +15,3 @@ from rlbits.tasks.pretrain import (  # noqa: F401
     pretrain,
     train_tokenizer,
 )
-
-__all__ = [
-    "cache_dir",
-    "default_model_dir",
-    "train_tokenizer",
-    "pretrain",
-    "ensure_base_model",
-    "evaluate",
-    "plateau_check",
-]
