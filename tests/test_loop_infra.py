@@ -282,3 +282,29 @@ def test_checkpoint_refuses_nan_weights_and_keeps_the_previous_one(tmp_path):
     with pytest.raises(ValueError, match=r"step 2: policy.transformer.h.0.mlp.c_fc.weight holds NaN"):
         save_checkpoint(tmp_path, 2, models={"policy": model}, optimizers={"policy": optimizer})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1"] and latest_checkpoint(tmp_path).name == "step_1"
+
+
+def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_no_half_checkpoint(tmp_path, monkeypatch):
+    """Re-saving a step (after a resume) or pruning deletes a checkpoint: it is renamed aside first, so a kill
+    during the deletion leaves no half-deleted ``step_N`` that looks like the newest checkpoint."""
+    import shutil
+
+    from rlbits.dist import checkpoint as ckpt
+
+    model, optimizer = _model_and_optimizer()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, models={"policy": model}, optimizers={"policy": optimizer})
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *a, **k):
+        if str(path).endswith(".discarded"):
+            (next(p for p in sorted(path.rglob("*")) if p.is_file())).unlink()  # deletion under way ...
+            raise KeyboardInterrupt  # ... when the process dies
+        return real_rmtree(path, *a, **k)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, models={"policy": model}, optimizers={"policy": optimizer})
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1"]
+    assert verify_checkpoint(latest_checkpoint(tmp_path)) is None

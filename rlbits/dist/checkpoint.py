@@ -100,6 +100,16 @@ def _optimizer_states(models: Mapping[str, nn.Module], optimizers: Mapping[str, 
     return {name: get_optimizer_state_dict(models[name], opt) for name, opt in optimizers.items()}
 
 
+def _discard(folder: Path) -> None:
+    """Delete a checkpoint folder so that a kill midway never leaves a half-deleted ``step_N``: rename it to
+    a temporary name first (atomic), then delete (a leftover ``.tmp_step_*`` is removed on the next start)."""
+    trash = folder.with_name(f".tmp_{folder.name}.discarded")
+    if trash.exists():
+        shutil.rmtree(trash)
+    folder.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def _check_finite(models: Mapping[str, nn.Module], step: int, env: DistEnv) -> None:
     """Refuse to checkpoint NaN/inf weights (agreed over ranks, so every rank refuses together)."""
     bad = ""
@@ -192,8 +202,8 @@ def save_checkpoint(
                 "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-            if final.exists():
-                shutil.rmtree(final)
+            if final.exists():  # a redone step: move the old copy aside whole, never delete it in place
+                _discard(final)
             tmp.rename(final)
     except BaseException:
         if env.is_main:
@@ -201,7 +211,7 @@ def save_checkpoint(
         raise
     if env.is_main:
         for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            _discard(old)
     barrier(env)
     return final
 
