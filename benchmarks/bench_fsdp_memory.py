@@ -4,7 +4,7 @@
     python benchmarks/bench_fsdp_memory.py --layers 6 --width 768      # the 67M model (default)
 
 Each world size runs in its own ``torchrun`` (gloo). Every rank builds the model, shards it with
-``rlbits.dist.parallelize.shard`` (nothing at world size 1), builds AdamW, then takes REINFORCE updates
+``rlbits.distributed.parallelize.shard`` (nothing at world size 1), builds AdamW, then takes REINFORCE updates
 (forward, backward, optimizer step; the first one creates the optimizer states) on its share of a fixed batch
 of ``--rows`` rows. A thread samples the process's resident set (VmRSS) every 2 ms; we report
 
@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from rlbits.batch import build_batch
-    from rlbits.dist.env import init
+    from rlbits.distributed.env import init
     from rlbits.loops import common, reinforce
 
     baseline = rss_mib()

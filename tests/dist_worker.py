@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rlbits.batch import build_batch
-from rlbits.dist.env import init
+from rlbits.distributed.env import init
 from rlbits.loops import common, ppo, reinforce
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel

@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from rlbits.dist.env import DistEnv
-from rlbits.dist.parallelize import shard, transformer_blocks, unsharded
+from rlbits.distributed.env import DistEnv
+from rlbits.distributed.parallelize import shard, transformer_blocks, unsharded
 from rlbits.models.heads import ILQLModel, ValueModel
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
@@ -141,7 +141,7 @@ def test_torchrun_two_ranks_runs_each_loop(loop, tiny_path, tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_moves_between_two_ranks_and_one(tiny_path, tmp_path):
-    from rlbits.dist.checkpoint import load_checkpoint
+    from rlbits.distributed.checkpoint import load_checkpoint
     from rlbits.models.load import load_pretrained
 
     run_dir = tmp_path / "run"

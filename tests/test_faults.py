@@ -115,7 +115,7 @@ def resumable_step(run_dir: Path) -> int | None:
     """The step ``--resume`` continues from (the newest checkpoint that verifies)."""
     import warnings
 
-    from rlbits.dist.checkpoint import latest_checkpoint
+    from rlbits.distributed.checkpoint import latest_checkpoint
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

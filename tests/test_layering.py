@@ -19,6 +19,7 @@ RANKS = {
     "tasks": 2,
     "models": 3,
     "rollout": 4,
+    "distributed": 5,
     "dist": 5,
     "loops": 6,
     "api": 6,
@@ -78,8 +79,8 @@ def test_imports_point_down(module, path):
             problems.append(f"line {line}: functional may import only torch and the stdlib, not {target}")
         if layer == "functional" and target.startswith("rlbits") and not target.startswith("rlbits.functional"):
             problems.append(f"line {line}: functional imports {target}")
-        if target.startswith("torch.distributed") and layer != "dist":
-            problems.append(f"line {line}: only rlbits.dist may import torch.distributed ({target})")
+        if target.startswith("torch.distributed") and layer != "distributed":
+            problems.append(f"line {line}: only rlbits.distributed may import torch.distributed ({target})")
         if not target.startswith("rlbits.") or layer == SIDE_BRANCH:
             continue
         target_layer = _layer(target)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlbits.dist.checkpoint import (
+from rlbits.distributed.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -289,7 +289,7 @@ def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_no_half_checkpoint(tmp
     during the deletion leaves no half-deleted ``step_N`` that looks like the newest checkpoint."""
     import shutil
 
-    from rlbits.dist import checkpoint as ckpt
+    from rlbits.distributed import checkpoint as ckpt
 
     model, optimizer = _model_and_optimizer()
     for step in (1, 2):

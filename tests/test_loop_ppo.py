@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlbits.dist.env import DistEnv
+from rlbits.distributed.env import DistEnv
 from rlbits.functional import kl_penalty, token_rewards
 from rlbits.loops import common
 from rlbits.loops.config import ConfigError, config_from_dict, load_config

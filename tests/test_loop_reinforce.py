@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlbits.dist.env import DistEnv
+from rlbits.distributed.env import DistEnv
 from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops.reinforce import (
     ReinforceConfig,

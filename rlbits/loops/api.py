@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from rlbits.dist.checkpoint import latest_checkpoint
+from rlbits.distributed.checkpoint import latest_checkpoint
 from rlbits.loops.config import ConfigError, RunConfig, config_from_dict, parse_overrides, read_yaml
 from rlbits.loops.run import elastic_restart
 

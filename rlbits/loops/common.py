@@ -18,9 +18,9 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import decode, tokenize_prompts
-from rlbits.dist.env import DistEnv, init
-from rlbits.dist.parallelize import grad_norm_and_clip, is_sharded, shard, unsharded
-from rlbits.dist.reduce import all_reduce_max, all_reduce_sum, any_rank
+from rlbits.distributed.env import DistEnv, init
+from rlbits.distributed.parallelize import grad_norm_and_clip, is_sharded, shard, unsharded
+from rlbits.distributed.reduce import all_reduce_max, all_reduce_sum, any_rank
 from rlbits.functional import kl_penalty, masked_sum
 from rlbits.loops.config import RunConfig
 from rlbits.models.forward import policy_logprobs
@@ -52,7 +52,7 @@ def setup(cfg: RunConfig) -> DistEnv:
 
 
 def prepare(model: torch.nn.Module, cfg: RunConfig, env: DistEnv) -> torch.nn.Module:
-    """Shard ``model`` for training under torchrun (``rlbits.dist.parallelize.shard``) with the run's precision,
+    """Shard ``model`` for training under torchrun (``rlbits.distributed.parallelize.shard``) with the run's precision,
     activation checkpointing and (on GPU) per-block compile; at world size 1 only the latter two apply."""
     return shard(
         model,

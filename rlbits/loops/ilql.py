@@ -69,7 +69,7 @@ from tensordict import TensorDict, TensorDictBase
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rlbits.batch import build_batch, make_prompts, pad_right, trim_padding
-from rlbits.dist.checkpoint import (
+from rlbits.distributed.checkpoint import (
     export_model,
     hf_folder,
     load_checkpoint,
@@ -77,9 +77,9 @@ from rlbits.dist.checkpoint import (
     save_checkpoint,
     tokenizer_folder,
 )
-from rlbits.dist.env import DistEnv
-from rlbits.dist.parallelize import unsharded
-from rlbits.dist.reduce import any_rank, global_count, reduce_metrics
+from rlbits.distributed.env import DistEnv
+from rlbits.distributed.parallelize import unsharded
+from rlbits.distributed.reduce import any_rank, global_count, reduce_metrics
 from rlbits.functional import (
     awac_loss,
     cql_loss,

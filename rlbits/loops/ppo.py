@@ -61,16 +61,16 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import split_microbatches, split_minibatches
-from rlbits.dist.checkpoint import (
+from rlbits.distributed.checkpoint import (
     export_model,
     hf_folder,
     load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
 )
-from rlbits.dist.env import DistEnv
-from rlbits.dist.parallelize import unsharded
-from rlbits.dist.reduce import all_reduce_sum, any_rank, global_count, reduce_metrics
+from rlbits.distributed.env import DistEnv
+from rlbits.distributed.parallelize import unsharded
+from rlbits.distributed.reduce import all_reduce_sum, any_rank, global_count, reduce_metrics
 from rlbits.functional import (
     adaptive_kl_coef,
     aggregate_loss,

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from rlbits.dist.env import DistEnv
-from rlbits.dist.reduce import any_rank
+from rlbits.distributed.env import DistEnv
+from rlbits.distributed.reduce import any_rank
 from rlbits.loops.config import RunConfig, save_config
 
 ELASTIC_MARKER = ".torchelastic_run_id"

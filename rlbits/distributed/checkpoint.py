@@ -42,9 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rlbits.dist.env import DistEnv, barrier
-from rlbits.dist.parallelize import is_sharded
-from rlbits.dist.reduce import any_rank
+from rlbits.distributed.env import DistEnv, barrier
+from rlbits.distributed.parallelize import is_sharded
+from rlbits.distributed.reduce import any_rank
 from rlbits.models.load import save_pretrained
 
 CHECKPOINTS = "checkpoints"

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from rlbits.dist.env import DistEnv
+from rlbits.distributed.env import DistEnv
 
 
 def all_reduce_sum(x: torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from rlbits.dist.env import DistEnv
+from rlbits.distributed.env import DistEnv
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -66,7 +66,7 @@ def shard(
 
     Args:
         model: on ``env.device``, built the same way (same initial weights) on every rank.
-        env: from ``rlbits.dist.init``; no sharding at world size 1.
+        env: from ``rlbits.distributed.init``; no sharding at world size 1.
         mixed_precision: FSDP2 ``MixedPrecisionPolicy`` with bf16 parameters in forward/backward and fp32
             gradient reduction (sharded master weights and optimizer states stay fp32). Ignored at world size 1,
             where the loops use ``torch.autocast`` instead.
