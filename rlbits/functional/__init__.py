@@ -1,4 +1,5 @@
-"""Pure tensor math for RL on language models. Imports torch only (no tensordict, no torch.distributed)."""
+"""Pure tensor math for RL on language models. Imports torch and einops only (no tensordict, no
+torch.distributed)."""
 
 from rlbits.functional.advantages import (
     gae,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import einops
 import torch
 
 from rlbits.functional import _checks
@@ -204,6 +205,11 @@ def gae(
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``rewards`` [B = G * K] as [G, K], one row per prompt, in the compute dtype.
+
+    The checks come first so that a bad ``group_size`` or batch size raises a ValueError that names both
+    sizes, not einops' shape-mismatch error.
+    """
     _checks.ndim("rewards", rewards, 1, "[B]")
     if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
         raise ValueError(f"group_size must be an int, got {type(group_size).__name__}")
@@ -214,7 +220,7 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
             f"batch size {rewards.shape[0]} is not divisible by group_size {group_size}; "
             "groups must be contiguous rows of equal size"
         )
-    return rewards.to(_checks.compute_dtype(rewards)).view(-1, group_size)
+    return einops.rearrange(rewards.to(_checks.compute_dtype(rewards)), "(g k) -> g k", k=group_size)
 
 
 def _float_dtype(rewards: torch.Tensor) -> torch.dtype:
@@ -239,8 +245,8 @@ def rloo_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         ValueError: ``rewards`` is not 1-D, ``K < 2``, or ``B % K != 0``.
     """
     groups = _groups(rewards, group_size)
-    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-    return baseline.reshape(-1).to(_float_dtype(rewards))
+    baseline = (einops.reduce(groups, "g k -> g 1", "sum") - groups) / (group_size - 1)
+    return einops.rearrange(baseline, "g k -> (g k)").to(_float_dtype(rewards))
 
 
 def group_normalize(
@@ -267,7 +273,7 @@ def group_normalize(
     """
     _checks.in_range("eps", eps, 0, math.inf, high_open=True)
     groups = _groups(rewards, group_size)
-    out = groups - groups.mean(dim=1, keepdim=True)
+    out = groups - einops.reduce(groups, "g k -> g 1", "mean")
     if scale:
-        out = out / (groups.std(dim=1, keepdim=True) + eps)
-    return out.reshape(-1).to(_float_dtype(rewards))
+        out = out / (groups.std(dim=1, keepdim=True) + eps)  # over k; einops.reduce has no (unbiased) std
+    return einops.rearrange(out, "g k -> (g k)").to(_float_dtype(rewards))
