@@ -29,8 +29,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+import einops
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase, is_non_tensor
+from torch.nn.utils.rnn import pad_sequence
 
 __all__ = [
     "ACTION_MASK",
@@ -317,8 +319,13 @@ def _check_values(batch: TensorDictBase, keys: set[str]) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _pad_dim(t: torch.Tensor, length: int, value: float | int | bool, left: bool, dim: int) -> torch.Tensor:
-    """Pad ``t`` along ``dim`` up to ``length`` with ``value``, on the left or the right."""
+def _pad_to(t: torch.Tensor, length: int, value: Any, side: str, dim: int) -> torch.Tensor:
+    """Pad ``t`` along ``dim`` up to ``length`` with ``value``, on ``side`` (``"left"`` or ``"right"``).
+
+    The one hand-written pad, for what ``torch.nn.utils.rnn.pad_sequence`` does not do: a fixed target
+    length (``pad_left(..., length=L)``) and a dim other than the sequence dim of a list (``collate``
+    re-pads the P and R columns of a whole batch).
+    """
     extra = length - t.shape[dim]
     if extra < 0:
         raise ValueError(f"cannot pad a length-{t.shape[dim]} sequence to the shorter length {length}")
@@ -327,10 +334,12 @@ def _pad_dim(t: torch.Tensor, length: int, value: float | int | bool, left: bool
     shape = list(t.shape)
     shape[dim] = extra
     fill = t.new_full(shape, value)
-    return torch.cat([fill, t] if left else [t, fill], dim=dim)
+    return torch.cat([fill, t] if side == "left" else [t, fill], dim=dim)
 
 
-def _pad_stack(seqs: Sequence[torch.Tensor], pad_value: Any, length: int | None, left: bool) -> torch.Tensor:
+def _pad_sequences(seqs: Sequence[torch.Tensor], pad_value: Any, length: int | None, side: str) -> torch.Tensor:
+    """``pad_left`` / ``pad_right``: check the sequences, stack them with ``pad_sequence``, then pad the
+    stack to ``length`` if one is given."""
     if len(seqs) == 0:
         raise ValueError("need at least one sequence to pad")
     for i, s in enumerate(seqs):
@@ -340,10 +349,10 @@ def _pad_stack(seqs: Sequence[torch.Tensor], pad_value: Any, length: int | None,
                 f"with the trailing shape {tuple(seqs[0].shape[1:])} and dtype {seqs[0].dtype} of sequence 0"
             )
     longest = max(s.shape[0] for s in seqs)
-    length = longest if length is None else length
-    if length < longest:
+    if length is not None and length < longest:
         raise ValueError(f"length={length} is shorter than the longest sequence ({longest})")
-    return torch.stack([_pad_dim(s, length, pad_value, left, dim=0) for s in seqs])
+    out = pad_sequence(list(seqs), batch_first=True, padding_value=pad_value, padding_side=side)
+    return out if length is None else _pad_to(out, length, pad_value, side, dim=1)
 
 
 def pad_right(seqs: Sequence[torch.Tensor], pad_value: Any, length: int | None = None) -> torch.Tensor:
@@ -360,7 +369,7 @@ def pad_right(seqs: Sequence[torch.Tensor], pad_value: Any, length: int | None =
     Raises:
         ValueError: empty ``seqs``, mismatched dtypes or trailing shapes, ``length < max(L_i)``.
     """
-    return _pad_stack(seqs, pad_value, length, left=False)
+    return _pad_sequences(seqs, pad_value, length, "right")
 
 
 def pad_left(seqs: Sequence[torch.Tensor], pad_value: Any, length: int | None = None) -> torch.Tensor:
@@ -377,7 +386,7 @@ def pad_left(seqs: Sequence[torch.Tensor], pad_value: Any, length: int | None = 
     Raises:
         ValueError: empty ``seqs``, mismatched dtypes or trailing shapes, ``length < max(L_i)``.
     """
-    return _pad_stack(seqs, pad_value, length, left=True)
+    return _pad_sequences(seqs, pad_value, length, "left")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -491,7 +500,7 @@ def group_ids(num_prompts: int, group_size: int, device: torch.device | str | No
     """
     if num_prompts < 0 or group_size < 1:
         raise ValueError(f"need num_prompts >= 0 and group_size >= 1, got {num_prompts} and {group_size}")
-    return torch.arange(num_prompts, device=device).repeat_interleave(group_size)
+    return einops.repeat(torch.arange(num_prompts, device=device), "g -> (g k)", k=group_size)
 
 
 def repeat_interleave_prompts(td: TensorDictBase, group_size: int) -> TensorDictBase:
@@ -619,15 +628,15 @@ def _repad(
         t = batch.get(key)
         side = spec.dims[1]
         if side == "P" and own["P"] != prompt_len:
-            out.set(key, _pad_dim(t, prompt_len, _pad_value(key, t.dtype, pad_token_id), left=True, dim=1))
+            out.set(key, _pad_to(t, prompt_len, _pad_value(key, t.dtype, pad_token_id), "left", dim=1))
         elif side == "R" and own["R"] != response_len:
-            out.set(key, _pad_dim(t, response_len, _pad_value(key, t.dtype, pad_token_id), left=False, dim=1))
+            out.set(key, _pad_to(t, response_len, _pad_value(key, t.dtype, pad_token_id), "right", dim=1))
         elif side == "P+R" and (own.get("P"), own.get("R")) != (prompt_len, response_len):
             if "P" not in own:
                 raise ValueError(f"collate needs {PROMPTS} or {PROMPT_MASK} to re-pad {key}")
             value = _pad_value(key, t.dtype, pad_token_id)
-            head = _pad_dim(t[:, : own["P"]], prompt_len, value, left=True, dim=1)
-            tail = _pad_dim(t[:, own["P"] :], response_len, value, left=False, dim=1)
+            head = _pad_to(t[:, : own["P"]], prompt_len, value, "left", dim=1)
+            tail = _pad_to(t[:, own["P"] :], response_len, value, "right", dim=1)
             out.set(key, torch.cat([head, tail], dim=1))
     return out
 

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from rlbits.batch import TEXT_KEYS
+from rlbits.batch import TEXT_KEYS, pad_right
 
 TOKEN_ENV = "RLBITS_REWARD_TOKEN"  # bearer token for a reward server given to ``score`` as a URL
 _SHOW = 80  # characters of a prompt or response quoted in an error message
@@ -354,12 +354,8 @@ class RewardModel:
         with torch.inference_mode():
             for start in range(0, len(order), self.batch_size):
                 rows = order[start : start + self.batch_size]
-                width = max(len(ids[i]) for i in rows)
-                input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-                attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-                for j, i in enumerate(rows):
-                    input_ids[j, : len(ids[i])] = torch.tensor(ids[i])
-                    attention_mask[j, : len(ids[i])] = 1
+                input_ids = pad_right([torch.tensor(ids[i], dtype=torch.long) for i in rows], pad)
+                attention_mask = pad_right([torch.ones(len(ids[i]), dtype=torch.long) for i in rows], 0)
                 logits = self.model(
                     input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
                 ).logits
