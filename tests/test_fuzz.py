@@ -597,14 +597,14 @@ def test_slow_server_times_out_quickly_and_names_the_url():
 
 
 def test_oversized_answer_is_rejected(monkeypatch):
-    import rlbits.rollout.reward_server as rs
+    import rlbits.rollout.reward_client as rc
     from rlbits.rollout.score import RewardServerError
 
-    monkeypatch.setattr(rs, "_MAX_RESPONSE_BYTES", 1000)
+    monkeypatch.setattr(rc, "_MAX_RESPONSE_BYTES", 1000)
     body = json.dumps({"rewards": [0.5, 0.5], "pad": "x" * 5000}).encode()
     with fake_server(lambda state: (200, body)) as (url, _):
         with pytest.raises(RewardServerError, match="more than 1000 bytes"):
-            score_texts(["a", "b"], ["c", "d"], rs.RewardClient(url, retries=0))
+            score_texts(["a", "b"], ["c", "d"], rc.RewardClient(url, retries=0))
 
 
 def test_dataclass_configs_are_frozen_after_fuzzing():  # the fuzz never mutates a shared default

@@ -49,41 +49,22 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import TEXT_KEYS, pad_right
+from rlbits.rollout.reward_client import RewardClient
+
+# The error classes live in reward_errors, below both this module and reward_client (which raises them);
+# they are re-exported here, their documented home.
+from rlbits.rollout.reward_errors import (
+    InvalidRewardError,
+    RewardError,
+    RewardServerError,
+    _cut,
+    describe_sample,
+)
 
 TOKEN_ENV = "RLBITS_REWARD_TOKEN"  # bearer token for a reward server given to ``score`` as a URL
-_SHOW = 80  # characters of a prompt or response quoted in an error message
-
-
-class RewardError(RuntimeError):
-    """A reward function, model or server failed while scoring a batch."""
-
-
-class InvalidRewardError(RewardError, ValueError):
-    """A reward source returned an unusable value: wrong length, not a number, or not finite."""
-
-
-class RewardServerError(RewardError):
-    """A reward server could not be reached, timed out, answered an HTTP error or broke the protocol.
-
-    ``status`` is the HTTP status code, or None when no HTTP response came back (connection error, timeout).
-    """
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-
-
-def _cut(text: Any) -> str:
-    text = str(text)
-    return repr(text if len(text) <= _SHOW else text[: _SHOW - 3] + "...")
-
-
-def describe_sample(index: int, prompt: str, response: str) -> str:
-    """``sample INDEX (prompt='...', response='...')`` with both texts cut to 80 characters, for errors."""
-    return f"sample {index} (prompt={_cut(prompt)}, response={_cut(response)})"
 
 
 def _span(start: int, stop: int, total: int) -> str:
@@ -93,8 +74,6 @@ def _span(start: int, stop: int, total: int) -> str:
 
 
 def _source_name(fn: Any) -> str:
-    from rlbits.rollout.reward_server import RewardClient
-
     if isinstance(fn, RewardModel):
         return f"reward model {fn.name!r}"
     if isinstance(fn, RewardClient):
@@ -382,8 +361,6 @@ def _load_reward_model(path: str) -> RewardModel:
 
 def _resolve(reward: Any) -> tuple[Callable, bool]:
     """The callable behind ``reward`` and whether to locate a failing sample by calling it per sample."""
-    from rlbits.rollout.reward_server import RewardClient
-
     if isinstance(reward, (str, os.PathLike)):
         spec = os.fspath(reward)
         if spec.lower().startswith(("http://", "https://")):
