@@ -1,21 +1,25 @@
 """Checkpoints for exact resume: models, optimizers, RNG states, counters; at any world size.
 
-Layout of ``RUN_DIR/checkpoints/step_N/``::
+One format at every world size (docs/design.md, "Checkpoints"). Layout of ``RUN_DIR/checkpoints/step_N/``::
 
-    policy/ value/ ... HF folders (config.json, model.safetensors, tokenizer): saved at world size 1, so a
-                       checkpoint of a notebook run is loadable with ``from_pretrained``
-    tokenizer/         the tokenizer (saved at world size > 1, where the weights live in dcp/)
-    dcp/               torch.distributed.checkpoint: the optimizers' states (always) and, at world size > 1,
-                       the models' sharded weights; loadable at any world size (DCP reshards)
+    dcp/               torch.distributed.checkpoint: every model's weights and every optimizer's state,
+                       sharded as trained; loadable at any world size (DCP reshards), also without a process
+                       group (a notebook)
+    tokenizer/         the policy's tokenizer
     rng/rank_R.pt      each rank's python, numpy, torch (CPU and CUDA) RNG states and the loop's generators
     state.json         counters: consumed_samples, current_step, current_epoch, ..., world_size
-    manifest.json      every file's size and sha256; written last
+    manifest.json      every file's size, and the sha256 of the small ones (state, RNG, metadata,
+                       tokenizer); of every file with ``checksums="all"``; written last
+    policy/ value/ ... HF folders (``from_pretrained``), only on request (``hf_folders=True``, world size 1);
+                       HF folders are otherwise written at export (``RUN_DIR/final``)
 
 A checkpoint is written into a temporary folder and renamed into place, so a crash leaves either the whole
-checkpoint or none. ``latest_checkpoint`` verifies the manifest and falls back to the previous checkpoint if
-the newest is torn or corrupted. Optimizer state dicts are keyed by parameter names
+checkpoint or none. ``latest_checkpoint`` verifies the manifest (sizes always; checksums where recorded, so a
+multi-GB checkpoint is not re-read on every save and resume unless asked) and falls back to the previous
+checkpoint if the newest is torn or corrupted. Optimizer state dicts are keyed by parameter names
 (``get_optimizer_state_dict``), so a checkpoint saved at N ranks resumes at M: weights and optimizer states
 are resharded; the RNG streams restart from the seeds when N != M (the run continues, not bit-exactly).
+Checkpoints of rlbits before this format (weights in HF folders at world size 1) are still read.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from transformers import PreTrainedModel
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from transformers import PreTrainedModel
 
 from rlbits.distributed.env import DistEnv, barrier
 from rlbits.distributed.parallelize import is_sharded
@@ -49,6 +53,8 @@ from rlbits.models.load import save_pretrained
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
+SMALL_FILE = 1 << 20
+"""Files below this many bytes get a sha256 in the manifest by default (the weights are larger)."""
 
 
 def _sha256(path: Path) -> str:
@@ -138,6 +144,8 @@ def save_checkpoint(
     tokenizer: Any = None,
     keep: int = 2,
     env: DistEnv | None = None,
+    checksums: str = "small",
+    hf_folders: bool = False,
 ) -> Path:
     """Write ``RUN_DIR/checkpoints/step_{step}`` atomically and delete all but the newest ``keep``.
 
@@ -146,22 +154,26 @@ def save_checkpoint(
     Args:
         run_dir: the run directory.
         step: training steps completed.
-        models: name -> module (the policy as ``policy``; e.g. ``value``). HF folders at world size 1
-            (the module needs ``save_pretrained``), sharded DCP weights otherwise.
+        models: name -> module (the policy as ``policy``; e.g. ``value``): their weights go to ``dcp/``.
         optimizers: name -> optimizer of ``models[name]``.
         state: JSON-serialisable counters.
         generators: name -> ``torch.Generator`` whose state must resume exactly (sampling, data order).
         tokenizer: saved with the policy (or in ``tokenizer/``).
         keep: how many step checkpoints to keep.
         env: the ``DistEnv`` (None: world size 1).
+        checksums: ``"small"`` (sha256 of files under 1 MiB, sizes of all) or ``"all"`` (sha256 of every
+            file: a flipped byte in the weights is then caught on resume, at the cost of reading them).
+        hf_folders: also write each model as an HF folder (``from_pretrained``-loadable); world size 1 only.
 
     Returns:
         The checkpoint folder.
 
     Raises:
         ValueError: ``state`` holds a non-finite number or something JSON cannot store; an optimizer has no
-            model of its name.
+            model of its name; ``checksums`` is not ``small``/``all``; ``hf_folders`` with sharded models.
     """
+    if checksums not in ("small", "all"):
+        raise ValueError(f"checksums must be 'small' or 'all', got {checksums!r}")
     env = env or DistEnv()
     optimizers = dict(optimizers or {})
     try:
@@ -169,7 +181,8 @@ def save_checkpoint(
     except ValueError as e:
         raise ValueError(f"checkpoint state for step {step} is not finite JSON: {e}") from e
     _check_finite(models, step, env)
-    sharded = env.world_size > 1 and any(is_sharded(m) for m in models.values())
+    if hf_folders and any(is_sharded(m) for m in models.values()):
+        raise ValueError("hf_folders=True needs unsharded models (world size 1); export_model gathers sharded ones")
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step}"
     tmp = root / f".tmp_step_{step}"
@@ -179,28 +192,31 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier(env)
     try:
-        payload: dict[str, Any] = {"optimizers": _optimizer_states(models, optimizers)}
-        if sharded:
-            payload["models"] = {name: get_model_state_dict(m) for name, m in models.items()}
+        payload: dict[str, Any] = {
+            "optimizers": _optimizer_states(models, optimizers),
+            "models": {name: get_model_state_dict(m) for name, m in models.items()},
+        }
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(payload, checkpoint_id=tmp / "dcp", no_dist=env.world_size == 1)
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(_rng_state(generators or {}), tmp / "rng" / f"rank_{env.rank}.pt")
         if env.is_main:
-            if not sharded:
+            if hf_folders:
                 for name, model in models.items():
                     _save_model(model, tmp / name, tokenizer if name == "policy" else None)
-            if tokenizer is not None and (sharded or "policy" not in models):
+            if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp / "tokenizer"))
             (tmp / "state.json").write_text(text)
         barrier(env)
         if env.is_main:
             files = sorted(p for p in tmp.rglob("*") if p.is_file())
-            manifest = {
-                "step": step,
-                "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
-            }
+            manifest = {"step": step, "checksums": checksums, "files": {}}
+            for p in files:
+                entry: dict[str, Any] = {"bytes": p.stat().st_size}
+                if checksums == "all" or entry["bytes"] < SMALL_FILE:
+                    entry["sha256"] = _sha256(p)
+                manifest["files"][str(p.relative_to(tmp))] = entry
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
             if final.exists():  # a redone step: move the old copy aside whole, never delete it in place
                 _discard(final)
@@ -226,7 +242,8 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def verify_checkpoint(path: str | Path) -> str | None:
-    """None if every file of the manifest is present with its size and sha256, else what is wrong."""
+    """None if every file of the manifest is present with its size (and its sha256, where the manifest
+    records one), else what is wrong."""
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
@@ -239,7 +256,9 @@ def verify_checkpoint(path: str | Path) -> str | None:
         f = path / rel
         if not f.is_file():
             return f"{rel} is missing"
-        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+        if f.stat().st_size != meta["bytes"]:
+            return f"{rel} has {f.stat().st_size} bytes, the manifest says {meta['bytes']}"
+        if "sha256" in meta and _sha256(f) != meta["sha256"]:
             return f"{rel} does not match its checksum"
     return None
 
@@ -278,8 +297,8 @@ def resume_checkpoint(run_dir: str | Path, *, missing_ok: bool = False) -> Path 
 
 
 def hf_folder(path: str | Path | None, name: str) -> Path | None:
-    """``path/name`` if the checkpoint ``path`` holds model ``name`` as an HF folder (saved at world size 1),
-    else None (its weights are in ``dcp/``: build the model fresh, then ``load_checkpoint`` fills them)."""
+    """``path/name`` if the checkpoint ``path`` holds model ``name`` as an HF folder (``hf_folders=True``, or a
+    checkpoint of the earlier format), else None."""
     if path is None:
         return None
     folder = Path(path) / name
@@ -287,7 +306,7 @@ def hf_folder(path: str | Path | None, name: str) -> Path | None:
 
 
 def tokenizer_folder(path: str | Path) -> Path:
-    """The folder holding a checkpoint's tokenizer (``policy/`` or ``tokenizer/``)."""
+    """The folder holding a checkpoint's tokenizer (``tokenizer/``, or ``policy/`` in the earlier format)."""
     path = Path(path)
     return path / "tokenizer" if (path / "tokenizer").is_dir() else path / "policy"
 
@@ -303,8 +322,9 @@ def load_checkpoint(
     """Restore weights (if the checkpoint holds them in ``dcp/``), optimizer and RNG states in place; return
     the counters of ``state.json``. Collective at world size > 1.
 
-    Build ``models`` first (from ``hf_folder(path, name)`` where that is not None, else fresh), shard them
-    as for training, build the optimizers, then call this.
+    Build ``models`` first (fresh, from the run's initial weights), shard them as for training, build the
+    optimizers, then call this: the weights come from ``dcp/`` (or, in a checkpoint of the earlier format,
+    from the HF folder ``path/name``).
 
     Args:
         models: name -> model (needed for every optimizer, whose states are keyed by parameter name).
@@ -322,7 +342,11 @@ def load_checkpoint(
     if problem is not None:
         raise ValueError(f"checkpoint {str(path)!r} is damaged: {problem}")
     saved = json.loads((path / "state.json").read_text())
-    in_dcp = [name for name in models if hf_folder(path, name) is None]
+    stored = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+    in_dcp = [name for name in models if any(k.startswith(f"models.{name}.") for k in stored)]
+    for name in models:
+        if name not in in_dcp:  # the earlier format: an HF folder
+            _load_hf_weights(models[name], path, name)
     payload: dict[str, Any] = {}
     if optimizers:
         payload["optimizers"] = _optimizer_states(models, optimizers)
@@ -355,6 +379,19 @@ def load_checkpoint(
             stacklevel=2,
         )
     return saved
+
+
+def _load_hf_weights(model: nn.Module, path: Path, name: str) -> None:
+    """Weights of model ``name`` from the HF folder of a checkpoint written before dcp/ held every model."""
+    folder = hf_folder(path, name)
+    if folder is None:
+        raise ValueError(f"checkpoint {str(path)!r} holds no weights of model {name!r} (neither in dcp/ nor {name}/)")
+    if is_sharded(model):
+        raise ValueError(
+            f"checkpoint {str(path)!r} is of the earlier format (HF folders); resume it in one process first"
+        )
+    loaded = type(model).from_pretrained(str(folder))  # HF causal LM, ValueModel or ILQLModel
+    model.load_state_dict(loaded.state_dict())
 
 
 def export_model(

@@ -39,8 +39,38 @@ def global_count(mask: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return all_reduce_sum(mask.sum().to(torch.float32), env)
 
 
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, env: DistEnv, *, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """``rlbits.masked_whiten`` with the mean and (unbiased) variance taken over every rank's masked entries:
+    N ranks whiten exactly as one process holding the whole batch would."""
+    mask = mask.bool()
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    count = global_count(mask, env)
+    mean = all_reduce_sum(torch.where(mask, x, zero).sum(), env) / count.clamp(min=1)
+    centered = torch.where(mask, x - mean, zero)
+    var = all_reduce_sum((centered * centered).sum(), env) / (count - 1).clamp(min=1)
+    out = centered * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask, out, zero)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """``rlbits.masked_var`` (unbiased) over every rank's masked entries, from one all-reduce of
+    ``(n, sum x, sum x^2)`` in float64. Returns a 0-dim float32 tensor, the same on every rank."""
+    xm = torch.where(mask.bool(), x.detach().double(), 0.0)
+    n, total, squares = all_reduce_sum(torch.stack([mask.sum().double(), xm.sum(), (xm * xm).sum()]), env)
+    mean = total / n.clamp(min=1)
+    return ((squares - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0).float()
+
+
 def reduce_metrics(metrics: Mapping[str, torch.Tensor | float], env: DistEnv) -> dict[str, float]:
     """Mean of each metric over ranks, with a single all-reduce, returned as Python floats (one host sync).
+
+    The loops log through ``rlbits.loops.metrics.StepMetrics`` instead, which weights each statistic so that
+    N ranks log what one process would; a plain mean over ranks is right only for values every rank holds
+    (or for ranks with equal counts).
 
     Args:
         metrics: name -> 0-dim tensor or float, the same names on every rank.

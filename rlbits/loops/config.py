@@ -104,6 +104,10 @@ class RunConfig:
     """``torch.compile`` the loss and advantage kernels (dynamic shapes: one compilation per kernel, not one per response length) and, on GPU, each transformer block. Compiled code is cached under ``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_$USER``), so later runs start faster."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf reward, loss or gradient: ``stop`` raises (naming step, phase and samples; the last checkpoint stays the newest); ``skip`` drops the rest of that step's update (logging ``skipped_step``) and goes on. Rewards that raise or come back with the wrong count always stop."""
+    checkpoint_checksums: Literal["small", "all"] = "small"
+    """What a checkpoint's manifest checksums: ``small`` (sha256 of files under 1 MiB: state, RNG states, metadata, tokenizer; sizes of all files) or ``all`` (sha256 of every file, weights included: catches a flipped byte on resume, at the cost of reading every checkpoint back on save and resume)."""
+    checkpoint_hf_folders: bool = False
+    """Also write each model as an HF folder (``from_pretrained``) inside every checkpoint, for inspection (one process only). Training state always lives in ``dcp/``; ``final/`` is always an HF folder."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of storing them (less memory, ~1/3 more compute)."""
 

@@ -17,12 +17,12 @@ instructions with human feedback", eq. 2). Each step:
               squared value error (critic), each minibatch split into ``microbatch_size`` rows whose
               gradients accumulate; every loss is divided by the minibatch's global action-token count so
               microbatching does not change the update;
-7. log        one ``metrics.jsonl`` line; ``log_samples`` decoded rollouts to ``samples.jsonl``;
-8. validate   every ``val_period`` steps: mean reward of one sampled response per test prompt;
-9. save       a checkpoint every ``save_period`` steps and at the end; the final policy at ``RUN_DIR/final``.
+7. kl control the adaptive KL controller (Ziegler 2019, sec. 2.2) updates ``kl_coef`` from the step's KL;
+              the new value applies from the next step;
+8. log, validate every ``val_period`` steps, save every ``save_period`` steps (``rlbits.loops.run.Run``).
 
-The adaptive KL controller (Ziegler 2019, sec. 2.2) updates ``kl_coef`` after each step from the step's
-KL; the new value applies from the next step.
+Every phase is ``phase(state, batch, cfg) -> batch`` (docs/design.md, "Phases"): a notebook can run one
+step phase by phase (tutorials/04), a new algorithm can reuse any of them.
 
 How rlbits departs from the papers and from trlx / NeMo-Aligner / NeMo-RL / TRL (details in docs/ppo.md):
 
@@ -40,20 +40,19 @@ Launch (one process, or N data-parallel FSDP2 ranks with ``torchrun``; docs/scal
 
     rlbits train configs/ppo_sentiment.yaml run_dir=runs/ppo1
     torchrun --nproc_per_node 2 -m rlbits train configs/ppo_sentiment.yaml run_dir=runs/ppo2
-    python -c "from rlbits.loops.ppo import PPOConfig, train; from rlbits.loops.config import load_config; \\
-        train(load_config(PPOConfig, 'configs/ppo_sentiment.yaml', ['run_dir=runs/ppo1']))"
 
 Metrics (one ``metrics.jsonl`` line per step; docs/ppo.md explains each): ``rewards``, ``rewards_with_kl``,
-``init_policy_kl``, ``kl_coef``, ``advantages``, ``returns``, ``values``, ``explained_variance``,
-``actor_loss``, ``critic_loss``, ``clipfrac``, ``approx_kl``, ``ratio_mean``, ``entropy``, ``value_clipfrac``,
-``grad_norm``, ``critic_grad_norm``, ``response_len``, ``tokens_per_s``, ``time/<phase>``, ``epoch``, and
-``val_reward`` (+ ``val_reward_std``, ``val_response_len``) on validation steps (step 0 = before training).
+``init_policy_kl``, ``kl_coef`` (``kl_loss_coef`` with the KL in the loss), ``advantages``, ``returns``,
+``values``, ``explained_variance``, ``actor_loss``, ``critic_loss``, ``clipfrac``, ``approx_kl``,
+``ratio_mean``, ``entropy``, ``value_clipfrac``, ``grad_norm``, ``critic_grad_norm``, ``response_len``,
+``tokens_per_s``, ``time/<phase>``, ``epoch``, and ``val_reward`` (+ ``val_reward_std``,
+``val_response_len``) on validation steps (step 0 = before training).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,39 +60,40 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import split_microbatches, split_minibatches
-from rlbits.distributed.checkpoint import (
-    export_model,
-    hf_folder,
-    load_checkpoint,
-    resume_checkpoint,
-    save_checkpoint,
-)
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
-from rlbits.distributed.reduce import all_reduce_sum, any_rank, global_count, reduce_metrics
+from rlbits.distributed.reduce import all_reduce_sum, any_rank, global_count, masked_var
+from rlbits.distributed.reduce import masked_whiten as whiten
 from rlbits.functional import (
     adaptive_kl_coef,
     aggregate_loss,
     gae,
     kl_penalty,
     masked_mean,
-    masked_var,
+    masked_sum,
     ppo_loss,
     token_rewards,
     value_loss,
 )
-from rlbits.loops import common
+from rlbits.loops import phases
 from rlbits.loops.config import ConfigError, RunConfig
 from rlbits.loops.data import PromptStream
-from rlbits.loops.run import Run
+from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
+from rlbits.loops.run import NonFiniteError, Run, total_steps
+from rlbits.loops.runtime import (
+    autocast,
+    disable_dropout,
+    generator,
+    kernel,
+    load_policy_and_tokenizer,
+    policy_path,
+    prepare,
+)
+from rlbits.loops.state import LoopState, frozen, optimizer_of, runtime
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
 from rlbits.models.load import freeze, load_pretrained
 from rlbits.tasks import get_task
-
-# --------------------------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,61 +209,38 @@ class PPOConfig(RunConfig):
             raise ConfigError("critic_init must be 'policy' or a folder, got an empty string")
 
 
+
 # --------------------------------------------------------------------------------------------------------
 # State
 # --------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class State:
-    """Everything a PPO run carries from step to step; ``save`` writes it, ``init_state`` restores it."""
+@dataclasses.dataclass(kw_only=True)
+class State(LoopState):
+    """Everything a PPO run carries from step to step, saved as a whole (``rlbits.loops.state``)."""
 
     policy: torch.nn.Module
-    tokenizer: Any
-    reference: torch.nn.Module | None
-    """Frozen initial policy (None when neither reference logprobs nor reference rewards are needed)."""
     value_model: ValueModel
-    policy_optimizer: torch.optim.Optimizer
-    value_optimizer: torch.optim.Optimizer
+    reference: torch.nn.Module | None = frozen(default=None)
+    """Frozen initial policy (None when neither reference logprobs nor reference rewards are needed)."""
+    policy_optimizer: torch.optim.Optimizer = optimizer_of("policy")
+    value_optimizer: torch.optim.Optimizer = optimizer_of("value_model")
     sampling_generator: torch.Generator
     """Draws every rollout token (training and reference-reward rollouts)."""
     minibatch_generator: torch.Generator
     """Shuffles rows into minibatches (CPU)."""
+    stream: PromptStream
+    """The train prompts, in a seeded order per epoch; its position is saved."""
     kl_coef: float
     """Current coefficient of the active KL term (changes only with ``adaptive_kl``)."""
-    step: int = 0
-    """Steps completed."""
-    consumed_samples: int = 0
-    """Prompts drawn from the train stream so far (its position)."""
-    epoch: int = 0
-    """Passes over the train prompts completed."""
-    total_valid_tokens: int = 0
-    """Action tokens trained on so far."""
-    val_reward: float | None = None
-    """Latest validation reward."""
+    reward: Any = runtime(default=None)
+    """The reward (anything ``rlbits.score`` accepts)."""
+    val_prompts: list[str] = runtime(default_factory=list)
 
     @property
-    def generators(self) -> dict[str, torch.Generator]:
-        return {"sampling": self.sampling_generator, "minibatch": self.minibatch_generator}
-
-    @property
-    def models(self) -> dict[str, torch.nn.Module]:
-        return {"policy": self.policy, "value": self.value_model}
-
-    @property
-    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return {"policy": self.policy_optimizer, "value": self.value_optimizer}
-
-    def counters(self, total_steps: int) -> dict[str, Any]:
-        return {
-            "consumed_samples": self.consumed_samples,
-            "current_step": self.step,
-            "current_epoch": self.epoch,
-            "total_steps": total_steps,
-            "total_valid_tokens": self.total_valid_tokens,
-            "val_reward": self.val_reward,
-            "kl_coef": self.kl_coef,
-        }
+    def epoch(self) -> int:
+        """Passes over the train prompts completed."""
+        return self.stream.epoch
 
 
 def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> ValueModel:
@@ -271,155 +248,93 @@ def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> Value
         critic = ValueModel.from_policy(policy, seed=cfg.seed)
     else:
         if not Path(cfg.critic_init).is_dir():
-            raise ConfigError(
-                f"critic_init must be 'policy' or an existing folder; {cfg.critic_init!r} is neither"
-            )
+            raise ConfigError(f"critic_init must be 'policy' or an existing folder; {cfg.critic_init!r} is neither")
         critic = ValueModel.from_pretrained(cfg.critic_init, seed=cfg.seed)
-    return common.disable_dropout(critic).to(env.device).train()
+    return disable_dropout(critic).to(env.device).train()
 
 
-def init_state(cfg: PPOConfig, env: DistEnv, *, resume_from: str | Path | None = None) -> State:
-    """Load policy, reference, critic and tokenizer; build optimizers and generators.
+def init_state(
+    cfg: PPOConfig, env: DistEnv, *, reward: Any = None, prompts: Sequence[str] | None = None
+) -> State:
+    """Load policy, reference, critic and tokenizer from the initial weights; build optimizers, generators
+    and the prompt stream. A resumed run then restores the checkpoint into it (``Run.start``).
 
-    Fresh: the policy and the reference from ``policy_path(cfg)``, the critic from ``critic_init``.
-    ``resume_from`` (a checkpoint folder): policy and critic from it, the reference again from the initial
-    policy, then optimizer states, RNG states and counters from the checkpoint.
+    Args:
+        reward, prompts: override the task's reward and train prompts.
     """
-    init_path = common.policy_path(cfg)
-    src = Path(resume_from) if resume_from is not None else None
-    policy, tokenizer = common.load_policy_and_tokenizer(str(hf_folder(src, "policy") or init_path), env)
-    policy.train()
+    task = get_task(cfg.task)
+    init_path = policy_path(cfg)
+    policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None
     if not cfg.skip_reference_policy_logprobs or cfg.reward_subtract_reference:
-        reference = freeze(common.load_policy_and_tokenizer(init_path, env)[0])
-    if hf_folder(src, "value") is not None:
-        value_model = common.disable_dropout(ValueModel.from_pretrained(src / "value")).to(env.device).train()
-    else:  # fresh (a DCP checkpoint fills its weights below)
-        value_model = _load_critic(cfg, policy, env)
-    policy = common.prepare(policy, cfg, env)
-    value_model = common.prepare(value_model, cfg, env)
-    if reference is not None:
-        reference = common.prepare(reference, cfg, env)
+        reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
+    value_model = prepare(_load_critic(cfg, policy, env), cfg, env)
+    policy = prepare(policy.train(), cfg, env)
     critic_lr = cfg.critic_learning_rate if cfg.critic_learning_rate is not None else cfg.learning_rate
-    state = State(
-        policy=policy,
-        tokenizer=tokenizer,
-        reference=reference,
-        value_model=value_model,
-        policy_optimizer=common.make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
-        value_optimizer=common.make_optimizer(value_model.parameters(), critic_lr, cfg.weight_decay),
-        sampling_generator=torch.Generator(device=env.device).manual_seed(cfg.seed * 1000 + env.rank),
-        minibatch_generator=torch.Generator().manual_seed(cfg.seed * 1000 + 17 + env.rank),
+    return State(
+        env=env, tokenizer=tokenizer, policy=policy, value_model=value_model, reference=reference,
+        policy_optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
+        value_optimizer=make_optimizer(value_model.parameters(), critic_lr, cfg.weight_decay),
+        sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
+        minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
+        stream=PromptStream(list(prompts) if prompts is not None else task.prompts("train"), cfg.seed),
         kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef,
-    )
-    if src is not None:
-        saved = load_checkpoint(
-            src, models=state.models, optimizers=state.optimizers, generators=state.generators, env=env
-        )
-        state.step = saved["current_step"]
-        state.consumed_samples = saved["consumed_samples"]
-        state.epoch = saved["current_epoch"]
-        state.total_valid_tokens = saved["total_valid_tokens"]
-        state.val_reward = saved["val_reward"]
-        state.kl_coef = saved["kl_coef"]
-    return state
-
-
-def total_steps(cfg: RunConfig, num_prompts: int, world_size: int = 1) -> int:
-    """Steps the run will take: ``max_num_steps``, or fewer if ``max_num_epochs`` passes end first."""
-    per_step = cfg.num_prompts_per_step * world_size
-    return max(1, min(cfg.max_num_steps, cfg.max_num_epochs * num_prompts // per_step))
+        reward=reward if reward is not None else task.reward, val_prompts=task.prompts("test"),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------
-# Phases
+# Phases: phase(state, batch, cfg) -> batch
 # --------------------------------------------------------------------------------------------------------
 
 
-def rollout(
-    policy: torch.nn.Module,
-    tokenizer: Any,
-    prompts: Sequence[str],
-    cfg: PPOConfig,
-    *,
-    generator: torch.Generator | None = None,
-    logits_processor: Callable | None = None,
-) -> TensorDictBase:
-    """Phase 1: ``num_generations_per_prompt`` responses per prompt at ``temperature``.
+def rollout(state: State, batch: TensorDictBase, cfg: PPOConfig, *, policy: torch.nn.Module | None = None) -> TensorDictBase:
+    """Phase 1: ``num_generations_per_prompt`` responses per prompt of ``batch["prompt_text"]`` at
+    ``temperature``, sampled with ``state.sampling_generator`` (``policy``: default ``state.policy``).
 
-    Adds ``prompts``, ``prompt_mask``, ``responses``, ``action_mask``, ``response_mask``, ``input_ids``,
-    ``attention_mask``, ``logprobs``, ``group``, ``truncated``, ``prompt_text``, ``response_text``.
+    Returns a new batch with ``prompts``, ``prompt_mask``, ``responses``, ``action_mask``, ``response_mask``,
+    ``input_ids``, ``attention_mask``, ``logprobs``, ``group``, ``truncated``, ``prompt_text``,
+    ``response_text``.
     """
-    with common.autocast(policy, cfg):
-        return common.rollout(
-            policy,
-            tokenizer,
-            prompts,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            num_samples=cfg.num_generations_per_prompt,
-            generator=generator,
-            logits_processor=logits_processor,
-        )
+    policy = state.policy if policy is None else policy
+    with autocast(policy, cfg):
+        return phases.rollout(
+            policy, state.tokenizer, phases.prompt_texts(batch), max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt,
+            generator=state.sampling_generator,
+        )  # fmt: skip
 
 
-def score(batch: TensorDictBase, reward: Any) -> torch.Tensor:
-    """Phase 2: ``rewards`` [B], the sequence score of each response (any reward ``rlbits.score`` accepts)."""
-    return common.score_rollout(batch, reward)
+def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
+    """Phase 2: ``rewards`` [B] from ``state.reward``; with ``reward_subtract_reference`` also
+    ``reference_rewards`` [B], the reward of a response the reference policy samples for the same prompt
+    (a second generation and scoring)."""
+    phases.score_rollout(batch, state.reward)
+    if cfg.reward_subtract_reference:
+        prompts = phases.prompt_batch(list(batch["prompt_text"])[:: cfg.num_generations_per_prompt])
+        ref_batch = rollout(state, prompts, cfg, policy=state.reference)
+        batch["reference_rewards"] = phases.score_rollout(ref_batch, state.reward).to(batch["rewards"].device)
+    return batch
 
 
-def reference_rewards(
-    reference: torch.nn.Module,
-    tokenizer: Any,
-    batch: TensorDictBase,
-    reward: Any,
-    cfg: PPOConfig,
-    *,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Phase 2b (``reward_subtract_reference``): ``reference_rewards`` [B], the reward of a response the
-    reference policy samples for the same prompt as each row. Costs a second generation and scoring."""
-    prompts = list(batch["prompt_text"])[:: cfg.num_generations_per_prompt]
-    ref_batch = rollout(reference, tokenizer, prompts, cfg, generator=generator)
-    batch["reference_rewards"] = score(ref_batch, reward).to(batch["rewards"].device)
-    return batch["reference_rewards"]
-
-
-def reference(ref_policy: torch.nn.Module | None, batch: TensorDictBase, cfg: PPOConfig) -> torch.Tensor:
+def reference(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
     """Phase 3: ``ref_logprobs`` [B, R] under the frozen reference (a copy of ``logprobs`` when
     ``skip_reference_policy_logprobs``, so every KL is 0)."""
     if cfg.skip_reference_policy_logprobs:
         batch["ref_logprobs"] = batch["logprobs"].clone()
-        return batch["ref_logprobs"]
-    if ref_policy is None:
-        raise ValueError("reference: ref_policy is None but skip_reference_policy_logprobs is False")
-    with unsharded(ref_policy), common.autocast(ref_policy, cfg):
-        return common.reference_logprobs(
-            ref_policy, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size
-        )
+        return batch
+    if state.reference is None:
+        raise ValueError("reference: state.reference is None but skip_reference_policy_logprobs is False")
+    with unsharded(state.reference), autocast(state.reference, cfg):
+        phases.reference_logprobs(state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size)
+    return batch
 
 
-def values(value_model: torch.nn.Module, batch: TensorDictBase, cfg: PPOConfig) -> torch.Tensor:
+def values(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
     """Phase 4: ``values`` [B, R], the critic's V(s_t) before each response token (no gradient)."""
-    with torch.no_grad(), unsharded(value_model), common.autocast(value_model, cfg):
-        batch["values"] = critic_values(value_model, batch, microbatch_size=cfg.microbatch_size).float()
-    return batch["values"]
-
-
-def whiten(
-    x: torch.Tensor, mask: torch.Tensor, env: DistEnv, *, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
-    """``masked_whiten`` with the mean and (unbiased) variance taken over every rank's masked entries."""
-    mask = mask.bool()
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    count = global_count(mask, env)
-    mean = all_reduce_sum(torch.where(mask, x, zero).sum(), env) / count.clamp(min=1)
-    centered = torch.where(mask, x - mean, zero)
-    var = all_reduce_sum((centered * centered).sum(), env) / (count - 1).clamp(min=1)
-    out = centered * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return torch.where(mask, out, zero)
+    with torch.no_grad(), unsharded(state.value_model), autocast(state.value_model, cfg):
+        batch["values"] = critic_values(state.value_model, batch, microbatch_size=cfg.microbatch_size).float()
+    return batch
 
 
 def scale_rewards(batch: TensorDictBase, cfg: PPOConfig, env: DistEnv) -> torch.Tensor:
@@ -435,196 +350,143 @@ def scale_rewards(batch: TensorDictBase, cfg: PPOConfig, env: DistEnv) -> torch.
     return scores
 
 
-def advantages(
-    batch: TensorDictBase, cfg: PPOConfig, env: DistEnv, *, kl_coef: float
-) -> dict[str, torch.Tensor]:
+def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
     """Phase 5: ``token_rewards``, ``advantages`` and ``returns`` [B, R].
 
     ``token_rewards`` = scaled reward on the last action token minus ``kl_coef * kl_penalty(logprobs,
     ref_logprobs, kl_estimator)`` on every action token (no KL when ``kl_in_reward`` is False). Policy
-    advantages from ``gae(gamma, lam)`` (whitened if ``whiten_advantages``); critic targets ``returns`` from
-    ``gae(gamma, critic_lam)``. Returns the step's statistics (0-dim tensors): ``rewards``,
-    ``rewards_with_kl``, ``init_policy_kl``, ``advantages``, ``returns``, ``values``, ``explained_variance``.
+    advantages from ``gae(gamma, lam)`` (whitened over all ranks if ``whiten_advantages``); critic targets
+    ``returns`` from ``gae(gamma, critic_lam)``. Adds to ``state.metrics``: ``rewards``, ``rewards_with_kl``,
+    ``init_policy_kl``, ``advantages``, ``returns``, ``values``, ``explained_variance``, ``response_len``.
     """
-    mask = batch["action_mask"]
-    gae_fn = common.kernel(gae, cfg)
-    kl = common.kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator) if cfg.kl_in_reward else None
+    mask, env, m = batch["action_mask"], state.env, state.metrics
+    gae_fn = kernel(gae, cfg)
+    kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator) if cfg.kl_in_reward else None
     scores = scale_rewards(batch, cfg, env)
-    batch["token_rewards"] = common.kernel(token_rewards, cfg)(scores, mask, kl, kl_coef if cfg.kl_in_reward else 0.0)
+    batch["token_rewards"] = kernel(token_rewards, cfg)(scores, mask, kl, state.kl_coef if cfg.kl_in_reward else 0.0)
     adv, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.lam)
     if cfg.critic_lam is not None and cfg.critic_lam != cfg.lam:
         _, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.critic_lam)
-    var_returns = masked_var(ret, mask).clamp(min=1e-8)
-    metrics = {
-        "rewards": batch["rewards"].mean(),
-        "rewards_with_kl": batch["token_rewards"].sum(-1).mean(),
-        "init_policy_kl": common.kl_per_sequence(batch["logprobs"], batch["ref_logprobs"], mask),
-        "advantages": masked_mean(adv, mask),
-        "returns": masked_mean(ret, mask),
-        "values": masked_mean(batch["values"], mask),
-        "explained_variance": 1.0 - masked_var(ret - batch["values"], mask) / var_returns,
-    }
+    rows, tokens = batch.batch_size[0], mask.sum()
+    phases.add_batch_stats(m, batch)
+    m.mean("rewards_with_kl", batch["token_rewards"].sum(), rows)
+    for name, x in (("advantages", adv), ("returns", ret), ("values", batch["values"])):
+        m.mean(name, masked_sum(x, mask), tokens)
+    m.same("explained_variance", 1.0 - masked_var(ret - batch["values"], mask, env) / masked_var(ret, mask, env).clamp(min=1e-8))
     if cfg.reward_subtract_reference or cfg.reward_whiten or cfg.reward_clip is not None:
-        metrics["rewards_scaled"] = scores.mean()
+        m.mean("rewards_scaled", scores.sum(), rows)
     if cfg.reward_subtract_reference:
-        metrics["reference_rewards"] = batch["reference_rewards"].mean()
+        m.mean("reference_rewards", batch["reference_rewards"].sum(), rows)
     batch["advantages"] = whiten(adv, mask, env) if cfg.whiten_advantages else adv
     batch["returns"] = ret
-    return metrics
+    return batch
 
 
-def update_kl_coef(kl_coef: float, kl: float, cfg: PPOConfig, num_samples: int) -> float:
-    """The adaptive KL controller (Ziegler 2019) after a step whose mean KL per sequence was ``kl`` over
-    ``num_samples`` sequences; ``kl_coef`` unchanged unless ``adaptive_kl``."""
-    if not cfg.adaptive_kl:
-        return kl_coef
-    return float(adaptive_kl_coef(kl_coef, kl, cfg.kl_target, cfg.kl_horizon, num_samples))
-
-
-def _accumulate(store: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
-    store[name] = store.get(name, 0.0) + value.detach().float()
-
-
-class NonFiniteError(FloatingPointError):
-    """A loss or gradient became NaN/inf; the message names the step and phase."""
-
-
-def update(
-    policy: torch.nn.Module,
-    value_model: torch.nn.Module,
-    policy_optimizer: torch.optim.Optimizer,
-    value_optimizer: torch.optim.Optimizer,
-    batch: TensorDictBase,
-    cfg: PPOConfig,
-    env: DistEnv,
-    *,
-    generator: torch.Generator | None = None,
-    kl_coef: float = 0.0,
-    train_policy: bool = True,
-    step: int = 0,
-) -> dict[str, torch.Tensor]:
+def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
     """Phase 6: ``ppo_epochs`` x ``num_minibatches`` optimizer steps on policy and critic.
 
-    Each minibatch (whole prompt groups, shuffled with ``generator``) is cut into ``microbatch_size``-row
-    microbatches whose gradients accumulate; every loss term is aggregated with the minibatch's global
-    action-token count (and row count) as denominator, so the update does not depend on
+    Each minibatch (whole prompt groups, shuffled with ``state.minibatch_generator``) is cut into
+    ``microbatch_size``-row microbatches whose gradients accumulate; every loss term is aggregated with the
+    minibatch's global action-token count (and row count) as denominator, so the update does not depend on
     ``microbatch_size`` or the number of ranks. Policy loss: ``ppo_loss`` on the whitened advantages, minus
     ``entropy_coef * entropy``, plus ``kl_coef * KL(ref)`` when ``kl_in_reward`` is False. Critic loss:
-    ``vf_coef * value_loss`` against ``returns``. With ``train_policy=False`` (critic warm-up) only the critic
-    is trained and the policy is not run at all.
+    ``vf_coef * value_loss`` against ``returns``. During the critic warm-up (``policy_training_start_step``)
+    only the critic is trained and the policy is not run at all.
 
-    Returns:
-        Means over minibatches (0-dim tensors): ``critic_loss``, ``value_clipfrac``, ``critic_grad_norm`` and,
-        when the policy trains, ``actor_loss``, ``clipfrac``, ``approx_kl``, ``ratio_mean``, ``entropy``,
-        ``grad_norm`` (+ ``kl_loss`` with KL in the loss).
+    Adds to ``state.metrics`` (means over minibatches): ``critic_loss``, ``value_clipfrac``,
+    ``critic_grad_norm`` and, when the policy trains, ``actor_loss``, ``clipfrac``, ``approx_kl``,
+    ``ratio_mean``, ``entropy``, ``grad_norm`` (+ ``kl_loss`` with KL in the loss). Returns ``batch``.
 
     Raises:
         NonFiniteError: a loss is not finite (raised before either model steps), or a gradient norm is not
-            finite (raised before that model steps).
+            finite (raised before that model steps); on every rank together.
     """
-    sums: dict[str, torch.Tensor] = {}
-    num_updates = 0
-    ppo_loss_fn, value_loss_fn = common.kernel(ppo_loss, cfg), common.kernel(value_loss, cfg)
+    env, m = state.env, state.metrics
+    train_policy = state.step >= cfg.policy_training_start_step
+    ppo_loss_fn, value_loss_fn = kernel(ppo_loss, cfg), kernel(value_loss, cfg)
+    share_of_updates = 1.0 / (cfg.ppo_epochs * cfg.num_minibatches)
     for epoch in range(cfg.ppo_epochs):
-        for index, minibatch in enumerate(split_minibatches(batch, cfg.num_minibatches, generator=generator)):
-            where = f"step {step}, phase update (ppo epoch {epoch}, minibatch {index})"
+        for index, minibatch in enumerate(split_minibatches(batch, cfg.num_minibatches, generator=state.minibatch_generator)):
             num_tokens = global_count(minibatch["action_mask"], env).clamp(min=1)
             num_seqs = global_count(minibatch["action_mask"].any(-1), env).clamp(min=1)
             agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
-            weighted: dict[str, torch.Tensor] = {}
             losses: dict[str, torch.Tensor] = {}
-            for micro in common.pad_microbatches(list(split_microbatches(minibatch, cfg.microbatch_size)), env):
+            for micro in pad_microbatches(list(split_microbatches(minibatch, cfg.microbatch_size)), env):
                 mask = micro["action_mask"]
-                share = mask.sum() / num_tokens  # this microbatch's weight in token-mean statistics
+                share = mask.sum() / num_tokens * share_of_updates  # weight of this microbatch's token means
                 total = 0.0
                 if train_policy:
-                    with common.autocast(policy, cfg):
-                        logprobs, entropy = policy_logprobs(
-                            policy, micro, temperature=cfg.temperature, return_entropy=True
-                        )
+                    with autocast(state.policy, cfg):
+                        logprobs, entropy = policy_logprobs(state.policy, micro, temperature=cfg.temperature, return_entropy=True)
                     logprobs, entropy = logprobs.float(), entropy.float()
                     actor, stats = ppo_loss_fn(
                         logprobs, micro["logprobs"], micro["advantages"], mask,
                         clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, **agg,
                     )  # fmt: skip
-                    policy_total = actor
+                    total = actor
                     if cfg.entropy_coef > 0:
-                        policy_total = policy_total - cfg.entropy_coef * aggregate_loss(entropy, mask, **agg)
-                    if not cfg.kl_in_reward and kl_coef > 0:
-                        kl = aggregate_loss(
-                            kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator), mask, **agg
-                        )
-                        policy_total = policy_total + kl_coef * kl
-                        _accumulate(losses, "kl_loss", kl)
-                    total = total + policy_total
-                    _accumulate(losses, "actor_loss", actor)
+                        total = total - cfg.entropy_coef * aggregate_loss(entropy, mask, **agg)
+                    if not cfg.kl_in_reward and state.kl_coef > 0:
+                        kl = aggregate_loss(kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator), mask, **agg)
+                        total = total + state.kl_coef * kl
+                        losses["kl_loss"] = losses.get("kl_loss", 0.0) + kl.detach()
+                    losses["actor_loss"] = losses.get("actor_loss", 0.0) + actor.detach()
                     for name in ("clipfrac", "approx_kl", "ratio_mean"):
-                        _accumulate(weighted, name, stats[name] * share)
-                    _accumulate(weighted, "entropy", masked_mean(entropy.detach(), mask) * share)
-                with common.autocast(value_model, cfg):
-                    new_values = critic_values(value_model, micro).float()
-                critic, vstats = value_loss_fn(
-                    new_values, micro["values"], micro["returns"], mask, clip_eps=cfg.value_clip_eps, **agg
-                )
+                        m.sum(name, stats[name] * share)
+                    m.sum("entropy", masked_mean(entropy.detach(), mask) * share)
+                with autocast(state.value_model, cfg):
+                    new_values = critic_values(state.value_model, micro).float()
+                critic, vstats = value_loss_fn(new_values, micro["values"], micro["returns"], mask, clip_eps=cfg.value_clip_eps, **agg)
                 total = total + cfg.vf_coef * critic
-                _accumulate(losses, "critic_loss", critic)
-                _accumulate(weighted, "value_clipfrac", vstats["clipfrac"] * share)
+                losses["critic_loss"] = losses.get("critic_loss", 0.0) + critic.detach()
+                m.sum("value_clipfrac", vstats["clipfrac"] * share)
                 total.backward()
-            # every rank raises together (gradient norms are global already)
-            if any_rank(not all(torch.isfinite(v) for v in losses.values()), env):
-                policy_optimizer.zero_grad(set_to_none=True)
-                value_optimizer.zero_grad(set_to_none=True)
-                bad = {k: float(v) for k, v in losses.items()}
-                raise NonFiniteError(f"non-finite loss at {where}: {bad}")
-            try:
-                if train_policy:
-                    _accumulate(
-                        sums,
-                        "grad_norm",
-                        common.clip_and_step(list(policy.parameters()), policy_optimizer, cfg.max_grad_norm),
-                    )
-                _accumulate(
-                    sums,
-                    "critic_grad_norm",
-                    common.clip_and_step(list(value_model.parameters()), value_optimizer, cfg.max_grad_norm),
-                )
-            except FloatingPointError as e:
-                policy_optimizer.zero_grad(set_to_none=True)
-                value_optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteError(f"non-finite gradient at {where}: {e}") from e
-            for name, value in {**losses, **weighted}.items():
-                _accumulate(sums, name, value)
-            num_updates += 1
-    return {name: value / num_updates for name, value in sums.items()}
+            _step_optimizers(state, cfg, losses, train_policy, where=f"ppo epoch {epoch}, minibatch {index}")
+            for name, value in losses.items():
+                m.sum(name, value * share_of_updates)
+    return batch
 
 
-def validate(
-    policy: torch.nn.Module,
-    tokenizer: Any,
-    cfg: PPOConfig,
-    *,
-    reward: Any = None,
-    prompts: Sequence[str] | None = None,
-    env: DistEnv | None = None,
-) -> tuple[dict[str, float], TensorDictBase]:
-    """Phase 8: mean reward of one response per test prompt (``rlbits.loops.common.validate``)."""
-    return common.validate(policy, tokenizer, cfg, reward=reward, prompts=prompts, env=env)
+def _step_optimizers(state: State, cfg: PPOConfig, losses: dict, train_policy: bool, *, where: str) -> None:
+    """Clip and step both optimizers after a minibatch, unless a loss or gradient is not finite."""
+    optimizers = (state.policy_optimizer, state.value_optimizer)
+    if any_rank(not all(torch.isfinite(v) for v in losses.values()), state.env):  # every rank raises together
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        raise NonFiniteError(f"non-finite loss at {where}: { {k: float(v) for k, v in losses.items()} }")
+    share = 1.0 / (cfg.ppo_epochs * cfg.num_minibatches)
+    try:
+        if train_policy:
+            state.metrics.same("grad_norm", clip_and_step(list(state.policy.parameters()), state.policy_optimizer, cfg.max_grad_norm) * share)
+        norm = clip_and_step(list(state.value_model.parameters()), state.value_optimizer, cfg.max_grad_norm)
+        state.metrics.same("critic_grad_norm", norm * share)
+    except FloatingPointError as e:
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        raise NonFiniteError(f"non-finite gradient at {where}: {e}") from e
 
 
-def save(state: State, cfg: PPOConfig, env: DistEnv, *, total: int) -> Path:
-    """Phase 9: ``RUN_DIR/checkpoints/step_N`` with policy (+ tokenizer), critic, both optimizers, the
-    sampling and minibatch generators and the counters (every rank calls it; see ``save_checkpoint``)."""
-    return save_checkpoint(
-        cfg.run_dir,
-        state.step,
-        models=state.models,
-        optimizers=state.optimizers,
-        state=state.counters(total),
-        generators=state.generators,
-        tokenizer=state.tokenizer,
-        keep=cfg.keep_checkpoints,
-        env=env,
-    )
+def kl_control(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
+    """Phase 7: log the KL coefficient this step used (``kl_coef``, or ``kl_loss_coef`` with the KL in the
+    loss) and, with ``adaptive_kl``, move it by the Ziegler 2019 controller from the step's mean KL per
+    sequence over all ranks (``adaptive_kl_coef``)."""
+    state.metrics.same("kl_coef" if cfg.kl_in_reward else "kl_loss_coef", state.kl_coef)
+    if cfg.adaptive_kl:
+        kl = phases.kl_per_sequence(batch["logprobs"], batch["ref_logprobs"], batch["action_mask"])
+        total, rows = all_reduce_sum(torch.stack([kl.sum().double(), torch.tensor(float(kl.numel()), dtype=torch.float64, device=kl.device)]), state.env)
+        state.kl_coef = float(adaptive_kl_coef(state.kl_coef, float(total / rows), cfg.kl_target, cfg.kl_horizon, int(rows)))
+    return batch
+
+
+def validate(state: State, batch: TensorDictBase | None, cfg: PPOConfig) -> TensorDictBase:
+    """Validation: mean reward of one response per test prompt (``rlbits.loops.phases.validate``); adds
+    ``val_reward``, ``val_reward_std``, ``val_response_len`` to ``state.metrics``; ``batch`` is not read.
+    Returns this rank's validation batch."""
+    _, val_batch = phases.validate(
+        state.policy, state.tokenizer, cfg, reward=state.reward, prompts=state.val_prompts, env=state.env,
+        metrics=state.metrics,
+    )  # fmt: skip
+    return val_batch
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -633,19 +495,15 @@ def save(state: State, cfg: PPOConfig, env: DistEnv, *, total: int) -> Path:
 
 
 def train(
-    cfg: PPOConfig,
-    *,
-    callbacks: Sequence[Any] = (),
-    resume: bool = False,
-    reward: Any = None,
+    cfg: PPOConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, reward: Any = None,
     prompts: Sequence[str] | None = None,
-) -> Path:
+) -> Path:  # fmt: skip
     """Train with PPO; returns the run directory (``cfg.run_dir``).
 
     Args:
         cfg: the run's ``PPOConfig``.
         callbacks: objects with ``on_metrics(step, metrics)`` / ``on_samples(step, rows)`` / ``should_stop()``.
-        resume: continue from ``latest_checkpoint(cfg.run_dir)``, reproducing the uninterrupted run exactly.
+        resume: continue from the latest checkpoint of ``cfg.run_dir``, reproducing the uninterrupted run exactly.
         reward: overrides the task's reward (a callable, reward model or server URL; see ``rlbits.score``).
         prompts: overrides the task's train prompts.
 
@@ -656,110 +514,27 @@ def train(
     """
     if not isinstance(cfg, PPOConfig):
         raise ConfigError(f"cfg must be a PPOConfig, got {type(cfg).__name__}")
-    cfg.validate()
-    env = common.setup(cfg)
-    task = get_task(cfg.task)
-    reward = reward if reward is not None else task.reward
-    train_prompts = list(prompts) if prompts is not None else task.prompts("train")
-    checkpoint = resume_checkpoint(cfg.run_dir, missing_ok=True) if resume else None
-    state = init_state(cfg, env, resume_from=checkpoint)
-    stream = PromptStream(train_prompts, cfg.seed, state.consumed_samples)
-    total = total_steps(cfg, len(train_prompts), env.world_size)
-    run = Run(cfg, env, callbacks=callbacks, resume=resume, total_steps=total, start_step=state.step)
-    run.install_signal_handlers()
-    try:
-        if cfg.val_at_start and state.step == 0:
-            val_metrics, val_batch = validate(state.policy, state.tokenizer, cfg, reward=reward, env=env)
-            state.val_reward = val_metrics["val_reward"]
-            run.log(0, val_metrics)
-            run.log_samples(
-                0, [{"split": "test", **row} for row in common.sample_rows(val_batch, cfg.log_samples)]
-            )
-        skip = cfg.on_nonfinite == "skip"
-        while state.step < total and not run.should_stop:
-            step = state.step + 1
-            timer = common.PhaseTimer()
-            try:
-                # 1. rollout
-                with timer("rollout"):
-                    n = cfg.num_prompts_per_step
-                    step_prompts = stream.next(n * env.world_size)[env.rank * n : (env.rank + 1) * n]
-                    batch = rollout(
-                        state.policy, state.tokenizer, step_prompts, cfg, generator=state.sampling_generator
-                    )
-                # 2. score (and the reference policy's reward on the same prompts)
-                with timer("score"), common.agreed(env, skip), common.in_phase(step, "score"):
-                    score(batch, reward)
-                    if cfg.reward_subtract_reference:
-                        reference_rewards(
-                            state.reference,
-                            state.tokenizer,
-                            batch,
-                            reward,
-                            cfg,
-                            generator=state.sampling_generator,
-                        )
-                # 3. reference logprobs
-                with timer("reference"):
-                    reference(state.reference, batch, cfg)
-                # 4. critic values
-                with timer("values"):
-                    values(state.value_model, batch, cfg)
-                # 5. KL-penalised token rewards, GAE advantages and returns
-                with timer("advantages"):
-                    metrics = advantages(batch, cfg, env, kl_coef=state.kl_coef)
-                # 6. PPO epochs x minibatches
-                with timer("update"):
-                    metrics.update(
-                        update(
-                            state.policy, state.value_model, state.policy_optimizer, state.value_optimizer, batch, cfg, env,
-                            generator=state.minibatch_generator, kl_coef=state.kl_coef,
-                            train_policy=state.step >= cfg.policy_training_start_step, step=step,
-                        )
-                    )  # fmt: skip
-            except common.SKIPPABLE as e:
-                if not skip:
-                    raise
-                run.log(step, common.skipped_step(e, step))
-                state.step, state.consumed_samples, state.epoch = step, stream.consumed_samples, stream.epoch
-                continue
-            # 7. log
-            num_tokens = global_count(batch["action_mask"], env)
-            metrics.update(common.response_stats(batch))
-            metrics["kl_coef"] = torch.tensor(state.kl_coef)
-            logged = reduce_metrics(metrics, env)
-            state.step = step
-            state.consumed_samples = stream.consumed_samples
-            state.epoch = stream.epoch
-            state.total_valid_tokens += int(num_tokens.item())
-            state.kl_coef = update_kl_coef(
-                state.kl_coef, logged["init_policy_kl"], cfg, cfg.rollout_batch_size * env.world_size
-            )
-            logged.update(timer.metrics())
-            logged["tokens_per_s"] = float(num_tokens) / max(logged["time/step"], 1e-9)
-            logged["epoch"] = state.epoch
-            # 8. validate
-            last = state.step == total or run.should_stop
-            if (cfg.val_period and step % cfg.val_period == 0) or (cfg.val_at_end and last):
-                with timer("validate"):
-                    val_metrics, _ = validate(state.policy, state.tokenizer, cfg, reward=reward, env=env)
-                state.val_reward = val_metrics["val_reward"]
-                logged.update(val_metrics)
-                logged["time/validate"] = timer.seconds["validate"]
-            run.log(step, logged)
-            run.log_samples(step, common.sample_rows(batch, cfg.log_samples))
-            run.progress(step, reward=logged["rewards"], kl=logged["init_policy_kl"])
-            # 9. checkpoint (a stop requested by a signal or a callback, even while logging, saves too)
-            if (cfg.save_period and step % cfg.save_period == 0) or last or run.should_stop:
-                with timer("save"):
-                    save(state, cfg, env, total=total)
-        export_model(
-            state.policy, Path(cfg.run_dir) / "final", tokenizer=state.tokenizer, env=env,
-            build=lambda: load_pretrained(common.policy_path(cfg))[0],
-        )  # fmt: skip
-    finally:
-        run.close()
-    return Path(cfg.run_dir)
+    with Run(cfg, callbacks=callbacks, resume=resume) as run:
+        state = init_state(cfg, run.env, reward=reward, prompts=prompts)
+        per_step = cfg.num_prompts_per_step * run.env.world_size
+        run.start(state, validate=validate, total_steps=total_steps(cfg, len(state.stream), per_step))
+        for _ in run.steps(state):
+            with run.step(state):
+                with run.phase("rollout"):  # 1. sample responses
+                    batch = rollout(state, state.stream.next_batch(cfg.num_prompts_per_step, run.env), cfg)
+                with run.phase("score"):  # 2. rewards (and the reference policy's, if subtracted)
+                    batch = score(state, batch, cfg)
+                with run.phase("reference"):  # 3. reference logprobs
+                    batch = reference(state, batch, cfg)
+                with run.phase("values"):  # 4. critic values
+                    batch = values(state, batch, cfg)
+                with run.phase("advantages"):  # 5. KL-penalised token rewards, GAE advantages and returns
+                    batch = advantages(state, batch, cfg)
+                with run.phase("update"):  # 6. PPO epochs x minibatches
+                    batch = update(state, batch, cfg)
+                batch = kl_control(state, batch, cfg)  # 7. adaptive KL coefficient
+                run.end_step(state, batch)  # 8. log; validate and save when due
+        return run.finish(state, build=lambda: load_pretrained(policy_path(cfg))[0])
 
 
 __all__ = [
@@ -768,16 +543,14 @@ __all__ = [
     "State",
     "advantages",
     "init_state",
+    "kl_control",
     "reference",
-    "reference_rewards",
     "rollout",
-    "save",
     "scale_rewards",
     "score",
     "total_steps",
     "train",
     "update",
-    "update_kl_coef",
     "validate",
     "values",
     "whiten",

@@ -1,212 +1,316 @@
-"""A run on disk: ``metrics.jsonl``, ``samples.jsonl``, TensorBoard events, W&B, a progress bar, callbacks.
+"""The lifecycle every loop shares: set-up, fresh start or exact resume, the step bookkeeping, saving, export.
 
-Only rank 0 writes (``Run(..., env)`` with ``env.is_main`` False makes every method a no-op except the stop
-flag). Callbacks (e.g. a notebook dashboard) are objects with any of ``on_metrics(step, metrics)``,
-``on_samples(step, samples)`` and ``should_stop() -> bool``; the core never imports them.
+A loop's ``train()`` keeps its algorithm visible and hands the rest to a ``Run``::
+
+    with Run(cfg, callbacks=callbacks, resume=resume) as run:    # process group, seeds, resume checkpoint
+        state = init_state(cfg, run, ...)                         # models, optimizers, run.generator(...)
+        run.start(state, validate=validate, total_steps=...)      # restore a checkpoint; open the logs
+        for step in run.steps(state):                             # validates at step 0; stops on signal etc.
+            with run.step(state):                                 # times phases; on_nonfinite="skip"
+                batch = rollout(state, run.prompts(state), cfg)
+                with run.phase("score"):
+                    batch = score(state, batch, cfg)
+                ...
+                run.end_step(state, batch)                        # log, validate, save when due
+        run.finish(state, build=...)                              # last checkpoint, RUN_DIR/final/
+
+What the run decides, identically for every loop (docs/design.md, "Run lifecycle"):
+
+- seeds: every random stream is ``run.generator(name)``, seeded by ``derive_seed(seed, rank, name)``;
+- total steps: ``max_num_steps``, or fewer when ``max_num_epochs`` passes over the data end first;
+- validation at step 0 (``val_at_start``), every ``val_period`` steps and after the last step (``val_at_end``);
+- a checkpoint every ``save_period`` steps, after the last step and when a stop is requested (SIGINT/SIGTERM,
+  a callback's ``should_stop()``); ``final/`` (an HF folder of the policy) at the end of every run, stopped
+  or not;
+- a NaN/inf reward, loss or gradient (``FloatingPointError``, ``InvalidRewardError``): ``on_nonfinite="stop"``
+  re-raises it (the last checkpoint stays the newest), ``"skip"`` logs ``skipped_step`` and goes on. Every
+  rank takes the same decision.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import os
-import shutil
-import signal
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDictBase
 
+from rlbits.distributed.checkpoint import export_model, load_checkpoint, resume_checkpoint, save_checkpoint
 from rlbits.distributed.env import DistEnv
-from rlbits.distributed.reduce import any_rank
-from rlbits.loops.config import RunConfig, save_config
+from rlbits.distributed.reduce import any_rank, global_count
+from rlbits.loops.config import RunConfig
+from rlbits.loops.logger import RunLogger, elastic_restart, read_metrics
+from rlbits.loops.metrics import StepMetrics
+from rlbits.loops.runtime import generator, setup
+from rlbits.loops.state import LoopState
+from rlbits.rollout.score import InvalidRewardError
 
-ELASTIC_MARKER = ".torchelastic_run_id"
-
-
-def elastic_restart(run_dir: str | Path) -> bool:
-    """True when this process is a ``torchrun --max-restarts`` restart of the job that wrote ``run_dir``
-    (``TORCHELASTIC_RESTART_COUNT > 0`` and ``run_dir`` carries this job's ``TORCHELASTIC_RUN_ID``)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if not run_id or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-        return False
-    marker = Path(run_dir) / ELASTIC_MARKER
-    return marker.is_file() and marker.read_text().strip() == run_id
+SKIPPABLE = (FloatingPointError, InvalidRewardError)
+"""What ``on_nonfinite="skip"`` skips: non-finite losses and gradients, and invalid (e.g. NaN) rewards."""
 
 
-def _step_of(line: str) -> float:
+class NonFiniteError(FloatingPointError):
+    """A loss or gradient became NaN/inf; the message names the step and phase. Every loop raises it."""
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase: ``with timer("rollout"): ...``; ``timer.metrics()`` -> ``time/rollout``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        out["time/step"] = sum(v for k, v in self.seconds.items() if k not in ("validate", "save"))
+        return out
+
+
+@contextlib.contextmanager
+def in_phase(step: int, phase: str) -> Iterator[None]:
+    """Prefix the message of a ValueError/TypeError/FloatingPointError/RuntimeError raised inside with
+    ``step N, phase NAME:`` (the exception keeps its type), so a failed run says where it failed."""
     try:
-        return json.loads(line).get("step", 0)
-    except (json.JSONDecodeError, AttributeError):
-        return math.inf  # a torn or foreign line: dropped by truncation
+        yield
+    except (ValueError, TypeError, FloatingPointError, RuntimeError) as e:
+        if e.args and isinstance(e.args[0], str) and not e.args[0].startswith("step "):
+            e.args = (f"step {step}, phase {phase}: {e.args[0]}", *e.args[1:])
+        raise
 
 
-def _to_float(value: Any) -> float:
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().cpu().item())
-    return float(value)
+@contextlib.contextmanager
+def agreed(env: DistEnv, enabled: bool = True) -> Iterator[None]:
+    """Under torchrun, make a skippable error inside the block raise on every rank (one all-reduce), so
+    ranks skip a step together instead of waiting for each other in the next collective."""
+    if env.world_size == 1 or not enabled:
+        yield
+        return
+    error = None
+    try:
+        yield
+    except SKIPPABLE as e:
+        error = e
+    if any_rank(error is not None, env):
+        raise error if error is not None else FloatingPointError("another rank hit a non-finite value")
+
+
+def total_steps(cfg: RunConfig, num_samples: int, samples_per_step: int) -> int:
+    """Steps a run takes: ``max_num_steps``, or fewer if ``max_num_epochs`` passes over ``num_samples``
+    (drawn ``samples_per_step`` per step, all ranks together) end first; at least 1."""
+    return max(1, min(cfg.max_num_steps, cfg.max_num_epochs * num_samples // samples_per_step))
 
 
 class Run:
-    """The run directory of one training run and everything written into it."""
+    """One training run: the process set-up, its directory and logs, and the step bookkeeping of every loop.
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        env: DistEnv | None = None,
-        *,
-        callbacks: Sequence[Any] = (),
-        resume: bool = False,
-        total_steps: int | None = None,
-        start_step: int = 0,
-    ) -> None:
+    Args:
+        cfg: the loop's config (validated here).
+        callbacks: objects with ``on_metrics(step, metrics)``, ``on_samples(step, rows)``, ``should_stop()``.
+        resume: continue ``cfg.run_dir`` from its latest checkpoint (bit-exact at the same world size).
+
+    Raises:
+        ConfigError: ``cfg`` is invalid.
+        FileNotFoundError: ``resume`` and the run has no checkpoint (a run that stopped before its first
+            save starts over, with a warning).
+    """
+
+    def __init__(self, cfg: RunConfig, *, callbacks: Sequence[Any] = (), resume: bool = False) -> None:
+        cfg.validate()
         self.cfg = cfg
-        self.env = env or DistEnv()
         self.dir = Path(cfg.run_dir)
+        self.resume = resume
+        self.checkpoint: Path | None = resume_checkpoint(cfg.run_dir, missing_ok=True) if resume else None
+        self.env = setup(cfg)
         self.callbacks = list(callbacks)
-        self._stop_requested = False
-        self._writer = None
-        self._wandb = None
-        self._bar = None
-        self._t0 = time.perf_counter()
-        self._old_handlers: dict[int, Any] = {}
-        if not self.env.is_main:
-            return
-        restarted = elastic_restart(self.dir)  # restarted by torchrun before any checkpoint: start over
-        if self.dir.exists() and not resume and not restarted and (self.dir / "metrics.jsonl").exists():
-            raise FileExistsError(
-                f"run_dir {str(self.dir)!r} already holds a run; resume it with `rlbits train --resume {self.dir}` "
-                "or choose another run_dir"
-            )
-        self.dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.dir / "config.yaml")
-        if os.environ.get("TORCHELASTIC_RUN_ID"):  # lets a torchrun restart of this job find its run
-            (self.dir / ELASTIC_MARKER).write_text(os.environ["TORCHELASTIC_RUN_ID"] + "\n")
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.logger: RunLogger | None = None
+        self.timer = PhaseTimer()
+        self.total = cfg.max_num_steps
+        self._validate: Callable | None = None
+        self._saved_step = -1
+        self._stopped = False
+        self._step_number = 0
 
-            purge = start_step if resume else (0 if restarted else None)
-            self._writer = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=purge)
-        if cfg.wandb:
-            try:
-                import wandb
-            except ImportError as e:
-                raise ImportError('wandb=true needs the wandb package: pip install "rlbits[wandb]"') from e
-            # WANDB_MODE=offline logs to run_dir/wandb without a network (`wandb sync` uploads it later).
-            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(self.dir), config=dataclasses.asdict(cfg), resume="allow")
-        if cfg.progress:
-            from tqdm.auto import tqdm
+    # --- set-up -------------------------------------------------------------------------------------
 
-            self._bar = tqdm(total=total_steps or cfg.max_num_steps, initial=start_step, desc=cfg.loop, dynamic_ncols=True)
-        self._remove_stale_temporaries()
-        if resume:  # a run resumed at step 0 (no checkpoint yet) starts over: it logs step 0 again
-            self._truncate_after(start_step if start_step > 0 else -1)
-        elif restarted:
-            self._truncate_after(-1)
+    def generator(self, stream: str, device: torch.device | str | None = None) -> torch.Generator:
+        """The random stream ``stream`` of this rank, seeded by ``derive_seed(cfg.seed, rank, stream)`` (on
+        ``device``; default the run's device). A resumed run restores its state from the checkpoint."""
+        return generator(self.cfg.seed, self.env.rank, stream, self.env.device if device is None else device)
 
-    # --- signals: SIGINT/SIGTERM finish the current step, then checkpoint and exit ---------------------
+    def start(self, state: LoopState, *, validate: Callable, total_steps: int | None = None) -> None:
+        """Restore ``state`` from the resume checkpoint (if any), open the run directory's logs at its step
+        and install the SIGINT/SIGTERM handlers.
 
-    def install_signal_handlers(self) -> None:
-        """On SIGINT/SIGTERM set the stop flag instead of dying mid-step (a second SIGINT interrupts)."""
+        Args:
+            state: the loop's freshly built state.
+            validate: the loop's validation phase ``validate(state, batch, cfg) -> batch``.
+            total_steps: the run's length (``total_steps(cfg, ...)``); default ``max_num_steps``.
+        """
+        self._validate = validate
+        self.total = total_steps if total_steps is not None else self.cfg.max_num_steps
+        if self.checkpoint is not None:
+            saved = load_checkpoint(
+                self.checkpoint, models=state.models, optimizers=state.optimizers, generators=state.generators,
+                env=self.env,
+            )  # fmt: skip
+            state.load_counters(saved)
+            self._saved_step = state.step
+        self.logger = RunLogger(
+            self.cfg, self.env, callbacks=self.callbacks, resume=self.resume, total_steps=self.total,
+            start_step=state.step,
+        )  # fmt: skip
+        self.logger.install_signal_handlers()
 
-        def handler(signum, frame):
-            if self._stop_requested and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self._stop_requested = True
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old_handlers[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread (e.g. some notebook set-ups): rely on callbacks
-                pass
-
-    def request_stop(self) -> None:
-        self._stop_requested = True
+    # --- the step loop --------------------------------------------------------------------------------
 
     @property
     def should_stop(self) -> bool:
-        """True once a signal or a callback asked the run to end after the current step. Under torchrun a
-        stop asked on any rank stops every rank (a collective: every rank reads it at the same points)."""
-        for cb in self.callbacks:
-            if hasattr(cb, "should_stop") and cb.should_stop():
-                self._stop_requested = True
-        self._stop_requested = any_rank(self._stop_requested, self.env)
-        return self._stop_requested
+        """True once a signal or a callback asked the run to end (agreed over ranks)."""
+        return self.logger is not None and self.logger.should_stop
 
-    # --- writing ------------------------------------------------------------------------------------
+    def done(self, state: LoopState) -> bool:
+        """The run has taken its last step: ``total_steps`` reached or ``max_num_epochs`` passes consumed."""
+        epoch = getattr(state, "epoch", 0)
+        return state.step >= self.total or epoch >= self.cfg.max_num_epochs
 
-    def _truncate_after(self, step: int) -> None:
-        """On resume drop lines logged after the checkpoint's step, so the files read as one run. A line
-        torn by a kill mid-write (not valid JSON) is dropped too."""
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            path = self.dir / name
-            if path.exists():
-                lines = [ln for ln in path.read_text().splitlines() if ln.strip() and _step_of(ln) <= step]
-                path.write_text("".join(ln + "\n" for ln in lines))
+    def steps(self, state: LoopState) -> Iterator[int]:
+        """Validate before training (step 0, when ``val_at_start`` and not resumed past it), then yield the
+        number of each step to take until the run is done or a stop is requested."""
+        if self.cfg.val_at_start and state.step == 0:
+            state.metrics = StepMetrics()
+            val_batch = self._validate(state, None, self.cfg)
+            values = state.metrics.reduce(self.env)
+            state.val_reward = values.get("val_reward")
+            self.logger.log(0, values)
+            rows = sample_rows(val_batch, self.cfg.log_samples)
+            self.logger.log_samples(0, [{"split": "test", **row} for row in rows])
+        stop = self.should_stop
+        while not self.done(state) and not stop:
+            yield state.step + 1
+            stop = self._stopped
 
-    def _remove_stale_temporaries(self) -> None:
-        """Delete the temporary folders a process killed while saving left behind (``.final.tmp-*``,
-        ``checkpoints/.tmp_step_*``): they were never renamed into place, so nothing reads them."""
-        stale = [*self.dir.glob(".*.tmp-*"), *self.dir.glob(".*.old-*"), *self.dir.glob("checkpoints/.tmp_step_*")]
-        for path in stale:
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
+    @contextlib.contextmanager
+    def step(self, state: LoopState) -> Iterator[None]:
+        """One training step: fresh metrics and timer; with ``on_nonfinite="skip"`` a skippable error (agreed
+        over ranks) ends the step early, logged as ``skipped_step``, and the run goes on."""
+        state.metrics = StepMetrics()
+        self.timer = PhaseTimer()
+        self._step_number = state.step + 1
+        try:
+            yield
+        except SKIPPABLE as e:
+            if self.cfg.on_nonfinite != "skip":
+                raise
+            state.step += 1
+            warnings.warn(f"skipping step {state.step}: {e}", stacklevel=3)
+            self.logger.log(state.step, {"skipped_step": 1.0})
+            self._stopped = self.should_stop
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
-        """Write one line of ``metrics.jsonl`` (with ``step`` and ``time_s``), TensorBoard and W&B scalars."""
-        values = {k: _to_float(v) for k, v in metrics.items()}
-        if not self.env.is_main:
-            return values
-        row = {"step": step, "time_s": round(time.perf_counter() - self._t0, 3), **values}
-        with open(self.dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}) + "\n")
-        if self._writer is not None:
-            for k, v in values.items():
-                self._writer.add_scalar(k, v, step)
-            self._writer.flush()
-        if self._wandb is not None:
-            self._wandb.log(values, step=step)
-        for cb in self.callbacks:
-            if hasattr(cb, "on_metrics"):
-                cb.on_metrics(step, values)
-        return values
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time phase ``name`` and name the step and phase in any error raised inside. With
+        ``on_nonfinite="skip"`` under torchrun, a skippable error on one rank raises on every rank at the end
+        of the phase (one all-reduce), so all ranks skip the step together."""
+        with self.timer(name), agreed(self.env, self.cfg.on_nonfinite == "skip"), in_phase(self._step_number, name):
+            yield
 
-    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
-        """Append decoded rollouts (dicts of prompt, response, reward, ...) to ``samples.jsonl``."""
-        if not self.env.is_main or not samples:
-            return
-        with open(self.dir / "samples.jsonl", "a") as f:
-            for s in samples:
-                f.write(json.dumps({"step": step, **{k: (_to_float(v) if isinstance(v, torch.Tensor) else v) for k, v in s.items()}}) + "\n")
-        for cb in self.callbacks:
-            if hasattr(cb, "on_samples"):
-                cb.on_samples(step, list(samples))
+    def end_step(self, state: LoopState, batch: TensorDictBase) -> dict[str, float]:
+        """Close a step: advance the counters, reduce and log its metrics (once, over all ranks), validate
+        and save when due. Returns the logged values."""
+        state.step += 1
+        num_tokens = int(global_count(batch["action_mask"], self.env).item()) if "action_mask" in batch.keys() else 0
+        state.total_valid_tokens += num_tokens
+        if hasattr(state, "epoch"):
+            state.metrics.same("epoch", float(state.epoch))
+        logged = state.metrics.reduce(self.env)
+        last = self.done(state) or self.should_stop  # a stop asked during the step: validate at the end
+        if (self.cfg.val_period and state.step % self.cfg.val_period == 0) or (self.cfg.val_at_end and last):
+            state.metrics = StepMetrics()
+            with self.timer("validate"):
+                self._validate(state, None, self.cfg)
+            val = state.metrics.reduce(self.env)
+            state.val_reward = val.get("val_reward", state.val_reward)
+            logged.update(val)
+        logged.update(self.timer.metrics())
+        logged["tokens_per_s"] = num_tokens / max(logged["time/step"], 1e-9)
+        self.logger.log(state.step, logged)
+        self.logger.log_samples(state.step, sample_rows(batch, self.cfg.log_samples))
+        self.logger.progress(state.step, **{k: logged[k] for k in ("rewards", "init_policy_kl", "loss") if k in logged})
+        self._stopped = self.should_stop  # a stop asked while logging (a dashboard's button) saves too
+        if (self.cfg.save_period and state.step % self.cfg.save_period == 0) or last or self._stopped:
+            self.save(state)
+        return logged
 
-    def progress(self, step: int, **shown: float) -> None:
-        """Advance the progress bar to ``step`` and show a few numbers (reward, KL)."""
-        if self._bar is None:
-            return
-        self._bar.update(step - self._bar.n)
-        self._bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items()}, refresh=False)
+    # --- checkpoints and export -------------------------------------------------------------------------
+
+    def save(self, state: LoopState) -> Path:
+        """Checkpoint ``state`` as a whole to ``RUN_DIR/checkpoints/step_N`` (every rank calls it)."""
+        path = save_checkpoint(
+            self.cfg.run_dir, state.step, models=state.models, optimizers=state.optimizers,
+            state={**state.counters(), "total_steps": self.total}, generators=state.generators,
+            tokenizer=state.tokenizer, keep=self.cfg.keep_checkpoints, env=self.env,
+            checksums=self.cfg.checkpoint_checksums, hf_folders=self.cfg.checkpoint_hf_folders,
+        )  # fmt: skip
+        self._saved_step = state.step
+        return path
+
+    def finish(self, state: LoopState, *, model: torch.nn.Module | None = None, build: Callable | None = None) -> Path:
+        """End the run: checkpoint the last step if it is not saved yet, then export ``model`` (default the
+        policy) with the tokenizer to ``RUN_DIR/final/`` (``build`` makes an unsharded replica, for FSDP2).
+        Returns the run directory."""
+        if self._saved_step != state.step:
+            self.save(state)
+        export_model(
+            model if model is not None else state.policy, self.dir / "final", tokenizer=state.tokenizer,
+            env=self.env, build=build,
+        )  # fmt: skip
+        return self.dir
 
     def close(self) -> None:
-        for sig, old in self._old_handlers.items():
-            signal.signal(sig, old)
-        self._old_handlers.clear()
-        if self._bar is not None:
-            self._bar.close()
-        if self._writer is not None:
-            self._writer.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        if self.logger is not None:
+            self.logger.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of ``run_dir/metrics.jsonl``. Raises FileNotFoundError if it is not a run directory."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; is {str(run_dir)!r} a run directory?")
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+def sample_rows(batch: TensorDictBase, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` rows of a batch as dicts (prompt, response, reward) for ``samples.jsonl``."""
+    if batch is None or "prompt_text" not in batch.keys() or "response_text" not in batch.keys():
+        return []
+    rows = []
+    for i in range(min(n, batch.batch_size[0])):
+        row = {"prompt": batch["prompt_text"][i], "response": batch["response_text"][i]}
+        if "rewards" in batch.keys():
+            row["reward"] = float(batch["rewards"][i])
+        rows.append(row)
+    return rows
+
+
+__all__ = [
+    "SKIPPABLE",
+    "NonFiniteError",
+    "PhaseTimer",
+    "Run",
+    "RunLogger",
+    "agreed",
+    "elastic_restart",
+    "in_phase",
+    "read_metrics",
+    "sample_rows",
+    "total_steps",
+]

@@ -1,0 +1,175 @@
+"""Phase building blocks the loops share: sample, score, reference logprobs, validate, step statistics.
+
+The loops' own phases (``rlbits.loops.ppo.rollout`` etc.) have the uniform signature
+``phase(state, batch, cfg) -> batch``; these are the model-level pieces beneath them, usable in any loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tensordict import NonTensorStack, TensorDict, TensorDictBase
+
+from rlbits.batch import decode, tokenize_prompts
+from rlbits.distributed.env import DistEnv
+from rlbits.distributed.parallelize import unsharded
+from rlbits.distributed.reduce import all_reduce_sum
+from rlbits.functional import kl_penalty, masked_sum
+from rlbits.loops.config import RunConfig
+from rlbits.loops.metrics import StepMetrics
+from rlbits.loops.runtime import autocast, generator
+from rlbits.models.forward import policy_logprobs
+from rlbits.rollout.generate import generate
+from rlbits.rollout.score import score
+
+
+def prompt_batch(prompts: Sequence[str]) -> TensorDict:
+    """A batch of prompt strings, ``prompt_text`` [n]: the input of a ``rollout`` phase."""
+    if isinstance(prompts, str):
+        raise ValueError("prompts must be a list of strings, got a single str (wrap it in a list)")
+    return TensorDict({"prompt_text": NonTensorStack.from_list(list(prompts))}, batch_size=[len(prompts)])
+
+
+def prompt_texts(batch: TensorDictBase | Sequence[str]) -> list[str]:
+    """The prompt strings of a ``prompt_batch`` (or a list of strings, returned as a list)."""
+    if isinstance(batch, TensorDictBase):
+        texts = batch["prompt_text"]
+        return list(texts.tolist() if hasattr(texts, "tolist") else texts)
+    return list(batch)
+
+
+def rollout(
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    logits_processor: Callable | None = None,
+) -> TensorDictBase:
+    """Tokenize ``prompts``, sample ``num_samples`` responses each with ``generate``, decode the text.
+
+    Returns the batch of docs/batch.md (``prompts`` ... ``logprobs``, ``group``, ``prompt_text``,
+    ``response_text``) with behaviour logprobs at ``temperature`` (greedy when ``temperature == 0``).
+    """
+    device = next(policy.parameters()).device
+    prompts_td = tokenize_prompts(tokenizer, list(prompts)).to(device)
+    was_training = policy.training
+    policy.eval()
+    try:
+        # A sharded policy is gathered once for the whole rollout: decoding then runs no collective.
+        with torch.no_grad(), unsharded(policy):
+            batch = generate(
+                policy,
+                prompts_td,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                num_samples=num_samples,
+                generator=generator,
+                logits_processor=logits_processor,
+            )
+    finally:
+        policy.train(was_training)
+    return decode(batch, tokenizer)
+
+
+def score_rollout(batch: TensorDictBase, reward: Any) -> torch.Tensor:
+    """Write ``rewards`` [B] from ``reward`` (callable, reward model or server URL; see ``rlbits.score``)."""
+    batch["rewards"] = score(batch, reward).to(torch.float32)
+    return batch["rewards"]
+
+
+def reference_logprobs(ref_policy: torch.nn.Module, batch: TensorDictBase, *, temperature: float, microbatch_size: int) -> torch.Tensor:
+    """Write ``ref_logprobs`` [B, R]: the frozen reference policy's logprobs of the sampled tokens."""
+    with torch.no_grad():
+        batch["ref_logprobs"] = policy_logprobs(ref_policy, batch, temperature=temperature, microbatch_size=microbatch_size)
+    return batch["ref_logprobs"]
+
+
+def validate(
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    cfg: RunConfig,
+    *,
+    reward: Any,
+    prompts: Sequence[str],
+    logits_processor: Callable | None = None,
+    env: DistEnv | None = None,
+    metrics: StepMetrics | None = None,
+    prefix: str = "val",
+) -> tuple[dict[str, float], TensorDictBase]:
+    """Mean reward of one response to each of the first ``max_val_samples`` of ``prompts``.
+
+    Uses its own generator (``derive_seed(seed, rank, "validation")``), so validating never shifts the
+    training RNG streams (a run with and without validation samples the same training rollouts) and every
+    validation of a run sees the same noise. Greedy if ``cfg.val_greedy``. Under torchrun each rank validates
+    every ``world_size``-th prompt and the statistics are reduced over ranks (every rank must call it).
+
+    Returns:
+        ``({"{prefix}_reward", "{prefix}_reward_std", "{prefix}_response_len"}, batch)`` (this rank's batch);
+        the values are also added to ``metrics`` (as ``same``: they are global already) when given.
+    """
+    env = env or DistEnv()
+    prompts = list(prompts)[: cfg.max_val_samples]
+    prompts = prompts[env.rank :: env.world_size] or prompts[:1]
+    gen = generator(cfg.seed, env.rank, "validation", next(policy.parameters()).device)
+    with autocast(policy, cfg):
+        batch = rollout(
+            policy,
+            tokenizer,
+            prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=0.0 if cfg.val_greedy else cfg.temperature,
+            generator=gen,
+            logits_processor=logits_processor,
+        )
+    rewards = score_rollout(batch, reward).double().cpu()
+    lengths = batch["action_mask"].sum(-1).double().cpu()
+    n, total, squares, length = all_reduce_sum(
+        torch.stack([torch.tensor(float(len(rewards)), dtype=torch.float64), rewards.sum(), rewards.square().sum(), lengths.sum()]).to(env.device),
+        env,
+    ).tolist()
+    mean = total / n
+    var = (squares - n * mean * mean) / (n - 1) if n > 1 else 0.0
+    values = {f"{prefix}_reward": mean, f"{prefix}_reward_std": max(var, 0.0) ** 0.5, f"{prefix}_response_len": length / n}
+    if metrics is not None:
+        metrics.update(values)
+    return values, batch
+
+
+def kl_per_sequence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """[B]: the summed k1 KL estimate of each sequence (nats); its mean over sequences is ``init_policy_kl``."""
+    return masked_sum(kl_penalty(logprobs, ref_logprobs, "k1"), action_mask, dim=-1)
+
+
+def add_batch_stats(metrics: StepMetrics, batch: TensorDictBase) -> None:
+    """Statistics of a rollout batch, exact over ranks: ``rewards`` (mean over rows), ``response_len`` (mean,
+    and ``response_len_max``), and ``init_policy_kl`` (mean summed KL per row) when the batch has
+    ``ref_logprobs``."""
+    rows = batch.batch_size[0]
+    lengths = batch["action_mask"].sum(-1).float()
+    if "rewards" in batch.keys():
+        metrics.mean("rewards", batch["rewards"].float().sum(), rows)
+    metrics.mean("response_len", lengths.sum(), rows)
+    metrics.max("response_len_max", lengths.max())
+    if "ref_logprobs" in batch.keys():
+        kl = kl_per_sequence(batch["logprobs"], batch["ref_logprobs"], batch["action_mask"])
+        metrics.mean("init_policy_kl", kl.sum(), rows)
+
+
+__all__ = [
+    "add_batch_stats",
+    "kl_per_sequence",
+    "prompt_batch",
+    "prompt_texts",
+    "reference_logprobs",
+    "rollout",
+    "score_rollout",
+    "validate",
+]

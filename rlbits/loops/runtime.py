@@ -1,0 +1,133 @@
+"""What a training process sets up once: process group, threads, seeds, precision, compiled kernels, models.
+
+Seeds come from one derivation, ``derive_seed(seed, rank, stream)``: every random stream of a run (sampling,
+minibatch shuffles, validation, prompt order, initialisation) is named, so no two streams share a seed by
+accident (as ``seed + 1000 * rank`` once did for seed 1000 on rank 0 and seed 0 on rank 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlbits.distributed.env import DistEnv, init
+from rlbits.distributed.parallelize import is_sharded, shard
+from rlbits.loops.config import RunConfig
+from rlbits.models.load import load_pretrained
+
+
+def derive_seed(seed: int, rank: int, stream: str) -> int:
+    """The seed of one named random stream of a run: 63 bits of blake2b over ``(seed, rank, stream)``.
+
+    Args:
+        seed: the run's ``cfg.seed``.
+        rank: the process's rank (0 for streams every rank must share, such as the prompt order).
+        stream: the stream's name (``"sampling"``, ``"minibatch"``, ``"validation"``, ``"prompts/epoch3"``).
+
+    Returns:
+        An int in [0, 2**63), different for different triples with overwhelming probability.
+    """
+    digest = hashlib.blake2b(f"{seed}|{rank}|{stream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def generator(seed: int, rank: int, stream: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``derive_seed(seed, rank, stream)``."""
+    return torch.Generator(device=device).manual_seed(derive_seed(seed, rank, stream))
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch's global RNGs (initialisation, dropout); rollouts use their own generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def setup(cfg: RunConfig) -> DistEnv:
+    """Process group, CPU threads (``cfg.cpu_threads``), the global seeds (``derive_seed(seed, rank,
+    "global")``), quiet transformers progress bars. Returns the ``DistEnv``."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    env = init(cfg.device)
+    if env.device.type == "cpu" and cfg.cpu_threads > 0:
+        torch.set_num_threads(cfg.cpu_threads)
+    seed_everything(derive_seed(cfg.seed, env.rank, "global"))
+    return env
+
+
+def prepare(model: torch.nn.Module, cfg: RunConfig, env: DistEnv) -> torch.nn.Module:
+    """Shard ``model`` for training under torchrun (``rlbits.distributed.parallelize.shard``) with the run's
+    precision, activation checkpointing and (on GPU) per-block compile; at world size 1 only the latter two apply."""
+    return shard(
+        model,
+        env,
+        mixed_precision=cfg.precision == "bf16",
+        activation_checkpointing=cfg.activation_checkpointing,
+        compile_blocks=cfg.compile and env.device.type == "cuda",
+    )
+
+
+def autocast(model: torch.nn.Module, cfg: RunConfig) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to bf16 when ``cfg.precision == "bf16"`` and ``model`` is not sharded (a sharded
+    model casts its parameters itself, by its ``MixedPrecisionPolicy``); else a no-op."""
+    if cfg.precision != "bf16" or is_sharded(model):
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=True)
+
+
+def kernel(fn: Callable, cfg: RunConfig) -> Callable:
+    """``fn`` itself, or its ``torch.compile(dynamic=True)`` version when ``cfg.compile`` (one compiled copy per
+    function per process: response lengths and batch sizes change without recompiling)."""
+    return _compiled(fn) if cfg.compile else fn
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability to 0: RL needs the sampling and training forward passes to agree."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def policy_path(cfg: RunConfig) -> str:
+    """``cfg.policy``, or the task's base model (built on first use)."""
+    if cfg.policy is not None:
+        return cfg.policy
+    from rlbits.zoo import base_model
+
+    return base_model(cfg.task)
+
+
+def load_policy_and_tokenizer(path: str, env: DistEnv) -> tuple[torch.nn.Module, Any]:
+    """An HF causal LM and its tokenizer from a local folder, dropout off, on ``env.device``."""
+    policy, tokenizer = load_pretrained(path)
+    return disable_dropout(policy).to(env.device), tokenizer
+
+
+__all__ = [
+    "autocast",
+    "derive_seed",
+    "disable_dropout",
+    "generator",
+    "kernel",
+    "load_policy_and_tokenizer",
+    "policy_path",
+    "prepare",
+    "seed_everything",
+    "setup",
+]

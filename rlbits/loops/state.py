@@ -1,0 +1,117 @@
+"""A loop's state: one dataclass holding its models, optimizers, generators, data position and counters.
+
+Each loop subclasses ``LoopState`` with its own fields; the checkpoint reads the fields by type, so a state
+is saved and restored as a whole (``Run.save`` / ``Run.restore``):
+
+- ``torch.nn.Module`` fields are models (weights in ``dcp/``), except those marked ``frozen()`` (a reference
+  policy: rebuilt from the initial weights, never saved);
+- ``torch.optim.Optimizer`` fields are optimizers, tied to their model by ``optimizer_of("policy")``;
+- ``torch.Generator`` fields are random streams (their states per rank, so a resume is bit-exact);
+- fields with ``state_dict()``/``load_state_dict()`` (the prompt stream, the offline sampler) and plain
+  ``int``/``float``/``bool``/``str``/``None`` fields are counters, written to ``state.json``;
+- fields marked ``runtime()`` (the process's ``DistEnv``, the tokenizer, the reward, this step's metrics)
+  are not saved: they come from the config and the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from rlbits.distributed.env import DistEnv
+from rlbits.loops.metrics import StepMetrics
+
+_ROLE = "rlbits_role"
+
+
+def runtime(**kwargs: Any) -> Any:
+    """A field that is not saved (it is rebuilt from the config and the process)."""
+    return dataclasses.field(metadata={_ROLE: "runtime"}, **kwargs)
+
+
+def frozen(**kwargs: Any) -> Any:
+    """A model field that is not saved (a frozen reference, rebuilt from the initial weights)."""
+    return dataclasses.field(metadata={_ROLE: "runtime"}, **kwargs)
+
+
+def optimizer_of(model: str, **kwargs: Any) -> Any:
+    """An optimizer field over the parameters of the model field ``model``."""
+    return dataclasses.field(metadata={_ROLE: "optimizer", "model": model}, **kwargs)
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoopState:
+    """What every loop's state holds besides its models: the process, the step counters, this step's metrics."""
+
+    env: DistEnv = runtime(default_factory=DistEnv, repr=False)
+    """The process's place in the job (rank, world size, device)."""
+    tokenizer: Any = runtime(default=None, repr=False)
+    step: int = 0
+    """Steps completed."""
+    total_valid_tokens: int = 0
+    """Action tokens trained on so far (all ranks)."""
+    val_reward: float | None = None
+    """Latest validation reward."""
+    metrics: StepMetrics = runtime(default_factory=StepMetrics, repr=False)
+    """The current step's statistics (reset by the run at the start of each step)."""
+
+    def _fields(self, role: str) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            declared = f.metadata.get(_ROLE)
+            if declared == "runtime" or value is None and role != "counter":
+                continue
+            if declared == "optimizer" or isinstance(value, torch.optim.Optimizer):
+                kind = "optimizer"
+            elif isinstance(value, torch.nn.Module):
+                kind = "model"
+            elif isinstance(value, torch.Generator):
+                kind = "generator"
+            elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+                kind = "data"
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                kind = "counter"
+            else:
+                raise TypeError(f"{type(self).__name__}.{f.name} ({type(value).__name__}) cannot be saved; mark it runtime()")
+            if kind == role:
+                out[f.name] = value
+        return out
+
+    @property
+    def models(self) -> dict[str, torch.nn.Module]:
+        """The trained models by field name (frozen and runtime fields left out)."""
+        return self._fields("model")
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """Optimizers keyed by the name of the model they update."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.metadata.get(_ROLE) == "optimizer" and getattr(self, f.name) is not None:
+                out[f.metadata["model"]] = getattr(self, f.name)
+        return out
+
+    @property
+    def generators(self) -> dict[str, torch.Generator]:
+        return self._fields("generator")
+
+    def counters(self) -> dict[str, Any]:
+        """Everything ``state.json`` holds: counters and the data position (``state_dict()`` of data fields)."""
+        out = dict(self._fields("counter"))
+        for name, data in self._fields("data").items():
+            out[name] = data.state_dict()
+        return out
+
+    def load_counters(self, saved: dict[str, Any]) -> None:
+        """Restore the counters and data positions that ``counters()`` wrote."""
+        for name in self._fields("counter"):
+            if name in saved:
+                setattr(self, name, saved[name])
+        for name, data in self._fields("data").items():
+            data.load_state_dict(saved[name])
+
+
+__all__ = ["LoopState", "frozen", "optimizer_of", "runtime"]
