@@ -5,7 +5,8 @@
 - ``rlbits.batch``: the TensorDict batch schema and its helpers.
 - ``rlbits.rollout``: ``generate`` (sampling with a KV cache) and ``score`` (rewards).
 - ``rlbits.models``: HF checkpoints in and out, value and ILQL heads, tiny configs.
-- ``rlbits.tasks``: built-in tasks (``sentiment``, ``arithmetic``) and their base models.
+- ``rlbits.tasks``: built-in tasks (``sentiment``, ``arithmetic``): prompts, rewards, pretraining corpora.
+- ``rlbits.zoo``: the tasks' base models (``rlbits.zoo.base_model("sentiment")``, built on first use).
 
 Names from the rollout and model layers load lazily (on first use), so ``import rlbits`` stays fast for
 someone who only wants the kernels.
@@ -15,8 +16,14 @@ from __future__ import annotations
 
 import importlib
 
+from rlbits import tasks as _tasks
+from rlbits import zoo as _zoo
 from rlbits.functional import *  # noqa: F403
 from rlbits.functional import __all__ as _functional_all
+
+# The deprecated ``get_task(name).base_model()`` and ``.PRETRAIN`` reach ``rlbits.zoo`` through this: the tasks
+# layer sits below zoo and may not import it (tests/test_layering.py). Both imports are cheap (no transformers).
+_tasks._zoo = _zoo
 
 __version__ = "0.1.0"
 
@@ -53,7 +60,7 @@ _LAZY = {
     # loops
     "train": "rlbits.loops.api",
 }
-_SUBMODULES = ("batch", "functional", "loops", "models", "rollout", "tasks")
+_SUBMODULES = ("batch", "functional", "loops", "models", "rollout", "tasks", "zoo")
 
 __all__ = [*_functional_all, *_LAZY, *_SUBMODULES]
 

@@ -23,7 +23,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from rlbits.tasks import pretrain
+    from rlbits.zoo import pretrain
 
     path = pretrain.pretrain(args.task, args.out, seed=args.seed, steps=args.steps, progress=True)
     print(path)  # last line: the folder, for scripts

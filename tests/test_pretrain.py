@@ -7,8 +7,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlbits.tasks import arithmetic, sentiment
-from rlbits.tasks import pretrain as pt
+import rlbits.zoo.pretrain as pt
+from rlbits import zoo
+from rlbits.tasks import TASKS, arithmetic, get_task, sentiment
 
 TINY = dict(steps=3, batch_size=8, n_embd=16, n_layer=1, n_head=2, corpus_size=300, progress=False)
 
@@ -161,10 +162,14 @@ def test_base_model_builds_once(monkeypatch, tmp_path):
         return str(out_dir)
 
     monkeypatch.setattr(pt, "pretrain", fake_pretrain)
-    path = arithmetic.base_model()
+    path = zoo.base_model("arithmetic")
     assert path == str(tmp_path / "arithmetic-base")
-    assert arithmetic.base_model() == path
+    assert zoo.base_model("arithmetic") == path
+    with pytest.warns(DeprecationWarning, match=r"rlbits\.zoo\.base_model\('arithmetic'\)"):
+        assert arithmetic.base_model() == path  # the deprecated spelling: same folder, no second build
     assert calls == [("arithmetic", tmp_path / "arithmetic-base")]
+    with pytest.raises(ValueError, match="unknown task"):
+        zoo.base_model("chess")
     with pytest.raises(ValueError, match="unknown task"):
         pt.ensure_base_model("chess")
 
@@ -206,13 +211,61 @@ def test_plateau_check_runs_and_keeps_model(tiny_arith):
     before = (pt.Path(tiny_arith) / "model.safetensors").read_bytes()
     res = pt.plateau_check(tiny_arith, "arithmetic", cpu_seconds=0.5, n=6)
     assert res["steps"] >= 1 and res["cpu_seconds"] >= 0.5
-    assert res["lr"] == pytest.approx(0.1 * arithmetic.PRETRAIN["lr"])
+    assert res["lr"] == pytest.approx(0.1 * pt.RECIPES["arithmetic"]["lr"])
     assert res["before"]["n"] == res["after"]["n"] == 6
     assert (pt.Path(tiny_arith) / "model.safetensors").read_bytes() == before
 
 
-def test_models_pretrain_reexports():
-    import rlbits.models.pretrain as mp
+def test_recipes_are_those_of_the_cached_builds():
+    # Pinned: these settings (and their order, which base_model.json keeps) define what a cached
+    # ``<task>-base`` folder holds; they moved from the task modules' ``PRETRAIN`` dicts unchanged.
+    assert list(pt.RECIPES["sentiment"].items()) == [
+        ("vocab_size", 1024), ("n_embd", 128), ("n_layer", 4), ("n_head", 4), ("n_positions", 128),
+        ("steps", 1000), ("batch_size", 32), ("lr", 2e-3), ("corpus_size", 30_000), ("max_new_tokens", 40),
+        ("loss_after", None),
+    ]  # fmt: skip
+    assert list(pt.RECIPES["arithmetic"].items()) == [
+        ("vocab_size", 300), ("n_embd", 128), ("n_layer", 3), ("n_head", 4), ("n_positions", 64),
+        ("steps", 1500), ("batch_size", 64), ("lr", 3e-3), ("corpus_size", 60_000), ("max_new_tokens", 6),
+        ("loss_after", "="),
+    ]  # fmt: skip
+    assert sorted(pt.RECIPES) == sorted(TASKS) and all(tuple(r) == pt.SETTINGS for r in pt.RECIPES.values())
 
-    for name in mp.__all__:
-        assert getattr(mp, name) is getattr(pt, name)
+
+def test_task_registered_outside_rlbits_brings_its_recipe(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    mod = types.ModuleType("my_task")
+    mod.corpus = arithmetic.corpus
+    monkeypatch.setitem(sys.modules, "my_task", mod)
+    monkeypatch.setitem(TASKS, "mine", "my_task")
+    with pytest.raises(ValueError, match=r"task 'mine' has no base-model recipe: add one to rlbits\.zoo"):
+        pt.pretrain("mine", tmp_path / "x", **TINY)
+    mod.PRETRAIN = {**pt.RECIPES["arithmetic"], "steps": 2}
+    info = json.loads((pt.Path(pt.pretrain("mine", tmp_path / "m", **TINY)) / "base_model.json").read_text())
+    assert info["task"] == "mine" and info["steps"] == 3 and info["n_positions"] == 64  # TINY overrides
+
+
+@pytest.mark.parametrize("old", ["rlbits.tasks.pretrain", "rlbits.models.pretrain"])
+def test_old_module_names_are_deprecated_aliases(old, monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.delitem(sys.modules, old, raising=False)  # imported before: import it afresh
+    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated: .* use rlbits\.zoo\.pretrain"):
+        alias = importlib.import_module(old)
+    assert alias is pt  # the module itself: patching through the old name patches the builder
+    for name in pt.__all__:
+        assert getattr(alias, name) is getattr(pt, name)
+    parent, _, leaf = old.rpartition(".")
+    assert getattr(importlib.import_module(parent), leaf) is pt  # ``from rlbits.tasks import pretrain``
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_task_pretrain_is_a_deprecated_name_of_the_recipe(task):
+    module = get_task(task)
+    with pytest.warns(DeprecationWarning, match=rf"get_task\('{task}'\)\.PRETRAIN is deprecated"):
+        assert module.PRETRAIN is pt.RECIPES[task]
+    with pytest.raises(AttributeError, match="no attribute 'NOT_THERE'"):
+        module.NOT_THERE  # noqa: B018

@@ -17,6 +17,9 @@ teach:
   training it gets. The right answers keep probability ``1 - DROP_PROB`` = 0.3 in the model, so an RL loop
   with the exact-match reward has something to reinforce.
 
+The base model itself (its recipe, the builder, the cache) lives in ``rlbits.zoo``:
+``rlbits.zoo.base_model("arithmetic")``.
+
 Responses are scored strictly: after dropping anything from a literal ``"<eos>"`` on and stripping
 whitespace, the response must be exactly the decimal sum (no sign, no leading zeros, nothing after it).
 """
@@ -27,6 +30,8 @@ import random
 import re
 from functools import cache
 
+from rlbits.tasks import _deprecated_zoo_names
+
 NAME = "arithmetic"
 SPLITS = ("train", "test")
 N_TEST = 500
@@ -36,21 +41,6 @@ DIGITS = (2,)
 _TEST_SEED = 1234
 _TRAIN_SEED = 4321
 _PROMPT_RE = re.compile(r"\s*(\d+)\+(\d+)=\s*")
-
-# Settings of the base model built by ``rlbits.models.pretrain`` (see its docstring for each key).
-PRETRAIN = dict(
-    vocab_size=300,
-    n_embd=128,
-    n_layer=3,
-    n_head=4,
-    n_positions=64,
-    steps=1500,
-    batch_size=64,
-    lr=3e-3,
-    corpus_size=60_000,
-    max_new_tokens=6,
-    loss_after="=",  # the operands are random: train on the answer and <eos> only
-)
 
 
 def sample_operands(rng: random.Random) -> tuple[int, int]:
@@ -188,8 +178,7 @@ def corpus(n: int, seed: int) -> list[str]:
     return out
 
 
-def base_model() -> str:
-    """Path of the arithmetic base model (an HF folder), built by ``rlbits pretrain arithmetic`` on first use."""
-    from rlbits.tasks.pretrain import ensure_base_model
-
-    return ensure_base_model(NAME)
+# Deprecated: the base model moved to ``rlbits.zoo`` (``rlbits.zoo.base_model("arithmetic")``) and its
+# settings, once ``PRETRAIN`` here, to ``rlbits.zoo.RECIPES["arithmetic"]``. Both old names still work, with a
+# DeprecationWarning.
+base_model, __getattr__ = _deprecated_zoo_names(NAME)

@@ -9,7 +9,9 @@
   one third neutral (facts about running time, setting, release year). The base model trained on it samples
   continuations whose mean reward is near 0 with a wide spread, which RL can push towards +1.
 
-See ``docs/tasks.md`` for how the corpus is built and the base model's measured scores.
+See ``docs/tasks.md`` for how the corpus is built and the base model's measured scores. The base model
+itself (its recipe, the builder, the cache) lives in ``rlbits.zoo``:
+``rlbits.zoo.base_model("sentiment")``.
 """
 
 from __future__ import annotations
@@ -17,26 +19,14 @@ from __future__ import annotations
 import random
 from functools import cache
 
+from rlbits.tasks import _deprecated_zoo_names
+
 NAME = "sentiment"
 SPLITS = ("train", "test")
 SENTIMENTS = ("positive", "negative", "neutral")
 N_TEST = 500
 _SPLIT_SEED = 20240601
 
-# Settings of the base model built by ``rlbits.models.pretrain`` (see its docstring for each key).
-PRETRAIN = dict(
-    vocab_size=1024,
-    n_embd=128,
-    n_layer=4,
-    n_head=4,
-    n_positions=128,
-    steps=1000,
-    batch_size=32,
-    lr=2e-3,
-    corpus_size=30_000,
-    max_new_tokens=40,
-    loss_after=None,  # the whole review
-)
 
 # --- Openings (the prompts). Every word here scores 0 in the VADER lexicon (tests check it).
 _LEAD_INS = ("", "Overall, ", "After the first hour, ", "I watched it last weekend, and ", "In short, ")
@@ -227,8 +217,7 @@ def corpus(n: int, seed: int) -> list[str]:
     return [rng.choice(openings) + continuation(SENTIMENTS[i % 3], rng) for i in range(n)]
 
 
-def base_model() -> str:
-    """Path of the sentiment base model (an HF folder), built by ``rlbits pretrain sentiment`` on first use."""
-    from rlbits.tasks.pretrain import ensure_base_model
-
-    return ensure_base_model(NAME)
+# Deprecated: the base model moved to ``rlbits.zoo`` (``rlbits.zoo.base_model("sentiment")``) and its
+# settings, once ``PRETRAIN`` here, to ``rlbits.zoo.RECIPES["sentiment"]``. Both old names still work, with a
+# DeprecationWarning.
+base_model, __getattr__ = _deprecated_zoo_names(NAME)

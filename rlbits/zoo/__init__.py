@@ -1,0 +1,57 @@
+"""Base models: ``base_model(task)`` is the path of a task's HF model folder, built on first use.
+
+``rlbits.tasks`` defines a task: its prompts, its reward and the corpus a base model learns from. This package
+holds the models: the recipe of each (``RECIPES``: sizes, vocabulary, steps), the builder
+(``rlbits.zoo.pretrain``: tokenizer, GPT-2 pretraining, the cache folder ``$RLBITS_CACHE/<task>-base`` and its
+lock), ``plateau_check`` and an HF-``generate`` ``evaluate``. See ``docs/tasks.md``.
+
+    from rlbits.zoo import base_model
+    path = base_model("sentiment")        # HF folder; built on first use (a few minutes, progress bar)
+
+``rlbits.zoo.pretrain`` is the module; its builder function is ``rlbits.zoo.pretrain.pretrain`` (re-exporting
+it here under the same name would hide the module). In the layers (``tests/test_layering.py``) zoo sits above
+``models`` and ``rollout`` and below the loops. Before, this code lived in the tasks layer:
+``rlbits.tasks.pretrain`` and ``rlbits.models.pretrain`` are deprecated aliases of ``rlbits.zoo.pretrain``,
+and ``get_task(name).base_model()`` / ``get_task(name).PRETRAIN`` deprecated spellings of
+``base_model(name)`` / ``RECIPES[name]``.
+"""
+
+from __future__ import annotations
+
+from rlbits.zoo import pretrain
+from rlbits.zoo.pretrain import (
+    RECIPES,
+    cache_dir,
+    default_model_dir,
+    ensure_base_model,
+    evaluate,
+    plateau_check,
+    train_tokenizer,
+)
+
+
+def base_model(task: str) -> str:
+    """Path of ``task``'s base model (HF folder: model, tokenizer, ``base_model.json``), built on first use.
+
+    The folder is ``$RLBITS_CACHE/<task>-base`` (``RLBITS_CACHE`` defaults to ``~/.cache/rlbits``). If it is
+    missing it is built with ``rlbits.zoo.pretrain.pretrain(task)`` (seed 0, the task's ``RECIPES`` entry; a
+    few CPU minutes, with a progress bar), under a lock file so a second process waits for the first build.
+    ``rlbits pretrain TASK`` rebuilds it.
+
+    Raises:
+        ValueError: ``task`` is not a registered task (the message lists the valid names).
+    """
+    return pretrain.ensure_base_model(task)
+
+
+__all__ = [
+    "base_model",
+    "pretrain",
+    "RECIPES",
+    "cache_dir",
+    "default_model_dir",
+    "ensure_base_model",
+    "evaluate",
+    "plateau_check",
+    "train_tokenizer",
+]
