@@ -4,6 +4,7 @@ functions, so a lazy import cannot hide a layer reaching up."""
 from __future__ import annotations
 
 import ast
+import itertools
 import sys
 from collections import deque
 from pathlib import Path
@@ -245,7 +246,7 @@ def _find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 
 def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
-    steps = [f"{a} (line {graph[a][b]}) -> {b}" for a, b in zip(cycle, cycle[1:])]
+    steps = [f"{a} imports {b} (line {graph[a][b]})" for a, b in itertools.pairwise(cycle)]
     return "  " + "\n  ".join(steps)
 
 
