@@ -4,11 +4,11 @@ The arithmetic base model imitates a demonstrator that drops carries 70% of the 
 so its greedy answers are wrong on most carry problems however long it imitates. This script
 
 1. measures the base model's greedy exact-match accuracy on the whole test split
-   (``rlbits.models.pretrain.evaluate``: HF ``generate``, 500 prompts);
+   (``rlbits.zoo.evaluate``: HF ``generate``, 500 prompts);
 2. trains each ``--config`` RL run (``rlbits.loops.reinforce.train``), timing its wall clock and the CPU time
    of this process (``time.process_time``, all threads), and evaluates its ``final/`` policy the same way;
 3. continues the base model's own supervised training for the same CPU time with
-   ``rlbits.models.pretrain.plateau_check`` -- the corpus and recipe of ``rlbits.models.pretrain`` (a fresh
+   ``rlbits.zoo.plateau_check`` -- the corpus and recipe of ``rlbits.zoo.pretrain`` (a fresh
    draw of the task corpus, AdamW betas (0.9, 0.95), weight decay 0.01, the build's batch size, loss on the
    answer tokens, gradient clip 1.0) at the learning rate the build's schedule ended at -- and evaluates it
    the same way;
@@ -32,8 +32,7 @@ import time
 
 import torch
 
-from rlbits.models.pretrain import evaluate, plateau_check
-from rlbits.tasks import get_task
+from rlbits.zoo import base_model, evaluate, plateau_check
 
 TASK = "arithmetic"
 
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=1, help="SFT corpus draw and batch order")
     args = parser.parse_args(argv)
 
-    model = args.model or get_task(TASK).base_model()
+    model = args.model or base_model(TASK)
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr)
     base = evaluate(model, TASK, greedy=True)["accuracy"]
     result: dict = {"base_model": model, "base_accuracy": base, "rl": {}}

@@ -78,7 +78,7 @@ def main() -> None:
     checkpoint = ppo["kl_coef 0.05"] / "checkpoints" / "step_20"  # the trained policy and critic
     policy, tokenizer = rlbits.load_pretrained(str(checkpoint / "policy"))
     critic = rlbits.ValueModel.from_pretrained(checkpoint / "value")
-    reference, _ = rlbits.load_pretrained(get_task("sentiment").base_model())
+    reference, _ = rlbits.load_pretrained(rlbits.zoo.base_model("sentiment"))
     prompts = get_task("sentiment").prompts("test")[:8]
     batch = rollout(
         policy,
