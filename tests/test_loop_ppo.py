@@ -14,24 +14,26 @@ from transformers import AutoModelForCausalLM
 
 from rlbits.distributed.env import DistEnv
 from rlbits.functional import kl_penalty, token_rewards
-from rlbits.loops import common
 from rlbits.loops.config import ConfigError, config_from_dict, load_config
+from rlbits.loops.metrics import StepMetrics
+from rlbits.loops.optim import make_optimizer
+from rlbits.loops.phases import prompt_batch
 from rlbits.loops.ppo import (
     NonFiniteError,
     PPOConfig,
     advantages,
     init_state,
+    kl_control,
     reference,
     rollout,
     scale_rewards,
     score,
-    total_steps,
     train,
     update,
-    update_kl_coef,
     values,
 )
-from rlbits.loops.run import read_metrics
+from rlbits.loops.run import read_metrics, total_steps
+from rlbits.loops.runtime import setup
 from rlbits.models.load import save_pretrained
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
@@ -87,10 +89,23 @@ def flat_weights(model: torch.nn.Module) -> torch.Tensor:
 
 
 def phase_batch(cfg):
-    env = common.setup(cfg)
-    state = init_state(cfg, env)
-    batch = rollout(state.policy, state.tokenizer, PROMPTS[:4], cfg, generator=state.sampling_generator)
+    env = setup(cfg)
+    state = init_state(cfg, env, reward=reward, prompts=PROMPTS)
+    batch = rollout(state, prompt_batch(PROMPTS[:4]), cfg)
     return env, state, batch
+
+
+def fresh_update(state, batch, cfg, **changes):
+    """``update`` on copies of the models with fresh optimizers and minibatch generator; returns the
+    weights and the logged metrics."""
+    policy, critic = copy.deepcopy(state.policy), copy.deepcopy(state.value_model)
+    opts = [make_optimizer(m.parameters(), 1e-3, 0.0) for m in (policy, critic)]
+    copy_state = dataclasses.replace(
+        state, policy=policy, value_model=critic, policy_optimizer=opts[0], value_optimizer=opts[1],
+        minibatch_generator=torch.Generator().manual_seed(0), metrics=StepMetrics(), **changes,
+    )  # fmt: skip
+    update(copy_state, batch, cfg)
+    return flat_weights(policy), flat_weights(critic), copy_state.metrics.reduce(DistEnv())
 
 
 def test_phases_add_their_keys(policy_dir, tmp_path):
@@ -102,16 +117,17 @@ def test_phases_add_their_keys(policy_dir, tmp_path):
     assert batch.batch_size == torch.Size([8])
     assert batch["group"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
 
-    score(batch, reward)
+    batch = score(state, batch, cfg)
     assert batch["rewards"].shape == (8,) and batch["rewards"].dtype == torch.float32
-    reference(state.reference, batch, cfg)
+    batch = reference(state, batch, cfg)
     assert batch["ref_logprobs"].shape == batch["logprobs"].shape
     # Policy and reference start equal: the sampler's logprobs match a teacher-forced forward of the reference.
     torch.testing.assert_close(batch["ref_logprobs"], batch["logprobs"], atol=1e-5, rtol=0)
-    values(state.value_model, batch, cfg)
+    batch = values(state, batch, cfg)
     assert batch["values"].shape == batch["logprobs"].shape and not batch["values"].requires_grad
 
-    metrics = advantages(batch, cfg, env, kl_coef=state.kl_coef)
+    batch = advantages(state, batch, cfg)
+    metrics = state.metrics.names()
     for key in ("token_rewards", "advantages", "returns"):
         assert batch[key].shape == batch["logprobs"].shape
         assert (batch[key][~batch["action_mask"]] == 0).all()
@@ -122,21 +138,21 @@ def test_phases_add_their_keys(policy_dir, tmp_path):
     assert abs(batch["advantages"][mask].std().item() - 1) < 1e-3
 
     before = flat_weights(state.policy)
-    stats = update(state.policy, state.value_model, state.policy_optimizer, state.value_optimizer, batch, cfg, env,
-                   generator=state.minibatch_generator, kl_coef=state.kl_coef, step=1)  # fmt: skip
+    assert update(state, batch, cfg) is batch
+    stats = state.metrics.reduce(env)
     assert {"actor_loss", "critic_loss", "clipfrac", "approx_kl", "entropy", "grad_norm", "critic_grad_norm",
             "value_clipfrac"} <= set(stats)  # fmt: skip
-    assert all(torch.isfinite(v) for v in stats.values())
+    assert all(math.isfinite(v) for v in stats.values())
     assert not torch.equal(before, flat_weights(state.policy))
 
 
 def test_token_rewards_hold_kl_in_reward_only(policy_dir, tmp_path):
     cfg = make_cfg(policy_dir, tmp_path / "run", kl_coef=0.5)
     env, state, batch = phase_batch(cfg)
-    score(batch, reward)
+    score(state, batch, cfg)
     batch["ref_logprobs"] = batch["logprobs"] - 0.25 * batch["action_mask"]  # a known KL of 0.25 per token
-    values(state.value_model, batch, cfg)
-    advantages(batch, cfg, env, kl_coef=0.5)
+    values(state, batch, cfg)
+    advantages(state, batch, cfg)
     kl = kl_penalty(batch["logprobs"], batch["ref_logprobs"], "k1")
     torch.testing.assert_close(
         batch["token_rewards"], token_rewards(batch["rewards"], batch["action_mask"], kl, 0.5)
@@ -145,28 +161,19 @@ def test_token_rewards_hold_kl_in_reward_only(policy_dir, tmp_path):
     torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"] - 0.125 * lengths)
 
     no_kl = dataclasses.replace(cfg, kl_in_reward=False)
-    advantages(batch, no_kl, env, kl_coef=0.5)
+    advantages(state, batch, no_kl)
     torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"])
 
 
 def test_kl_in_loss_changes_the_policy_update(policy_dir, tmp_path):
     cfg = make_cfg(policy_dir, tmp_path / "run", kl_in_reward=False, kl_estimator="k3", kl_loss_coef=1.0)
     env, state, batch = phase_batch(cfg)
-    score(batch, reward)
-    values(state.value_model, batch, cfg)
+    score(state, batch, cfg)
+    values(state, batch, cfg)
     batch["ref_logprobs"] = batch["logprobs"] - 0.5 * batch["action_mask"]
-    advantages(batch, cfg, env, kl_coef=1.0)
-    policy0, critic0 = copy.deepcopy(state.policy), copy.deepcopy(state.value_model)
-
-    def run(kl_coef):
-        policy, critic = copy.deepcopy(policy0), copy.deepcopy(critic0)
-        opts = [common.make_optimizer(m.parameters(), 1e-3, 0.0) for m in (policy, critic)]
-        gen = torch.Generator().manual_seed(0)
-        stats = update(policy, critic, *opts, batch, cfg, env, generator=gen, kl_coef=kl_coef, step=1)
-        return flat_weights(policy), flat_weights(critic), stats
-
-    with_kl, critic_a, stats = run(1.0)
-    without, critic_b, stats0 = run(0.0)
+    advantages(state, batch, cfg)
+    with_kl, critic_a, stats = fresh_update(state, batch, cfg, kl_coef=1.0)
+    without, critic_b, stats0 = fresh_update(state, batch, cfg, kl_coef=0.0)
     assert "kl_loss" in stats and "kl_loss" not in stats0
     assert stats["kl_loss"] > 0
     assert not torch.allclose(with_kl, without)
@@ -176,34 +183,25 @@ def test_kl_in_loss_changes_the_policy_update(policy_dir, tmp_path):
 def test_update_does_not_depend_on_microbatch_size(policy_dir, tmp_path):
     cfg = make_cfg(policy_dir, tmp_path / "run", loss_agg="seq-mean-token-mean", entropy_coef=0.01)
     env, state, batch = phase_batch(cfg)
-    score(batch, reward)
-    reference(state.reference, batch, cfg)
-    values(state.value_model, batch, cfg)
-    advantages(batch, cfg, env, kl_coef=state.kl_coef)
-    results = []
-    for mbs in (1, 3, 8):
-        policy, critic = copy.deepcopy(state.policy), copy.deepcopy(state.value_model)
-        opts = [common.make_optimizer(m.parameters(), 1e-3, 0.0) for m in (policy, critic)]
-        c = dataclasses.replace(cfg, microbatch_size=mbs)
-        update(policy, critic, *opts, batch, c, env, generator=torch.Generator().manual_seed(0), step=1)
-        results.append((flat_weights(policy), flat_weights(critic)))
-    for policy_w, critic_w in results[1:]:
-        torch.testing.assert_close(policy_w, results[0][0], atol=2e-6, rtol=0)
-        torch.testing.assert_close(critic_w, results[0][1], atol=2e-6, rtol=0)
+    for phase in (score, reference, values, advantages):
+        batch = phase(state, batch, cfg)
+    results = [fresh_update(state, batch, dataclasses.replace(cfg, microbatch_size=mbs)) for mbs in (1, 3, 8)]
+    for policy_w, critic_w, logged in results[1:]:
+        torch.testing.assert_close(policy_w, results[0][0], atol=5e-6, rtol=0)  # Adam amplifies float32 summation order
+        torch.testing.assert_close(critic_w, results[0][1], atol=5e-6, rtol=0)
+        for name, value in logged.items():  # the logged metrics do not depend on it either
+            assert value == pytest.approx(results[0][2][name], rel=1e-5, abs=1e-6), name
 
 
 def test_non_finite_loss_names_step_and_phase(policy_dir, tmp_path):
     cfg = make_cfg(policy_dir, tmp_path / "run")
     env, state, batch = phase_batch(cfg)
-    score(batch, reward)
-    reference(state.reference, batch, cfg)
-    values(state.value_model, batch, cfg)
-    advantages(batch, cfg, env, kl_coef=state.kl_coef)
+    for phase in (score, reference, values, advantages):
+        batch = phase(state, batch, cfg)
     batch["advantages"] = torch.where(batch["action_mask"], torch.nan, 0.0)
     before = flat_weights(state.policy)
-    with pytest.raises(NonFiniteError, match=r"step 7, phase update \(ppo epoch 0, minibatch 0\)"):
-        update(state.policy, state.value_model, state.policy_optimizer, state.value_optimizer, batch, cfg, env,
-               generator=state.minibatch_generator, step=7)  # fmt: skip
+    with pytest.raises(NonFiniteError, match=r"non-finite loss at ppo epoch 0, minibatch 0"):
+        update(state, batch, cfg)
     assert torch.equal(before, flat_weights(state.policy))
 
 
@@ -227,14 +225,22 @@ def test_reward_scaling_order():
 
 
 def test_adaptive_kl_controller():
+    from types import SimpleNamespace
+
+    from tensordict import TensorDict
+
+    def after(kl_per_token, cfg, n=50, length=2):
+        batch = TensorDict({"logprobs": torch.full((n, length), kl_per_token), "ref_logprobs": torch.zeros(n, length),
+                            "action_mask": torch.ones(n, length, dtype=torch.bool)}, [n])  # fmt: skip
+        state = SimpleNamespace(kl_coef=0.1, env=DistEnv(), metrics=StepMetrics())
+        kl_control(state, batch, cfg)
+        assert state.metrics.reduce(DistEnv())["kl_coef"] == 0.1  # logs the coefficient the step used
+        return state.kl_coef
+
     cfg = PPOConfig(adaptive_kl=True, kl_target=1.0, kl_horizon=100)
-    assert update_kl_coef(0.1, 10.0, cfg, 50) == pytest.approx(
-        0.1 * (1 + 0.2 * 0.5)
-    )  # KL too high: beta grows
-    assert update_kl_coef(0.1, 0.5, cfg, 50) == pytest.approx(
-        0.1 * (1 - 0.2 * 0.5)
-    )  # too low (error clipped at -0.2): beta shrinks
-    assert update_kl_coef(0.1, 10.0, PPOConfig(), 50) == 0.1  # off: unchanged
+    assert after(5.0, cfg) == pytest.approx(0.1 * (1 + 0.2 * 0.5))  # KL 10 per sequence, too high: beta grows
+    assert after(0.25, cfg) == pytest.approx(0.1 * (1 - 0.2 * 0.5))  # too low (error clipped at -0.2): shrinks
+    assert after(5.0, PPOConfig()) == 0.1  # off: unchanged
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -244,10 +250,11 @@ def test_adaptive_kl_controller():
 
 def test_two_step_run_writes_the_run(policy_dir, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = make_cfg(policy_dir, run_dir, val_at_start=True, val_at_end=True, tensorboard=True, save_period=1)
+    cfg = make_cfg(policy_dir, run_dir, val_at_start=True, val_at_end=True, tensorboard=True, save_period=1,
+                   checkpoint_hf_folders=True)
     assert train(cfg, reward=reward, prompts=PROMPTS) == run_dir
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "final/model.safetensors", "final/tokenizer.json",
-                 "checkpoints/step_1/policy/model.safetensors", "checkpoints/step_2/value/value_head.safetensors",
+                 "checkpoints/step_1/policy/model.safetensors", "checkpoints/step_2/value_model/value_head.safetensors",
                  "checkpoints/step_2/state.json"):  # fmt: skip
         assert (run_dir / name).is_file(), name
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
@@ -264,7 +271,7 @@ def test_two_step_run_writes_the_run(policy_dir, tmp_path):
         assert all(v is not None and math.isfinite(v) for v in row.values())
     assert "val_reward" in rows[2] and "val_reward" not in rows[1]
     state = json.loads((run_dir / "checkpoints/step_2/state.json").read_text())
-    assert state["current_step"] == 2 and state["consumed_samples"] == 8 and state["current_epoch"] == 1
+    assert state["step"] == 2 and state["stream"] == {"consumed_samples": 8} and rows[2]["epoch"] == 1
     assert state["total_valid_tokens"] > 0 and state["val_reward"] == rows[2]["val_reward"]
     samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 1, 2} and all("response" in s for s in samples)
@@ -297,7 +304,7 @@ def test_resume_reproduces_the_uninterrupted_run(policy_dir, tmp_path):
 
 
 def test_critic_warmup_leaves_the_policy_unchanged(policy_dir, tmp_path):
-    cfg = make_cfg(policy_dir, tmp_path / "run", policy_training_start_step=2, save_period=1)
+    cfg = make_cfg(policy_dir, tmp_path / "run", policy_training_start_step=2, save_period=1, checkpoint_hf_folders=True)
     train(cfg, reward=reward, prompts=PROMPTS)
     initial = flat_weights(AutoModelForCausalLM.from_pretrained(policy_dir))
     assert torch.equal(flat_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "run/final")), initial)
@@ -305,8 +312,8 @@ def test_critic_warmup_leaves_the_policy_unchanged(policy_dir, tmp_path):
     assert all("actor_loss" not in r and "critic_loss" in r for r in rows)
     from rlbits.models.heads import ValueModel
 
-    critic1 = ValueModel.from_pretrained(tmp_path / "run/checkpoints/step_1/value")
-    critic2 = ValueModel.from_pretrained(tmp_path / "run/checkpoints/step_2/value")
+    critic1 = ValueModel.from_pretrained(tmp_path / "run/checkpoints/step_1/value_model")
+    critic2 = ValueModel.from_pretrained(tmp_path / "run/checkpoints/step_2/value_model")
     assert not torch.equal(flat_weights(critic1), flat_weights(critic2))
 
 
@@ -379,7 +386,7 @@ def test_config_file_and_runtime_errors(policy_dir, tmp_path):
             reward=reward,
             prompts=PROMPTS,
         )
-    assert total_steps(make_cfg(policy_dir, tmp_path, max_num_steps=100, max_num_epochs=2), len(PROMPTS)) == 4
+    assert total_steps(make_cfg(policy_dir, tmp_path, max_num_steps=100, max_num_epochs=2), len(PROMPTS), 4) == 4
 
 
 def test_stop_request_ends_after_the_step_with_a_checkpoint(policy_dir, tmp_path):
