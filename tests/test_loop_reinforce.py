@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,13 +12,14 @@ from tensordict import TensorDict
 
 from rlbits.distributed.env import DistEnv
 from rlbits.loops.config import ConfigError, config_from_dict
+from rlbits.loops import reinforce
+from rlbits.loops.metrics import StepMetrics
+from rlbits.loops.phases import prompt_batch
 from rlbits.loops.reinforce import (
     ReinforceConfig,
-    advantages,
     informative_groups,
     init_state,
     policy_gradient_loss,
-    sample_batch,
     train,
     update,
 )
@@ -61,6 +63,21 @@ def make_cfg(tiny_path, tmp_path, **overrides):
 
 
 # --- advantages on hand-computed tensors ---------------------------------------------------------------
+
+
+def advantages(batch, cfg):
+    """The advantages phase on a hand-made batch; returns the metrics it logged."""
+    state = SimpleNamespace(metrics=StepMetrics())
+    reinforce.advantages(state, batch, cfg)
+    return {k: torch.tensor(v) for k, v in state.metrics.reduce(DistEnv()).items()}
+
+
+def sample_batch(state, cfg, reward):
+    """Phases 1-2b: rollout, score, dynamic sampling; returns the batch and the metrics logged."""
+    state.reward, state.metrics = reward, StepMetrics()
+    batch = reinforce.rollout(state, state.stream.next_batch(cfg.num_prompts_per_step), cfg)
+    batch = reinforce.dynamic_sampling(state, reinforce.score(state, batch, cfg), cfg)
+    return batch, state.metrics.reduce(DistEnv())
 
 
 def hand_batch(rewards, lengths, truncated=None, kl=0.0):
@@ -182,7 +199,7 @@ def test_non_finite_loss_names_step_and_phase(tiny_path, tmp_path):
     with torch.no_grad():
         next(state.policy.parameters()).fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="step 1, phase update"):
-        update(state, batch, cfg, DistEnv())
+        update(state, batch, cfg)
 
 
 # --- the whole loop ------------------------------------------------------------------------------------
@@ -225,11 +242,13 @@ def test_two_step_smoke_run(tiny_path, tmp_path):
     assert names <= rows[1].keys(), names - rows[1].keys()
     assert rows[1]["entropy"] > 0 and rows[1]["clipfrac"] == 0.0
     state = json.loads((run_dir / "checkpoints" / "step_2" / "state.json").read_text())
-    assert state["current_step"] == 2 and state["consumed_samples"] == 8 and state["total_valid_tokens"] > 0
+    assert state["step"] == 2 and state["stream"] == {"consumed_samples": 8} and state["total_valid_tokens"] > 0
     assert AutoModelForCausalLM.from_pretrained(run_dir / "final") is not None
     assert (run_dir / "final" / "tokenizer.json").exists()
     samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 4 and {"step", "prompt", "response", "reward"} <= samples[0].keys()
+    train_rows = [s for s in samples if s["step"] > 0]  # step 0: the validation before training, as every loop
+    assert len(train_rows) == 4 and {"step", "prompt", "response", "reward"} <= train_rows[0].keys()
+    assert {s.get("split") for s in samples if s["step"] == 0} == {"test"}
 
 
 @pytest.mark.slow

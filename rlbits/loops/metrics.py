@@ -27,6 +27,12 @@ from rlbits.distributed.reduce import all_reduce_max, all_reduce_sum
 _SUMMED = ("num", "den", "sum", "same")
 
 
+def _as_float64(value: torch.Tensor | float) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64).reshape(())
+    return torch.tensor(float(value), dtype=torch.float64)  # a Python float keeps its 64 bits
+
+
 class StepMetrics:
     """Accumulates one step's statistics (see the module docstring for the four reductions)."""
 
@@ -34,7 +40,7 @@ class StepMetrics:
         self.td = TensorDict({}, batch_size=[])
 
     def _add(self, kind: str, name: str, value: torch.Tensor | float) -> None:
-        value = torch.as_tensor(value).detach().to(torch.float64).reshape(())
+        value = _as_float64(value)
         key = (kind, name)
         old = self.td.get(key, None)
         self.td[key] = value if old is None else old + value.to(old.device)
@@ -54,7 +60,7 @@ class StepMetrics:
 
     def max(self, name: str, value: torch.Tensor | float) -> None:
         """Set ``name`` to the maximum of ``value`` over calls and ranks."""
-        value = torch.as_tensor(value).detach().to(torch.float64).reshape(())
+        value = _as_float64(value)
         old = self.td.get(("max", name), None)
         self.td["max", name] = value if old is None else torch.maximum(old, value.to(old.device))
 

@@ -18,8 +18,7 @@ Algorithm (one step)::
                    loss = pg_loss + kl_loss_coef * agg(KL_t(pi_theta || pi_ref))
                    pg_loss = reinforce_loss (-A log pi) when ppo_epochs == num_minibatches == 1, else
                    ppo_loss (clipped ratio, clip_eps / clip_eps_high: DAPO clip-higher)
-    6. validate    test-split reward every val_period steps (greedy with val_greedy)
-    7. save        checkpoint every save_period steps and at the end; RUN_DIR/final/ HF folder
+    6. log, validate (test-split reward every val_period steps) and save (rlbits.loops.run.Run)
 
 Papers: Williams 1992 (REINFORCE); Kool 2019 "Buy 4 REINFORCE samples, get a baseline for free" and Ahmadian
 2024 "Back to basics: revisiting REINFORCE-style optimization for learning from human feedback in LLMs"
@@ -54,44 +53,42 @@ Metrics (metrics.jsonl, one line per step; see docs/reinforce.md): ``rewards``, 
 validation steps.
 """
 
+
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import einops
 import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import collate, split_microbatches, split_minibatches
-from rlbits.distributed.checkpoint import (
-    export_model,
-    hf_folder,
-    load_checkpoint,
-    resume_checkpoint,
-    save_checkpoint,
-)
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
-from rlbits.distributed.reduce import all_reduce_max, any_rank, global_count, reduce_metrics
+from rlbits.distributed.reduce import all_reduce_max, any_rank, global_count
 from rlbits.functional import (
     KL_ESTIMATORS,
     aggregate_loss,
     group_normalize,
     kl_penalty,
     masked_mean,
+    masked_sum,
     ppo_loss,
     reinforce_loss,
     rloo_baseline,
 )
-from rlbits.loops import common
+from rlbits.loops import phases
 from rlbits.loops.config import ConfigError, RunConfig
 from rlbits.loops.data import PromptStream
-from rlbits.loops.run import Run
+from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
+from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase, total_steps
+from rlbits.loops.runtime import autocast, generator, kernel, load_policy_and_tokenizer, policy_path, prepare
+from rlbits.loops.state import LoopState, frozen, optimizer_of, runtime
 from rlbits.models.forward import policy_logprobs
-from rlbits.models.load import load_pretrained
+from rlbits.models.load import freeze, load_pretrained
 from rlbits.tasks import get_task
 
 BASELINES = ("rloo", "grpo", "grpo_unscaled", "none")
@@ -203,284 +200,214 @@ class ReinforceConfig(RunConfig):
         return self.ppo_epochs > 1 or self.num_minibatches > 1
 
 
-@dataclasses.dataclass
-class State:
-    """Everything a step changes or reads besides the config: models, optimizer, RNG streams, counters."""
+
+@dataclasses.dataclass(kw_only=True)
+class State(LoopState):
+    """Everything a REINFORCE run carries from step to step, saved as a whole (``rlbits.loops.state``)."""
 
     policy: torch.nn.Module
-    reference: torch.nn.Module
-    tokenizer: Any
-    optimizer: torch.optim.Optimizer
-    sampler: torch.Generator
+    reference: torch.nn.Module | None = frozen(default=None)
+    """Frozen initial policy (``init_policy_kl``, the KL terms)."""
+    optimizer: torch.optim.Optimizer = optimizer_of("policy")
+    sampling_generator: torch.Generator
     """Sampling noise of the rollouts (on the policy's device)."""
-    shuffler: torch.Generator
+    minibatch_generator: torch.Generator
     """Minibatch shuffles (CPU)."""
     stream: PromptStream
-    step: int = 0
-    total_valid_tokens: int = 0
-    val_reward: float | None = None
+    """The train prompts, in a seeded order per epoch; its position is saved."""
+    reward: Any = runtime(default=None)
+    val_prompts: list[str] = runtime(default_factory=list)
 
-
-# --- set-up ----------------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """Passes over the train prompts completed."""
+        return self.stream.epoch
 
 
 def init_state(
-    cfg: ReinforceConfig,
-    env: DistEnv,
-    *,
-    resume_from: str | Path | None = None,
-    prompts: Sequence[str] | None = None,
+    cfg: ReinforceConfig, env: DistEnv, *, reward: Any = None, prompts: Sequence[str] | None = None
 ) -> State:
-    """Load the policy (from ``resume_from/policy`` when resuming) and a frozen reference, build the optimizer,
-    the generators and the prompt stream, and restore optimizer, RNG states and counters from the checkpoint."""
-    init_path = common.policy_path(cfg)
-    policy, tokenizer = common.load_policy_and_tokenizer(str(hf_folder(resume_from, "policy") or init_path), env)
-    reference, _ = common.load_policy_and_tokenizer(init_path, env)
-    reference.eval().requires_grad_(False)
-    policy.train()
-    policy, reference = common.prepare(policy, cfg, env), common.prepare(reference, cfg, env)
-    optimizer = common.make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay)
-    sampler = torch.Generator(device=env.device).manual_seed(cfg.seed + 1000 * env.rank)
-    shuffler = torch.Generator().manual_seed(cfg.seed + 1)
-    train_prompts = list(prompts) if prompts is not None else get_task(cfg.task).prompts("train")
-    state = State(
-        policy, reference, tokenizer, optimizer, sampler, shuffler, PromptStream(train_prompts, cfg.seed)
-    )
-    if resume_from is not None:
-        saved = load_checkpoint(
-            resume_from,
-            models={"policy": policy},
-            optimizers={"policy": optimizer},
-            generators={"sampler": sampler, "shuffler": shuffler},
-            env=env,
-        )
-        state.stream.consumed_samples = saved["consumed_samples"]
-        state.step = saved["current_step"]
-        state.total_valid_tokens = saved["total_valid_tokens"]
-        state.val_reward = saved.get("val_reward")
-    return state
+    """Load the policy and a frozen reference from the initial weights, build the optimizer, the generators
+    and the prompt stream. A resumed run then restores the checkpoint into it (``Run.start``)."""
+    task = get_task(cfg.task)
+    init_path = policy_path(cfg)
+    policy, tokenizer = load_policy_and_tokenizer(init_path, env)
+    reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
+    policy = prepare(policy.train(), cfg, env)
+    return State(
+        env=env, tokenizer=tokenizer, policy=policy, reference=reference,
+        optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
+        sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
+        minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
+        stream=PromptStream(list(prompts) if prompts is not None else task.prompts("train"), cfg.seed),
+        reward=reward if reward is not None else task.reward, val_prompts=task.prompts("test"),
+    )  # fmt: skip
 
 
-# --- 1-2. rollout and score (with dynamic sampling) ------------------------------------------------------
+# --- phases: phase(state, batch, cfg) -> batch --------------------------------------------------------------
 
 
-def rollout(state: State, cfg: ReinforceConfig, prompts: Sequence[str]) -> TensorDictBase:
-    """Phase 1: K responses per prompt at ``cfg.temperature`` (groups contiguous), behaviour logprobs."""
-    with common.autocast(state.policy, cfg):
-        return common.rollout(
-            state.policy,
-            state.tokenizer,
-            prompts,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            num_samples=cfg.num_generations_per_prompt,
-            generator=state.sampler,
-        )
+def rollout(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
+    """Phase 1: K responses per prompt of ``batch["prompt_text"]`` at ``cfg.temperature`` (groups
+    contiguous), behaviour logprobs. Returns the new rollout batch."""
+    with autocast(state.policy, cfg):
+        return phases.rollout(
+            state.policy, state.tokenizer, phases.prompt_texts(batch), max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt,
+            generator=state.sampling_generator,
+        )  # fmt: skip
 
 
-def score(batch: TensorDictBase, reward: Any) -> torch.Tensor:
-    """Phase 2: ``rewards`` [B] from ``reward`` (callable, reward model or server URL)."""
-    return common.score_rollout(batch, reward)
+def score(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
+    """Phase 2: ``rewards`` [B] from ``state.reward`` (callable, reward model or server URL); adds
+    ``gen_rewards``, ``zero_std_frac`` (groups whose K rewards are all equal) and ``gen_batches`` over every
+    batch generated this step (dynamic sampling may generate several)."""
+    rewards = phases.score_rollout(batch, state.reward)
+    m = state.metrics
+    m.mean("gen_rewards", rewards.sum(), rewards.numel())
+    if cfg.num_generations_per_prompt >= 2:
+        informative = informative_groups(rewards, cfg.num_generations_per_prompt)
+        m.mean("zero_std_frac", (~informative).sum(), informative.numel())
+    return batch
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """[G] bool: True for groups whose K rewards are not all equal (they carry a learning signal)."""
-    groups = rewards.view(-1, group_size)
+    groups = einops.rearrange(rewards, "(g k) -> g k", k=group_size)
     return groups.amax(dim=1) > groups.amin(dim=1)
 
 
-def sample_batch(
-    state: State, cfg: ReinforceConfig, reward: Any, env: DistEnv | None = None
-) -> tuple[TensorDictBase, dict[str, float]]:
-    """Phases 1-2: generate and score one batch; with ``cfg.dynamic_sampling``, keep only informative groups
-    and generate more batches until ``num_prompts_per_step`` groups are kept or the batch budget is spent.
+def dynamic_sampling(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
+    """Phase 2b (DAPO dynamic sampling): keep only informative groups of the scored ``batch`` and generate and
+    score more batches of prompts from ``state.stream`` until ``num_prompts_per_step`` groups are kept or
+    ``dynamic_sampling_max_gen_batches`` batches ran. Without ``cfg.dynamic_sampling`` returns ``batch``.
 
-    Under torchrun each rank takes its ``num_prompts_per_step`` prompts of every draw of
-    ``num_prompts_per_step * world_size`` (whole groups stay on one rank), and every rank draws until no
-    rank needs more, so the prompt stream stays in step across ranks.
-
-    Returns:
-        ``(batch, stats)``: the training batch (its groups contiguous, ``group`` renumbered) and
-        ``gen_batches``, ``kept_groups``, and over every generated response ``zero_std_frac`` (groups),
-        ``gen_rewards`` (mean reward) and ``gen_tokens`` (action tokens).
+    Under torchrun every rank draws until no rank needs more, so the prompt stream stays in step across
+    ranks (a rank that is full joins each round's collectives without generating). If no group at all is
+    informative, the last batch is trained on (only a KL loss can move it). Adds ``kept_groups`` (all
+    ranks) and ``gen_batches``.
     """
-    env = env or DistEnv()
-    k, n = cfg.num_generations_per_prompt, cfg.num_prompts_per_step
-    max_batches = cfg.dynamic_sampling_max_gen_batches if cfg.dynamic_sampling else 1
-    kept: list[TensorDictBase] = []
-    n_kept = n_groups = n_zero = n_gen = 0
-    reward_sum = 0.0
-    gen_tokens = 0
-    last = None
-    for _ in range(max_batches):
-        prompts = state.stream.next(n * env.world_size)[env.rank * n : (env.rank + 1) * n]
-        if cfg.dynamic_sampling and n_kept >= n:  # this rank is full; others still draw
-            with common.agreed(env, cfg.on_nonfinite == "skip"):  # the collective the others run in score
-                pass
-            if all_reduce_max(torch.tensor(0, device=env.device), env).item() == 0:
-                break
-            continue
-        batch = rollout(state, cfg, prompts)
-        with common.agreed(env, cfg.on_nonfinite == "skip"), common.in_phase(state.step + 1, "score"):
-            rewards = score(batch, reward)
-        n_gen += 1
-        reward_sum += rewards.sum().item()
-        gen_tokens += int(batch["action_mask"].sum())
-        last = batch
-        if k >= 2:
-            mask = informative_groups(rewards, k)
-            n_groups += mask.numel()
-            n_zero += int((~mask).sum())
-        if not cfg.dynamic_sampling:
-            kept.append(batch)
-            n_kept = cfg.num_prompts_per_step
-            break
-        need = cfg.num_prompts_per_step - n_kept
-        keep = mask.nonzero().flatten()[:need]
-        if keep.numel():
-            rows = (keep[:, None] * k + torch.arange(k, device=keep.device)).flatten()
-            kept.append(batch[rows])
-            n_kept += keep.numel()
+    if not cfg.dynamic_sampling:
+        state.metrics.max("gen_batches", 1.0)
+        state.metrics.sum("kept_groups", float(batch.batch_size[0] // cfg.num_generations_per_prompt))
+        return batch
+    env, k, n = state.env, cfg.num_generations_per_prompt, cfg.num_prompts_per_step
+    skip = cfg.on_nonfinite == "skip"
+    kept, n_kept, n_gen, last, fresh = [], 0, 1, batch, batch
+    for round_ in range(cfg.dynamic_sampling_max_gen_batches):
+        if round_ > 0:
+            prompts = state.stream.next_batch(n, env)  # every rank draws: the stream stays in step
+            fresh = None
+            if n_kept >= n:  # this rank is full; the others still draw: join the collective of their scoring
+                with agreed(env, skip):
+                    pass
+            else:
+                fresh = rollout(state, prompts, cfg)
+                with agreed(env, skip), in_phase(state.step + 1, "score"):
+                    fresh = score(state, fresh, cfg)
+                n_gen, last = n_gen + 1, fresh
+        if fresh is not None:
+            keep = informative_groups(fresh["rewards"], k).nonzero().flatten()[: n - n_kept]
+            if keep.numel():
+                rows = einops.rearrange(keep[:, None] * k + torch.arange(k, device=keep.device), "g k -> (g k)")
+                kept.append(fresh[rows])
+                n_kept += keep.numel()
         if all_reduce_max(torch.tensor(n - min(n_kept, n), device=env.device), env).item() == 0:
             break
-    if not kept:  # no informative group at all: train on the last batch (only a KL loss can move it)
-        kept = [last]
-    out = collate(kept, pad_token_id=state.tokenizer.pad_token_id) if len(kept) > 1 else kept[0]
-    stats = {
-        "gen_batches": float(n_gen),
-        "kept_groups": float(n_kept),
-        "zero_std_frac": n_zero / n_groups if n_groups else 0.0,
-        "gen_rewards": reward_sum / (n_gen * cfg.rollout_batch_size),
-        "gen_tokens": float(gen_tokens),
-    }
-    return out, stats
+    kept = kept or [last]
+    state.metrics.max("gen_batches", float(n_gen))
+    state.metrics.sum("kept_groups", float(n_kept))
+    return collate(kept, pad_token_id=state.tokenizer.pad_token_id) if len(kept) > 1 else kept[0]
 
 
-# --- 3. reference ----------------------------------------------------------------------------------------
-
-
-def reference(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> torch.Tensor:
+def reference(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
     """Phase 3: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen initial policy."""
-    with unsharded(state.reference), common.autocast(state.reference, cfg):
-        return common.reference_logprobs(
-            state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size
-        )
+    with unsharded(state.reference), autocast(state.reference, cfg):
+        phases.reference_logprobs(state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size)
+    return batch
 
 
-# --- 4. advantages ---------------------------------------------------------------------------------------
-
-
-def advantages(batch: TensorDictBase, cfg: ReinforceConfig) -> dict[str, torch.Tensor]:
+def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
     """Phase 4: ``advantages`` [B, R] and ``loss_mask`` [B, R] from ``rewards``, ``logprobs``, ``ref_logprobs``.
 
     ``r' = r - kl_coef * sum_t KL_t`` (with ``kl_in_reward``), the sequence advantage ``A = r' - baseline``
     (or the group-normalised ``r'``), broadcast over action tokens; ``loss_mask = action_mask`` without the
-    truncated responses when ``overlong_filtering``.
-
-    Returns:
-        Metrics: ``rewards``, ``rewards_with_kl``, ``baseline``, ``advantages`` (token mean over the loss mask),
-        ``init_policy_kl``, ``truncated_frac``, ``response_len``, ``loss_tokens`` (detached 0-dim tensors).
+    truncated responses when ``overlong_filtering``. Adds ``rewards``, ``rewards_with_kl``, ``baseline``,
+    ``advantages`` (token mean over the loss mask), ``init_policy_kl``, ``truncated_frac``, ``response_len``,
+    ``loss_tokens`` to ``state.metrics``.
     """
-    action_mask = batch["action_mask"]
+    action_mask, m = batch["action_mask"], state.metrics
     rewards = batch["rewards"].float()
-    k = cfg.num_generations_per_prompt
+    k, rows = cfg.num_generations_per_prompt, batch.batch_size[0]
     shaped = rewards
     if cfg.kl_in_reward:
-        kl = common.kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator)
+        kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator)
         shaped = rewards - cfg.kl_coef * torch.where(action_mask, kl, 0.0).sum(-1)
     if cfg.baseline == "rloo":
         baseline = rloo_baseline(shaped, k)
         seq_adv = shaped - baseline
-    elif cfg.baseline in ("grpo", "grpo_unscaled"):
-        baseline = shaped.view(-1, k).mean(dim=1).repeat_interleave(k)
+    elif cfg.baseline in ("grpo", "dr_grpo", "grpo_unscaled"):
+        baseline = einops.repeat(einops.reduce(shaped, "(g k) -> g", "mean", k=k), "g -> (g k)", k=k)
         seq_adv = group_normalize(shaped, k, scale=cfg.baseline == "grpo", eps=cfg.grpo_eps)
     else:
         baseline = torch.zeros_like(shaped)
         seq_adv = shaped
-    truncated = (
-        batch["truncated"] if "truncated" in batch.keys() else torch.zeros_like(rewards, dtype=torch.bool)
-    )
+    truncated = batch["truncated"] if "truncated" in batch.keys() else torch.zeros_like(rewards, dtype=torch.bool)
     loss_mask = action_mask & ~truncated[:, None] if cfg.overlong_filtering else action_mask
     batch["advantages"] = torch.where(action_mask, seq_adv[:, None], 0.0)
     batch["loss_mask"] = loss_mask
-    lengths = action_mask.sum(-1).float()
-    return {
-        "rewards": rewards.mean(),
-        "rewards_with_kl": shaped.mean(),
-        "baseline": baseline.mean(),
-        "advantages": masked_mean(batch["advantages"], loss_mask),
-        "init_policy_kl": common.kl_per_sequence(batch["logprobs"], batch["ref_logprobs"], action_mask),
-        "truncated_frac": truncated.float().mean(),
-        "response_len": lengths.mean(),
-        "response_len_max": lengths.max(),
-        "loss_tokens": loss_mask.sum().float(),
-    }
-
-
-# --- 5. update -------------------------------------------------------------------------------------------
+    phases.add_batch_stats(m, batch)
+    m.mean("rewards_with_kl", shaped.sum(), rows)
+    m.mean("baseline", baseline.sum(), rows)
+    m.mean("advantages", masked_sum(batch["advantages"], loss_mask), loss_mask.sum())
+    m.mean("truncated_frac", truncated.float().sum(), rows)
+    m.sum("loss_tokens", loss_mask.sum().float())
+    return batch
 
 
 def policy_gradient_loss(
-    logprobs: torch.Tensor,
-    micro: TensorDictBase,
-    cfg: ReinforceConfig,
-    num_tokens: torch.Tensor,
-    num_seqs: torch.Tensor,
+    logprobs: torch.Tensor, micro: TensorDictBase, cfg: ReinforceConfig, num_tokens: torch.Tensor, num_seqs: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy-gradient term of one microbatch: ``ppo_loss`` when ``cfg.clipped``, else ``reinforce_loss``
     (plus ``clipfrac`` 0 and the same ``approx_kl`` so both report the same metrics)."""
     mask = micro["loss_mask"]
     agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
     if cfg.clipped:
-        loss, m = common.kernel(ppo_loss, cfg)(
-            logprobs, micro["logprobs"], micro["advantages"], mask, cfg.clip_eps, cfg.clip_eps_high, **agg
-        )
+        loss, m = kernel(ppo_loss, cfg)(logprobs, micro["logprobs"], micro["advantages"], mask, cfg.clip_eps, cfg.clip_eps_high, **agg)
         return loss, {"clipfrac": m["clipfrac"], "approx_kl": m["approx_kl"]}
-    loss, _ = common.kernel(reinforce_loss, cfg)(logprobs, micro["advantages"], mask, **agg)
+    loss, _ = kernel(reinforce_loss, cfg)(logprobs, micro["advantages"], mask, **agg)
     # ppo_loss's approx_kl: the k3 estimate of KL(pi_old || pi_theta) on the sampled tokens.
     approx_kl = masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)
     return loss, {"clipfrac": torch.zeros(()), "approx_kl": approx_kl}
 
 
-def update(
-    state: State, batch: TensorDictBase, cfg: ReinforceConfig, env: DistEnv
-) -> dict[str, torch.Tensor]:
+def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
     """Phase 5: ``ppo_epochs`` x ``num_minibatches`` optimizer steps, gradients accumulated over microbatches.
 
     Each minibatch's loss is normalised by its global loss-token (or sequence) count, so microbatching gives
-    the gradient of one big batch. Raises FloatingPointError naming the step if a loss or gradient is not
-    finite (the update is skipped, nothing is saved).
+    the gradient of one big batch. Adds ``actor_loss`` and ``kl_loss`` (each minibatch's aggregated loss,
+    averaged over minibatches and epochs), loss-token means of ``clipfrac``, ``approx_kl``, ``entropy``, and
+    ``grad_norm`` (mean over optimizer steps, before clipping) to ``state.metrics``.
 
-    Returns:
-        ``actor_loss`` and ``kl_loss`` (each minibatch's aggregated loss, averaged over minibatches and
-        epochs), token-weighted means over microbatches of ``clipfrac``, ``approx_kl``, ``entropy``, and
-        ``grad_norm`` (mean over optimizer steps, before clipping).
+    Raises:
+        NonFiniteError: a loss or gradient is not finite (on every rank; the policy is left untouched).
     """
-    policy = state.policy
+    env, m, policy = state.env, state.metrics, state.policy
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
     num_mb = min(cfg.num_minibatches, int(batch.batch_size[0]) // cfg.num_generations_per_prompt or 1)
     num_mb = -int(all_reduce_max(torch.tensor(-num_mb, device=env.device), env).item())  # the same on every rank
-    sums: dict[str, torch.Tensor] = {}
-    token_total = torch.zeros(())
-    losses, kl_losses, norms = [], [], []
-
-    def add(name: str, value: torch.Tensor, weight: torch.Tensor) -> None:
-        sums[name] = sums.get(name, torch.zeros(())) + value.detach().float().cpu() * weight
-
+    per_update = 1.0 / (cfg.ppo_epochs * num_mb)
     for _ in range(cfg.ppo_epochs):
-        for minibatch in split_minibatches(batch, num_mb, generator=state.shuffler, keep_groups=True):
+        for minibatch in split_minibatches(batch, num_mb, generator=state.minibatch_generator, keep_groups=True):
             num_tokens = global_count(minibatch["loss_mask"], env).clamp(min=1)
             num_seqs = global_count(minibatch["loss_mask"].any(-1), env).clamp(min=1)
-            mb_loss, mb_kl = torch.zeros(()), torch.zeros(())
-            for micro in common.pad_microbatches(list(split_microbatches(minibatch, cfg.microbatch_size)), env):
+            for micro in pad_microbatches(list(split_microbatches(minibatch, cfg.microbatch_size)), env):
                 mask = micro["loss_mask"]
-                with common.autocast(policy, cfg):
-                    logprobs, entropy = policy_logprobs(
-                        policy, micro, temperature=cfg.temperature, return_entropy=True
-                    )
+                with autocast(policy, cfg):
+                    logprobs, entropy = policy_logprobs(policy, micro, temperature=cfg.temperature, return_entropy=True)
                 logprobs, entropy = logprobs.float(), entropy.float()
-                loss, metrics = policy_gradient_loss(logprobs, micro, cfg, num_tokens, num_seqs)
+                loss, stats = policy_gradient_loss(logprobs, micro, cfg, num_tokens, num_seqs)
                 kl_loss = torch.zeros(())
                 if cfg.kl_loss_coef > 0:
                     kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator)
@@ -488,170 +415,72 @@ def update(
                     loss = loss + cfg.kl_loss_coef * kl_loss
                 if any_rank(~torch.isfinite(loss.detach()), env):  # every rank raises together
                     policy.zero_grad(set_to_none=True)
-                    raise FloatingPointError(
-                        f"step {state.step + 1}, phase update: the loss is {loss.item()}"
-                    )
+                    raise NonFiniteError(f"step {state.step + 1}, phase update: the loss is {loss.item()}")
                 loss.backward()
-                weight = mask.sum().float().cpu()
-                token_total = token_total + weight
-                mb_loss = mb_loss + loss.detach().cpu()
-                mb_kl = mb_kl + kl_loss.detach().cpu()
-                add("clipfrac", metrics["clipfrac"], weight)
-                add("approx_kl", metrics["approx_kl"], weight)
-                add("entropy", masked_mean(entropy.detach(), mask), weight)
+                weight = mask.sum()
+                m.sum("actor_loss", (loss - cfg.kl_loss_coef * kl_loss).detach() * per_update)
+                m.sum("kl_loss", kl_loss.detach() * per_update)
+                for name, value in (*stats.items(), ("entropy", masked_mean(entropy.detach(), mask))):
+                    m.mean(name, value * weight, weight)
             try:
-                norms.append(common.clip_and_step(params, state.optimizer, cfg.max_grad_norm).cpu())
+                m.same("grad_norm", clip_and_step(params, state.optimizer, cfg.max_grad_norm) * per_update)
             except FloatingPointError as e:
-                raise FloatingPointError(f"step {state.step + 1}, phase update: {e}") from e
-            losses.append(mb_loss)
-            kl_losses.append(mb_kl)
-    out = {name: value / token_total.clamp(min=1) for name, value in sums.items()}
-    out["actor_loss"] = torch.stack(losses).mean()
-    out["kl_loss"] = torch.stack(kl_losses).mean()
-    out["grad_norm"] = torch.stack(norms).float().mean()
-    return out
+                raise NonFiniteError(f"step {state.step + 1}, phase update: {e}") from e
+    return batch
 
 
-# --- 6-7. validate and save ------------------------------------------------------------------------------
-
-
-def validate(
-    state: State, cfg: ReinforceConfig, reward: Any = None, env: DistEnv | None = None
-) -> tuple[dict[str, float], TensorDictBase]:
-    """Phase 6: mean test-split reward (``val_reward``) with the validation generator (greedy if val_greedy)."""
-    return common.validate(state.policy, state.tokenizer, cfg, reward=reward, env=env)
-
-
-def save(state: State, cfg: ReinforceConfig, env: DistEnv | None = None) -> Path:
-    """Phase 7: checkpoint ``RUN_DIR/checkpoints/step_N`` (policy, optimizer, generators, counters; every rank
-    calls it)."""
-    path = save_checkpoint(
-        cfg.run_dir,
-        state.step,
-        models={"policy": state.policy},
-        optimizers={"policy": state.optimizer},
-        generators={"sampler": state.sampler, "shuffler": state.shuffler},
-        tokenizer=state.tokenizer,
-        keep=cfg.keep_checkpoints,
-        env=env,
-        state={
-            "consumed_samples": state.stream.consumed_samples,
-            "current_step": state.step,
-            "current_epoch": state.stream.epoch,
-            "total_steps": cfg.max_num_steps,
-            "total_valid_tokens": state.total_valid_tokens,
-            "val_reward": state.val_reward,
-        },
-    )
-    return path
-
-
-def export(state: State, cfg: ReinforceConfig, env: DistEnv | None = None) -> Path | None:
-    """The trained policy and its tokenizer as ``RUN_DIR/final/`` (``from_pretrained`` loads it), written by
-    rank 0 (every rank calls it)."""
-    return export_model(
-        state.policy, Path(cfg.run_dir) / "final", tokenizer=state.tokenizer, env=env,
-        build=lambda: load_pretrained(common.policy_path(cfg))[0],
+def validate(state: State, batch: TensorDictBase | None, cfg: ReinforceConfig) -> TensorDictBase:
+    """Validation: mean test-split reward (``val_reward``, ...) with the validation generator (greedy if
+    ``val_greedy``), added to ``state.metrics``; ``batch`` is not read. Returns this rank's validation batch."""
+    _, val_batch = phases.validate(
+        state.policy, state.tokenizer, cfg, reward=state.reward, prompts=state.val_prompts, env=state.env,
+        metrics=state.metrics,
     )  # fmt: skip
+    return val_batch
 
 
-# --- one step and the loop ---------------------------------------------------------------------------------
-
-
-def train_step(
-    state: State, cfg: ReinforceConfig, env: DistEnv, reward: Any
-) -> tuple[dict[str, float], TensorDictBase]:
-    """Phases 1-5 for one step; advances ``state.step``. Returns the step's metrics (floats) and its batch."""
-    timer = common.PhaseTimer()
-    t0 = time.perf_counter()
-    with timer("rollout"):
-        batch, sampling = sample_batch(state, cfg, reward, env)
-    with timer("reference"):
-        reference(state, batch, cfg)
-    with timer("advantages"):
-        metrics: dict[str, Any] = advantages(batch, cfg)
-    with timer("update"):
-        metrics.update(update(state, batch, cfg, env))
-    state.step += 1
-    state.total_valid_tokens += int(global_count(batch["action_mask"], env).item())
-    metrics.update(sampling)
-    metrics = reduce_metrics(metrics, env)
-    metrics.update(timer.metrics())
-    metrics["tokens_per_s"] = metrics.pop("gen_tokens") / max(time.perf_counter() - t0, 1e-9)
-    metrics["epoch"] = float(state.stream.epoch)
-    metrics["consumed_samples"] = float(state.stream.consumed_samples)
-    return metrics, batch
+# --- the loop ----------------------------------------------------------------------------------------------
 
 
 def train(
-    cfg: ReinforceConfig,
-    *,
-    callbacks: Sequence[Any] = (),
-    resume: bool = False,
-    reward: Callable | Any = None,
+    cfg: ReinforceConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, reward: Callable | Any = None,
     prompts: Sequence[str] | None = None,
-) -> Path:
+) -> Path:  # fmt: skip
     """Run REINFORCE/RLOO/GRPO for ``cfg.max_num_steps`` steps and return the run directory.
 
     Args:
         cfg: the config (validated again here).
         callbacks: objects with ``on_metrics`` / ``on_samples`` / ``should_stop`` (see ``rlbits.loops.run``).
-        resume: continue from ``latest_checkpoint(cfg.run_dir)``; the run then matches the uninterrupted one.
+        resume: continue from the latest checkpoint of ``cfg.run_dir``; the run then matches the uninterrupted one.
         reward: overrides the task reward (anything ``rlbits.score`` accepts).
         prompts: overrides the task's train prompts.
 
     Raises:
         ConfigError: an invalid config. FileNotFoundError: ``resume`` without a checkpoint.
-        FloatingPointError: a non-finite loss or gradient (names the step and phase).
+        NonFiniteError: a non-finite loss or gradient (names the step and phase).
     """
     if not isinstance(cfg, ReinforceConfig):
-        raise TypeError(f"cfg must be a ReinforceConfig, got {type(cfg).__name__}")
-    cfg.validate()
-    ckpt = resume_checkpoint(cfg.run_dir, missing_ok=True) if resume else None
-    env = common.setup(cfg)
-    state = init_state(cfg, env, resume_from=ckpt, prompts=prompts)
-    task_reward = reward if reward is not None else get_task(cfg.task).reward
-    run = Run(
-        cfg, env, callbacks=callbacks, resume=resume, total_steps=cfg.max_num_steps, start_step=state.step
-    )
-    run.install_signal_handlers()
-    try:
-        if cfg.val_at_start and state.step == 0:
-            val, _ = validate(state, cfg, reward, env)
-            state.val_reward = val["val_reward"]
-            run.log(0, val)
-        saved_step = state.step if ckpt is not None else -1
-        while state.step < cfg.max_num_steps and state.stream.epoch < cfg.max_num_epochs:
-            try:
-                metrics, batch = train_step(state, cfg, env, task_reward)
-            except common.SKIPPABLE as e:
-                if cfg.on_nonfinite != "skip":
-                    raise
-                state.step += 1
-                run.log(state.step, common.skipped_step(e, state.step))
-                continue
-            stop = run.should_stop
-            last = stop or state.step >= cfg.max_num_steps or state.stream.epoch >= cfg.max_num_epochs
-            if (cfg.val_period and state.step % cfg.val_period == 0) or (last and cfg.val_at_end):
-                t0 = time.perf_counter()
-                val, _ = validate(state, cfg, reward, env)
-                state.val_reward = val["val_reward"]
-                metrics.update(val)
-                metrics["time/validate"] = time.perf_counter() - t0
-            run.log(state.step, metrics)
-            run.log_samples(state.step, common.sample_rows(batch, cfg.log_samples))
-            run.progress(state.step, reward=metrics["rewards"], kl=metrics["init_policy_kl"])
-            if last:
-                break
-            if cfg.save_period and state.step % cfg.save_period == 0:
-                save(state, cfg, env)
-                saved_step = state.step
-        if saved_step != state.step:
-            save(state, cfg, env)
-        export(state, cfg, env)
-    finally:
-        run.close()
-    return Path(cfg.run_dir)
+        raise ConfigError(f"cfg must be a ReinforceConfig, got {type(cfg).__name__}")
+    with Run(cfg, callbacks=callbacks, resume=resume) as run:
+        state = init_state(cfg, run.env, reward=reward, prompts=prompts)
+        per_step = cfg.num_prompts_per_step * run.env.world_size
+        run.start(state, validate=validate, total_steps=total_steps(cfg, len(state.stream), per_step))
+        for _ in run.steps(state):
+            with run.step(state):
+                with run.phase("rollout"):  # 1. K responses per prompt
+                    batch = rollout(state, state.stream.next_batch(cfg.num_prompts_per_step, run.env), cfg)
+                with run.phase("score"):  # 2. sequence rewards
+                    batch = score(state, batch, cfg)
+                with run.phase("rollout"):  # 2b. dynamic sampling: informative groups only, more batches
+                    batch = dynamic_sampling(state, batch, cfg)
+                with run.phase("reference"):  # 3. reference logprobs
+                    batch = reference(state, batch, cfg)
+                with run.phase("advantages"):  # 4. group baseline, broadcast over tokens
+                    batch = advantages(state, batch, cfg)
+                with run.phase("update"):  # 5. policy-gradient (or clipped) steps
+                    batch = update(state, batch, cfg)
+                run.end_step(state, batch)  # 6. log; validate and save when due
+        return run.finish(state, build=lambda: load_pretrained(policy_path(cfg))[0])
 
 
 __all__ = [
@@ -659,17 +488,14 @@ __all__ = [
     "ReinforceConfig",
     "State",
     "advantages",
-    "export",
+    "dynamic_sampling",
     "informative_groups",
     "init_state",
     "policy_gradient_loss",
     "reference",
     "rollout",
-    "sample_batch",
-    "save",
     "score",
     "train",
-    "train_step",
     "update",
     "validate",
 ]
