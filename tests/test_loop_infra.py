@@ -80,8 +80,8 @@ def test_bad_overrides_and_files(tmp_path):
 # --- checkpoints -----------------------------------------------------------------------------------------
 
 
-def _model_and_optimizer():
-    model = tiny_causal_lm("gpt2", seed=0)
+def _model_and_optimizer(seed: int = 0):
+    model = tiny_causal_lm("gpt2", seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, 64, (2, 5))).logits.square().mean().backward()
     optimizer.step()
@@ -95,7 +95,9 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_every_rng(tmp_path
     path = save_checkpoint(tmp_path, 5, models={"policy": model}, optimizers={"policy": optimizer},
                            state={"consumed_samples": 40}, generators={"sampling": gen})
     expected = (torch.rand(4, generator=gen), torch.rand(4), random.random(), np.random.rand())
-    restored = load_policy(path / "policy")
+    assert not (path / "policy").exists() and (path / "dcp" / ".metadata").is_file()  # weights live in dcp/
+    restored, _ = _model_and_optimizer(seed=1)  # other weights: the checkpoint must overwrite them
+    assert not torch.equal(next(restored.parameters()), next(model.parameters()))
     optimizer2 = torch.optim.AdamW(restored.parameters(), lr=1e-3)
     state = load_checkpoint(latest_checkpoint(tmp_path), models={"policy": restored},
                             optimizers={"policy": optimizer2}, generators={"sampling": gen})
@@ -108,12 +110,25 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_every_rng(tmp_path
     assert all(torch.equal(s1[k]["exp_avg"], s2[k]["exp_avg"]) for k in s1)
 
 
-def test_torn_or_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path):
+@pytest.mark.parametrize("checksums", ["small", "all"])
+def test_torn_or_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path, checksums, monkeypatch):
+    import rlbits.distributed.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "SMALL_FILE", 100_000)  # the tiny model's weights (580 kB) count as large
     model, optimizer = _model_and_optimizer()
     for step in (2, 4, 6):
-        save_checkpoint(tmp_path, step, models={"policy": model}, optimizers={"policy": optimizer}, keep=3)
+        save_checkpoint(tmp_path, step, models={"policy": model}, optimizers={"policy": optimizer}, keep=3,
+                        checksums=checksums)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_4", "step_6"]
-    weights = next((tmp_path / "checkpoints" / "step_6" / "policy").glob("*.safetensors"))
+    weights = max((tmp_path / "checkpoints" / "step_6" / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    manifest = json.loads((tmp_path / "checkpoints" / "step_6" / "manifest.json").read_text())
+    hashed = {rel for rel, meta in manifest["files"].items() if "sha256" in meta}
+    assert ("dcp/" + weights.name in hashed) == (checksums == "all")  # the weights are hashed only on request
+    assert {"state.json", "dcp/.metadata"} <= hashed  # the small files always
+    if checksums == "small":  # a flipped byte in the weights goes unseen; a truncated file does not
+        weights.write_bytes(weights.read_bytes()[:-1])
+        assert "bytes" in verify_checkpoint(tmp_path / "checkpoints" / "step_6")
+        return
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     weights.write_bytes(bytes(data))
@@ -161,7 +176,8 @@ def test_prompt_stream_epochs_and_exact_resume():
 
 
 def test_run_writes_metrics_samples_and_truncates_on_resume(tmp_path):
-    from rlbits.loops.run import Run, read_metrics
+    from rlbits.loops.logger import RunLogger as Run
+    from rlbits.loops.run import read_metrics
 
     cfg = RunConfig(run_dir=str(tmp_path / "run"), tensorboard=True, progress=False)
     run = Run(cfg)
@@ -183,7 +199,7 @@ def test_run_writes_metrics_samples_and_truncates_on_resume(tmp_path):
 def test_wandb_offline_logging(tmp_path, monkeypatch):
     """wandb=true works without a network in offline mode: the run lands under run_dir/wandb."""
     pytest.importorskip("wandb")  # in the dev extra, so CI runs this
-    from rlbits.loops.run import Run
+    from rlbits.loops.logger import RunLogger as Run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -349,6 +349,8 @@ def load_checkpoint(
             _load_hf_weights(models[name], path, name)
     payload: dict[str, Any] = {}
     if optimizers:
+        for model in models.values():  # a stale .grad makes the optimizer state load skip (silently)
+            model.zero_grad(set_to_none=True)
         payload["optimizers"] = _optimizer_states(models, optimizers)
     if in_dcp:
         payload["models"] = {name: get_model_state_dict(models[name]) for name in in_dcp}
