@@ -215,11 +215,30 @@ def _coerce(cls: type, name: str, value: Any, tp: Any) -> Any:
     )
 
 
+def renamed_keys(cls: type) -> dict[str, str]:
+    """Old config key -> new field name, for ``cls`` and its bases (``RENAMED`` class attributes)."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        out.update(getattr(klass, "RENAMED", {}))
+    return out
+
+
 def config_from_dict(cls: type[C], values: dict[str, Any]) -> C:
-    """Build and validate a ``cls`` from a dict, rejecting unknown keys and ill-typed values."""
+    """Build and validate a ``cls`` from a dict, rejecting unknown keys and ill-typed values. A key a
+    release renamed (``RENAMED``) is read as its new name, with a DeprecationWarning."""
+    import warnings
+
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
+    renamed = renamed_keys(cls)
     kwargs = {}
+    for key, value in list(values.items()):
+        if isinstance(key, str) and key in renamed and key not in fields:
+            new = renamed[key]
+            if new in values:
+                raise ConfigError(f"config key {key!r} is the old name of {new!r}; give only {new!r}")
+            warnings.warn(f"config key {key!r} is renamed {new!r}", DeprecationWarning, stacklevel=2)
+            values = {**{k: v for k, v in values.items() if k != key}, new: value}
     for key, value in values.items():
         if not isinstance(key, str):
             raise ConfigError(f"config key {key!r} is a {type(key).__name__}; keys are field names (valid keys: {', '.join(fields)})")

@@ -10,13 +10,13 @@ Algorithm (one step)::
     4. advantages  r'_i = r_i - kl_coef * sum_t KL_t          (kl_in_reward; NeMo-Aligner RLOO)
                    A_i  = r'_i - mean_{j != i} r'_j           (rloo; Kool 2019, Ahmadian 2024)
                         = (r'_i - mean_g r') / (std_g r' + eps)  (grpo; Shao 2024)
-                        = r'_i - mean_g r'                    (grpo_unscaled; Dr. GRPO, Liu 2025)
+                        = r'_i - mean_g r'                    (dr_grpo; Dr. GRPO, Liu 2025)
                         = r'_i                                (none: plain REINFORCE, Williams 1992)
                    broadcast over the response's action tokens (overlong_filtering: responses cut at
                    max_new_tokens without EOS get no loss tokens; DAPO, Yu 2025)
-    5. update      ppo_epochs x num_minibatches optimizer steps (gradient accumulation over microbatches):
+    5. update      num_iterations x num_minibatches optimizer steps (gradient accumulation over microbatches):
                    loss = pg_loss + kl_loss_coef * agg(KL_t(pi_theta || pi_ref))
-                   pg_loss = reinforce_loss (-A log pi) when ppo_epochs == num_minibatches == 1, else
+                   pg_loss = reinforce_loss (-A log pi) when num_iterations == num_minibatches == 1, else
                    ppo_loss (clipped ratio, clip_eps / clip_eps_high: DAPO clip-higher)
     6. log, validate (test-split reward every val_period steps) and save (rlbits.loops.run.Run)
 
@@ -32,7 +32,7 @@ How rlbits departs from them (details in docs/reinforce.md):
   so the penalty is baselined within the group too (NeMo-Aligner's REINFORCE trainer does the same with the
   per-token *mean* KL; TRL's RLOO trainer with the sum, as here).
 - ``loss_agg`` defaults to DAPO's ``token-mean`` (GRPO's paper uses ``seq-mean-token-mean``).
-- With ``ppo_epochs == num_minibatches == 1`` the importance ratio is 1 and the loss is plain REINFORCE
+- With ``num_iterations == num_minibatches == 1`` the importance ratio is 1 and the loss is plain REINFORCE
   (``reinforce_loss``); its gradient equals the clipped PPO loss's at ratio 1.
 - Dynamic sampling stops after ``dynamic_sampling_max_gen_batches`` and trains on the informative groups it
   has (DAPO/verl generate until full or raise); if none is informative it trains on the last batch, where
@@ -59,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import einops
 import torch
@@ -91,7 +91,7 @@ from rlbits.models.forward import policy_logprobs
 from rlbits.models.load import freeze, load_pretrained
 from rlbits.tasks import get_task
 
-BASELINES = ("rloo", "grpo", "grpo_unscaled", "none")
+BASELINES = ("rloo", "grpo", "dr_grpo", "grpo_unscaled", "none")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
@@ -99,15 +99,18 @@ LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 class ReinforceConfig(RunConfig):
     """REINFORCE / RLOO / GRPO: group-baselined policy gradient, optional PPO-style clipping (see module doc)."""
 
+    RENAMED: ClassVar[dict[str, str]] = {"ppo_epochs": "num_iterations"}
+    """Config keys of earlier releases, still read (with a DeprecationWarning)."""
+
     loop: str = "reinforce"
     """Which loop runs this config (``reinforce``)."""
     num_generations_per_prompt: int = 4
     """K responses per prompt (>= 2 for the rloo/grpo baselines); a prompt's K responses form its group."""
     learning_rate: float = 1e-5
     """Adam learning rate of the policy."""
-    baseline: Literal["rloo", "grpo", "grpo_unscaled", "none"] = "rloo"
+    baseline: Literal["rloo", "grpo", "dr_grpo", "grpo_unscaled", "none"] = "rloo"
     """``rloo``: r - mean of the other K-1 rewards; ``grpo``: (r - group mean) / (group std + eps);
-    ``grpo_unscaled``: r - group mean (Dr. GRPO); ``none``: r itself (plain REINFORCE)."""
+    ``dr_grpo``: r - group mean (Dr. GRPO, Liu 2025; ``grpo_unscaled`` is its earlier name); ``none``: r itself (plain REINFORCE)."""
     grpo_eps: float = 1e-6
     """Added to the group std by the ``grpo`` baseline."""
     kl_in_reward: bool = False
@@ -120,8 +123,8 @@ class ReinforceConfig(RunConfig):
     """Weight of a KL(pi_theta || pi_ref) term added to the loss (GRPO: 0.04 with k3); 0 disables it."""
     kl_loss_estimator: Literal["k1", "abs", "k2", "k3"] = "k3"
     """Per-token KL estimator of the loss term (GRPO uses ``k3``)."""
-    ppo_epochs: int = 1
-    """Passes over each rollout batch; > 1 (or num_minibatches > 1) switches to the clipped PPO loss."""
+    num_iterations: int = 1
+    """Passes over each rollout batch (TRL's ``num_iterations``, mu in the GRPO paper); > 1 (or num_minibatches > 1) switches to the clipped PPO loss."""
     num_minibatches: int = 1
     """Optimizer steps per epoch; whole groups are dealt into minibatches after a seeded shuffle."""
     clip_eps: float = 0.2
@@ -177,10 +180,10 @@ class ReinforceConfig(RunConfig):
                 f"kl_coef={self.kl_coef} has no effect with kl_in_reward=false; set kl_in_reward=true, or use "
                 "kl_loss_coef for a KL term in the loss"
             )
-        if self.ppo_epochs < 1 or self.num_minibatches < 1 or self.dynamic_sampling_max_gen_batches < 1:
+        if self.num_iterations < 1 or self.num_minibatches < 1 or self.dynamic_sampling_max_gen_batches < 1:
             raise ConfigError(
-                "ppo_epochs, num_minibatches and dynamic_sampling_max_gen_batches must be >= 1, got "
-                f"{self.ppo_epochs}, {self.num_minibatches}, {self.dynamic_sampling_max_gen_batches}"
+                "num_iterations, num_minibatches and dynamic_sampling_max_gen_batches must be >= 1, got "
+                f"{self.num_iterations}, {self.num_minibatches}, {self.dynamic_sampling_max_gen_batches}"
             )
         if self.num_minibatches > self.num_prompts_per_step:
             raise ConfigError(
@@ -195,9 +198,14 @@ class ReinforceConfig(RunConfig):
             raise ConfigError(f"grpo_eps must be >= 0, got {self.grpo_eps}")
 
     @property
+    def ppo_epochs(self) -> int:
+        """Earlier name of ``num_iterations`` (read-only; as a config key it is still read, renamed)."""
+        return self.num_iterations
+
+    @property
     def clipped(self) -> bool:
         """Whether the update uses the clipped PPO loss (the ratio can move off 1 only with several updates)."""
-        return self.ppo_epochs > 1 or self.num_minibatches > 1
+        return self.num_iterations > 1 or self.num_minibatches > 1
 
 
 
@@ -382,7 +390,7 @@ def policy_gradient_loss(
 
 
 def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
-    """Phase 5: ``ppo_epochs`` x ``num_minibatches`` optimizer steps, gradients accumulated over microbatches.
+    """Phase 5: ``num_iterations`` x ``num_minibatches`` optimizer steps, gradients accumulated over microbatches.
 
     Each minibatch's loss is normalised by its global loss-token (or sequence) count, so microbatching gives
     the gradient of one big batch. Adds ``actor_loss`` and ``kl_loss`` (each minibatch's aggregated loss,
@@ -397,8 +405,8 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorD
     params = [p for p in policy.parameters() if p.requires_grad]
     num_mb = min(cfg.num_minibatches, int(batch.batch_size[0]) // cfg.num_generations_per_prompt or 1)
     num_mb = -int(all_reduce_max(torch.tensor(-num_mb, device=env.device), env).item())  # the same on every rank
-    per_update = 1.0 / (cfg.ppo_epochs * num_mb)
-    for _ in range(cfg.ppo_epochs):
+    per_update = 1.0 / (cfg.num_iterations * num_mb)
+    for _ in range(cfg.num_iterations):
         for minibatch in split_minibatches(batch, num_mb, generator=state.minibatch_generator, keep_groups=True):
             num_tokens = global_count(minibatch["loss_mask"], env).clamp(min=1)
             num_seqs = global_count(minibatch["loss_mask"].any(-1), env).clamp(min=1)
