@@ -599,9 +599,8 @@ def build_batch(
     batch = TensorDict(given, batch_size=[batch_len])
     validate(batch, required=(PROMPTS, PROMPT_MASK, RESPONSES, ACTION_MASK))
     zero = torch.zeros((), device=action_mask.device)
-    for key in PER_TOKEN_KEYS:
-        if key in columns:
-            batch.set(key, torch.where(action_mask, batch.get(key), zero))
+    per_token = batch.select(*[key for key in PER_TOKEN_KEYS if key in columns])
+    batch.update(per_token.apply(lambda t: torch.where(action_mask, t, zero)))
     batch.set(INPUT_IDS, torch.cat([prompts, responses], dim=1))
     batch.set(ATTENTION_MASK, torch.cat([prompt_mask, response_mask], dim=1))
     return batch

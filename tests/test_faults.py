@@ -46,6 +46,7 @@ COMMON = [
     f"max_num_steps={STEPS}", "num_prompts_per_step=2", "max_new_tokens=4", "max_val_samples=2",
     "val_period=3", "val_at_start=false", "val_at_end=false", "save_period=1", "keep_checkpoints=2",
     "progress=false", "tensorboard=false", "log_samples=2", "cpu_threads=1",
+    "checkpoint_checksums=all",  # a flipped byte in the weights is caught only with every file hashed
 ]  # fmt: skip
 LOOPS = {
     "ppo": ["configs/ppo_sentiment.yaml", *COMMON, "microbatch_size=2", "ppo_epochs=2", "num_minibatches=2"],
@@ -185,8 +186,8 @@ def corrupt_newest(run_dir: Path, how: str) -> int:
     """Damage the newest checkpoint on disk; returns its step."""
     step = checkpoint_steps(run_dir)[-1]
     folder = run_dir / "checkpoints" / f"step_{step}"
-    # the largest weight file (safetensors at world size 1), else the largest file of whatever format
-    files = list(folder.rglob("*.safetensors")) or [p for p in folder.rglob("*") if p.is_file()]
+    # the largest weight file (dcp/*.distcp), else the largest file of whatever format
+    files = list(folder.rglob("*.distcp")) or [p for p in folder.rglob("*") if p.is_file()]
     weights = max(files, key=lambda p: p.stat().st_size)
     if how == "truncate":
         data = weights.read_bytes()
