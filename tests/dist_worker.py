@@ -1,25 +1,34 @@
-"""One PPO or RLOO update on a fixed batch, run by tests/test_dist.py with or without torchrun.
+"""One PPO or RLOO step's advantages and update on a fixed batch, run by tests/test_dist.py with or without
+torchrun.
 
-``python tests/dist_worker.py {ppo,rloo} OUT`` takes the update on the whole batch in one process;
+``python tests/dist_worker.py {ppo,rloo} OUT`` runs the phases on the whole batch in one process;
 ``torchrun --nproc_per_node N tests/dist_worker.py {ppo,rloo} OUT`` shards the models (FSDP2) and gives each
-rank its B/N rows. Rank 0 writes the updated weights (full tensors) to OUT with ``torch.save``.
+rank its B/N rows. The phases are the loops' own (``phase(state, batch, cfg) -> batch``): PPO's
+``advantages``, ``update`` and ``kl_control``, REINFORCE's ``advantages`` and ``update``. Rank 0 writes the
+updated weights (full tensors) to OUT with ``torch.save`` and the step's logged metrics
+(``state.metrics.reduce(env)``, reduced over all ranks) to OUT with the suffix ``.json``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rlbits.batch import build_batch
 from rlbits.distributed.env import init
-from rlbits.loops import common, ppo, reinforce
+from rlbits.loops import ppo, reinforce
+from rlbits.loops.data import PromptStream
+from rlbits.loops.runtime import disable_dropout, prepare
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
 from rlbits.models.tiny import tiny_causal_lm
 
 V, B, P, R = 48, 8, 5, 7
+K = 4  # RLOO group size: each of the 2 ranks holds one whole group
 
 
 def fixed_batch(policy: torch.nn.Module) -> torch.Tensor:
@@ -44,39 +53,53 @@ def fixed_batch(policy: torch.nn.Module) -> torch.Tensor:
 def main(algo: str, out: str) -> None:
     env = init("cpu")
     torch.manual_seed(0)
-    policy = common.disable_dropout(tiny_causal_lm("gpt2", V, seed=0)).train()
+    policy = disable_dropout(tiny_causal_lm("gpt2", V, seed=0)).train()
     batch = fixed_batch(policy)
     rows = slice(env.rank * B // env.world_size, (env.rank + 1) * B // env.world_size)
+    stream = PromptStream(["unused"], seed=0)  # the batch is given: no prompts are drawn
     if algo == "ppo":
-        value_model = common.disable_dropout(ValueModel.from_policy(policy, seed=1)).train()
+        value_model = disable_dropout(ValueModel.from_policy(policy, seed=1)).train()
         with torch.no_grad():
             batch["values"] = critic_values(value_model, batch)
-        local = batch[rows]
         cfg = ppo.PPOConfig(
             ppo_epochs=2, num_minibatches=1, microbatch_size=3, clip_eps=0.1, value_clip_eps=0.2,
             entropy_coef=0.01, kl_in_reward=False, kl_loss_coef=0.05, learning_rate=0.5, max_grad_norm=0.5,
         )  # fmt: skip
-        policy, value_model = common.prepare(policy, cfg, env), common.prepare(value_model, cfg, env)
-        opt_p = torch.optim.SGD(policy.parameters(), lr=cfg.learning_rate)
-        opt_v = torch.optim.SGD(value_model.parameters(), lr=cfg.learning_rate)
-        ppo.update(policy, value_model, opt_p, opt_v, local, cfg, env, kl_coef=cfg.kl_loss_coef)
+        policy, value_model = prepare(policy, cfg, env), prepare(value_model, cfg, env)
+        state = ppo.State(
+            env=env, policy=policy, value_model=value_model,
+            policy_optimizer=torch.optim.SGD(policy.parameters(), lr=cfg.learning_rate),
+            value_optimizer=torch.optim.SGD(value_model.parameters(), lr=cfg.learning_rate),
+            sampling_generator=torch.Generator(), minibatch_generator=torch.Generator().manual_seed(1),
+            stream=stream, kl_coef=cfg.kl_loss_coef,
+        )  # fmt: skip
+        local = batch[rows]
+        for phase in (ppo.advantages, ppo.update, ppo.kl_control):
+            local = phase(state, local, cfg)
         models = {"policy": policy, "value": value_model}
     else:
         cfg = reinforce.ReinforceConfig(
-            num_generations_per_prompt=4, num_prompts_per_step=2, ppo_epochs=1, num_minibatches=1,
+            num_generations_per_prompt=K, num_prompts_per_step=2, num_iterations=1, num_minibatches=1,
             microbatch_size=3, kl_loss_coef=0.05, learning_rate=0.5, max_grad_norm=0.5,
         )  # fmt: skip
-        policy = common.prepare(policy, cfg, env)
-        opt = torch.optim.SGD(policy.parameters(), lr=cfg.learning_rate)
-        state = reinforce.State(policy, None, None, opt, torch.Generator(), torch.Generator().manual_seed(1), None)
-        reinforce.update(state, batch[rows], cfg, env)
+        policy = prepare(policy, cfg, env)
+        state = reinforce.State(
+            env=env, policy=policy, optimizer=torch.optim.SGD(policy.parameters(), lr=cfg.learning_rate),
+            sampling_generator=torch.Generator(), minibatch_generator=torch.Generator().manual_seed(1),
+            stream=stream,
+        )  # fmt: skip
+        local = batch[rows]
+        for phase in (reinforce.advantages, reinforce.update):
+            local = phase(state, local, cfg)
         models = {"policy": policy}
+    logged = state.metrics.reduce(env)  # every rank: one collective
     full = {
         name: get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         for name, m in models.items()
     }
     if env.is_main:
         torch.save(full, out)
+        Path(out).with_suffix(".json").write_text(json.dumps(logged, indent=1))
 
 
 if __name__ == "__main__":

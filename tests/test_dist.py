@@ -7,6 +7,7 @@ The torchrun tests run 2 CPU processes on gloo (marked slow; they still run in C
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -62,6 +63,11 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def _consumed_samples(run_dir: Path, step: int) -> int:
+    """The data position (train prompts drawn, all ranks together) a run's step-``step`` checkpoint saved."""
+    return json.loads((run_dir / "checkpoints" / f"step_{step}" / "state.json").read_text())["stream"]["consumed_samples"]
+
+
 # --- sharding helpers, in process ---------------------------------------------------------------------------
 
 
@@ -92,10 +98,21 @@ def test_shard_at_world_size_one_keeps_names_and_gradients_with_activation_check
 
 # --- 1 process with B rows vs 2 FSDP2 ranks with B/2 each ------------------------------------------------
 
+# What each worker's step logs (tests/dist_worker.py runs advantages and update, and PPO's kl_control).
+LOGGED = {
+    "ppo": {"actor_loss", "advantages", "approx_kl", "clipfrac", "critic_grad_norm", "critic_loss", "entropy",
+            "explained_variance", "grad_norm", "init_policy_kl", "kl_loss", "kl_loss_coef", "ratio_mean",
+            "response_len", "response_len_max", "returns", "rewards", "rewards_with_kl", "value_clipfrac", "values"},
+    "rloo": {"actor_loss", "advantages", "approx_kl", "baseline", "clipfrac", "entropy", "grad_norm",
+             "init_policy_kl", "kl_loss", "loss_tokens", "response_len", "response_len_max", "rewards",
+             "rewards_with_kl", "truncated_frac"},
+}  # fmt: skip
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "rloo"])
 def test_one_update_on_two_fsdp_ranks_equals_one_process(algo, tmp_path):
+    """The same weights after the update, and the same logged metrics: N ranks log what one process would."""
     worker = str(ROOT / "tests" / "dist_worker.py")
     python(worker, algo, str(tmp_path / "one.pt"))
     torchrun(worker, algo, str(tmp_path / "two.pt"))
@@ -107,6 +124,14 @@ def test_one_update_on_two_fsdp_ranks_equals_one_process(algo, tmp_path):
         for name, a in one[model].items():
             b = two[model][name]
             assert (a - b).abs().max() <= 1e-5 * a.abs().max() + 1e-8, f"{model}.{name}"
+    logged_one, logged_two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    assert set(logged_one) == set(logged_two) == LOGGED[algo]
+    differ = {
+        name: (a, logged_two[name])
+        for name, a in logged_one.items()
+        if logged_two[name] != pytest.approx(a, rel=1e-5, abs=1e-9)
+    }
+    assert not differ, f"1 process vs 2 ranks logged different metrics (one, two): {differ}"
 
 
 # --- torchrun launches ------------------------------------------------------------------------------------
@@ -147,6 +172,7 @@ def test_checkpoint_moves_between_two_ranks_and_one(tiny_path, tmp_path):
     run_dir = tmp_path / "run"
     args = [CONFIGS["reinforce"], f"policy={tiny_path}", f"run_dir={run_dir}", *COMMON, *LOOPS["reinforce"]]
     torchrun("-m", "rlbits", "train", *args)  # steps 1-2 on 2 ranks
+    consumed = [_consumed_samples(run_dir, 2)]
     # The sharded DCP weights of step 2, loaded in one process, are the policy rank 0 exported at step 2.
     exported, _ = load_pretrained(run_dir / "final")
     fresh, _ = load_pretrained(tiny_path)
@@ -155,12 +181,14 @@ def test_checkpoint_moves_between_two_ranks_and_one(tiny_path, tmp_path):
         assert torch.equal(a, b), name
     python("-m", "rlbits", "train", "--resume", str(run_dir), "max_num_steps=3")  # step 3 on 1 rank
     step3 = run_dir / "checkpoints" / "step_3"
-    assert json.loads((step3 / "state.json").read_text())["world_size"] == 1 and (step3 / "policy").is_dir()
+    assert json.loads((step3 / "state.json").read_text())["world_size"] == 1 and (step3 / "dcp" / ".metadata").is_file()
+    consumed.append(_consumed_samples(run_dir, 3))
     torchrun("-m", "rlbits", "train", "--resume", str(run_dir), "max_num_steps=4")  # step 4 on 2 ranks again
+    consumed.append(_consumed_samples(run_dir, 4))
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     # 2 prompts per rank per step: 2 steps at 2 ranks, 1 at 1 rank, 1 at 2 ranks
-    assert [rows[i]["consumed_samples"] for i in (2, 3, 4)] == [8, 10, 14]
+    assert consumed == [8, 10, 14]
     after, _ = load_pretrained(run_dir / "final")  # exported at step 4 from 2 ranks again
     fresh, _ = load_pretrained(tiny_path)
     load_checkpoint(run_dir / "checkpoints" / "step_4", models={"policy": fresh})
@@ -209,7 +237,7 @@ def test_torchrun_max_restarts_resumes_after_a_rank_is_killed(tiny_path, tmp_pat
     assert "SIGKILL" in output or "Signals.SIGKILL" in output or "-9" in output, output[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(9))
-    assert rows[-1]["consumed_samples"] == 8 * 2 * 2  # the data position survived the restart
+    assert _consumed_samples(run_dir, 8) == 8 * 2 * 2  # the data position survived the restart
 
 
 # --- compile and precision in one process ----------------------------------------------------------------
@@ -240,20 +268,31 @@ def test_compile_does_not_recompile_as_response_lengths_change():
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from rlbits.loops import common, ppo
+    from rlbits.loops import ppo
+    from rlbits.loops.data import PromptStream
+    from rlbits.loops.metrics import StepMetrics
+    from rlbits.loops.runtime import disable_dropout
 
     torch._dynamo.reset()
     counters.clear()
     cfg = ppo.PPOConfig(compile=True, ppo_epochs=1, num_minibatches=1, microbatch_size=6, kl_in_reward=True)
-    policy = common.disable_dropout(tiny_causal_lm("gpt2", V, seed=0)).train()
-    value_model = common.disable_dropout(ValueModel.from_policy(policy)).train()
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (policy, value_model)]
+    policy = disable_dropout(tiny_causal_lm("gpt2", V, seed=0)).train()
+    value_model = disable_dropout(ValueModel.from_policy(policy)).train()
+    state = ppo.State(
+        policy=policy, value_model=value_model,
+        policy_optimizer=torch.optim.AdamW(policy.parameters(), lr=1e-3),
+        value_optimizer=torch.optim.AdamW(value_model.parameters(), lr=1e-3),
+        sampling_generator=torch.Generator(), minibatch_generator=torch.Generator().manual_seed(0),
+        stream=PromptStream(["unused"], seed=0), kl_coef=0.05,
+    )  # fmt: skip
     graphs = []
     for step, R in enumerate([5, 9, 7, 12, 6]):
         batch = _ppo_batch(policy, value_model, R, seed=step)
-        ppo.advantages(batch, cfg, DistEnv(), kl_coef=0.05 + 0.01 * step)  # the adaptive coefficient changes too
-        out = ppo.update(policy, value_model, *opts, batch, cfg, DistEnv())
-        assert torch.isfinite(out["actor_loss"]) and torch.isfinite(out["critic_loss"])
+        state.metrics, state.kl_coef = StepMetrics(), 0.05 + 0.01 * step  # the adaptive coefficient changes too
+        for phase in (ppo.advantages, ppo.update):
+            batch = phase(state, batch, cfg)
+        logged = state.metrics.reduce(state.env)
+        assert math.isfinite(logged["actor_loss"]) and math.isfinite(logged["critic_loss"])
         graphs.append(int(counters["stats"]["unique_graphs"]))
     assert graphs[0] > 0, "nothing was compiled"
     assert graphs[-1] == graphs[0], f"recompiled as shapes changed: graphs after each step {graphs}"
