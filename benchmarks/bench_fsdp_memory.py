@@ -70,19 +70,23 @@ def worker(args: argparse.Namespace) -> None:
 
     from rlbits.batch import build_batch
     from rlbits.distributed.env import init
-    from rlbits.loops import common, reinforce
+    from rlbits.loops import reinforce
+    from rlbits.loops.data import PromptStream
+    from rlbits.loops.metrics import StepMetrics
+    from rlbits.loops.optim import make_optimizer
+    from rlbits.loops.runtime import disable_dropout, prepare
 
     baseline = rss_mib()
     env = init("cpu")
     torch.manual_seed(0)
     config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, vocab_size=32000,
                         n_positions=1024, bos_token_id=0, eos_token_id=0)  # fmt: skip
-    policy = common.disable_dropout(GPT2LMHeadModel(config)).train()
+    policy = disable_dropout(GPT2LMHeadModel(config)).train()
     n_params = sum(p.numel() for p in policy.parameters())
     cfg = reinforce.ReinforceConfig(num_generations_per_prompt=2, num_prompts_per_step=args.rows // 2,
                                     microbatch_size=args.rows, learning_rate=1e-5)  # fmt: skip
-    policy = common.prepare(policy, cfg, env)
-    optimizer = common.make_optimizer(policy.parameters(), cfg.learning_rate, 0.0)
+    policy = prepare(policy, cfg, env)
+    optimizer = make_optimizer(policy.parameters(), cfg.learning_rate, 0.0)
     g = torch.Generator().manual_seed(0)
     B, P, R = args.rows, 32, args.response_len
     batch = build_batch(torch.randint(1, 32000, (B, P), generator=g), torch.ones(B, P, dtype=torch.bool),
@@ -92,12 +96,16 @@ def worker(args: argparse.Namespace) -> None:
     batch["advantages"] = torch.randn(B, R, generator=g)
     batch["loss_mask"] = batch["action_mask"].clone()
     local = batch[env.rank * B // env.world_size : (env.rank + 1) * B // env.world_size]
-    state = reinforce.State(policy, None, None, optimizer, torch.Generator(), torch.Generator(), None)
-    reinforce.update(state, local, cfg, env)  # creates the optimizer states
+    state = reinforce.State(
+        env=env, policy=policy, optimizer=optimizer, sampling_generator=torch.Generator(),
+        minibatch_generator=torch.Generator(), stream=PromptStream(["unused"], seed=0),
+    )  # fmt: skip
+    reinforce.update(state, local, cfg)  # creates the optimizer states
     at_rest = rss_mib()
+    state.metrics = StepMetrics()
     with PeakSampler() as sampler:
         t0 = time.perf_counter()
-        reinforce.update(state, local, cfg, env)
+        reinforce.update(state, local, cfg)
         seconds = time.perf_counter() - t0
     row = {
         "world_size": env.world_size,

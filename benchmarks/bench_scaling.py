@@ -1,8 +1,9 @@
 """Step time and peak memory of an rlbits GRPO step as rollouts, response length and model size grow.
 
 Each point is one fresh subprocess: it saves a random-init GPT-2 (``benchmarks/_workload.py``) to a temp
-folder, builds the loop state (``rlbits.loops.reinforce.init_state``) and runs ``train_step`` (rollout,
-score, reference, advantages, update; microbatches of 32 rows) once as a warm-up and once timed. Peak
+folder, builds the loop state (``rlbits.loops.reinforce.init_state``) and runs one step of the loop's phases
+in ``reinforce.train``'s order (rollout, score, dynamic_sampling, reference, advantages, update; microbatches of
+32 rows) once as a warm-up and once timed. Peak
 memory = the process's ``ru_maxrss`` after the timed step (model, optimizer and imports included).
 
 Axes (the others held at the standard workload: 32 rollouts = 8 prompts x 4, 32 new tokens, 4 layers x 256):
@@ -41,10 +42,32 @@ FULL = {"rollouts": [32, 64, 128, 256, 512], "length": [32, 128, 512, 1024], "mo
 QUICK = {"rollouts": [32, 128], "length": [32, 256], "model": ["2x128", "4x256", "6x768"]}
 
 
+def _grpo_step(state, cfg):
+    """One step of ``rlbits.loops.reinforce.train`` without the run around it (no logging, validation or
+    checkpoint): its phases in order, each timed. Returns ``(time/<phase> seconds, the step's batch)``."""
+    from rlbits.loops import reinforce
+    from rlbits.loops.metrics import StepMetrics
+    from rlbits.loops.run import PhaseTimer
+
+    state.metrics, timer = StepMetrics(), PhaseTimer()
+    with timer("rollout"):
+        batch = reinforce.rollout(state, state.stream.next_batch(cfg.num_prompts_per_step, state.env), cfg)
+    with timer("score"):
+        batch = reinforce.score(state, batch, cfg)
+    with timer("rollout"):
+        batch = reinforce.dynamic_sampling(state, batch, cfg)
+    for name in ("reference", "advantages", "update"):
+        with timer(name):
+            batch = getattr(reinforce, name)(state, batch, cfg)
+    state.step += 1
+    return timer.metrics(), batch
+
+
 def _point(rollouts: int, length: int, size: str, threads: int) -> dict:
     import torch
 
-    from rlbits.loops import common, reinforce
+    from rlbits.loops import reinforce
+    from rlbits.loops.runtime import setup
 
     torch.set_num_threads(threads)
     layers, width, heads = SIZES[size]
@@ -69,11 +92,11 @@ def _point(rollouts: int, length: int, size: str, threads: int) -> dict:
             val_period=0,
             device="cpu",
         )
-        env = common.setup(cfg)
-        state = reinforce.init_state(cfg, env, prompts=W.prompts(rollouts // 4 * 3, seed=2))
-        reinforce.train_step(state, cfg, env, W.rlbits_reward)  # warm-up
+        env = setup(cfg)
+        state = reinforce.init_state(cfg, env, reward=W.rlbits_reward, prompts=W.prompts(rollouts // 4 * 3, seed=2))
+        _grpo_step(state, cfg)  # warm-up
         t0 = time.perf_counter()
-        metrics, batch = reinforce.train_step(state, cfg, env, W.rlbits_reward)
+        phase_seconds, batch = _grpo_step(state, cfg)
         seconds = time.perf_counter() - t0
     return {
         "rollouts": rollouts,
@@ -81,7 +104,7 @@ def _point(rollouts: int, length: int, size: str, threads: int) -> dict:
         "model": size,
         "params": sum(p.numel() for p in state.policy.parameters()),
         "step_s": seconds,
-        "phases": {k: v for k, v in metrics.items() if k.startswith("time/")},
+        "phases": phase_seconds,
         "response_len": float(batch["action_mask"].sum(-1).float().mean()),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "load_1min": os.getloadavg()[0],

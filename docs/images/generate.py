@@ -17,8 +17,6 @@ matplotlib.use("Agg")
 import torch  # noqa: E402
 
 import rlbits  # noqa: E402
-from rlbits.loops.common import rollout, score_rollout  # noqa: E402
-from rlbits.tasks import get_task  # noqa: E402
 from rlbits.viz import Dashboard, plot_compare, plot_run, plot_tokens  # noqa: E402
 
 OUT = Path(__file__).resolve().parent
@@ -69,39 +67,37 @@ def main() -> None:
     fig.savefig(OUT / "plot_compare.png", dpi=110)
 
     # plot_tokens: the advantages of one response of the trained sentiment policy (PPO phases 1-5).
-    from rlbits.loops import ppo as ppo_loop
-    from rlbits.loops.api import resolve_config
-    from rlbits.loops.common import setup
-
-    cfg = resolve_config(None, {"run_dir": str(runs / "tokens")})
-    env = setup(cfg)
-    checkpoint = ppo["kl_coef 0.05"] / "checkpoints" / "step_20"  # the trained policy and critic
-    policy, tokenizer = rlbits.load_pretrained(str(checkpoint / "policy"))
-    critic = rlbits.ValueModel.from_pretrained(checkpoint / "value")
-    reference, _ = rlbits.load_pretrained(rlbits.zoo.base_model("sentiment"))
-    prompts = get_task("sentiment").prompts("test")[:8]
-    batch = rollout(
-        policy,
-        tokenizer,
-        prompts,
-        max_new_tokens=24,
-        temperature=1.0,
-        generator=torch.Generator().manual_seed(0),
-    )
-    score_rollout(batch, get_task("sentiment").reward)
-    ppo_loop.reference(reference, batch, cfg)
-    ppo_loop.values(critic, batch, cfg)
-    ppo_loop.advantages(batch, cfg, env, kl_coef=cfg.kl_coef)
-    row = int(batch["action_mask"].sum(-1).argmax())
-    plot_tokens(batch, "advantages", row=row, tokenizer=tokenizer).savefig(
-        OUT / "plot_tokens.png", dpi=110, bbox_inches="tight"
-    )
-    kl = rlbits.kl_penalty(batch["logprobs"], batch["ref_logprobs"], "k3")
-    plot_tokens(batch, kl, row=row, tokenizer=tokenizer, title="k3 KL to the reference per token").savefig(
-        OUT / "plot_tokens_kl.png", dpi=110, bbox_inches="tight"
-    )
+    plot_token_figures(ppo["kl_coef 0.05"] / "checkpoints" / "step_20", runs / "tokens")
     for name in ("plot_run", "dashboard", "plot_compare", "plot_tokens", "plot_tokens_kl"):
         print(OUT / f"{name}.png")
+
+
+def plot_token_figures(checkpoint: Path, run_dir: Path, out: Path = OUT, **overrides) -> None:
+    """``plot_tokens.png`` and ``plot_tokens_kl.png``: PPO phases 1-5 (rollout, score, reference, values,
+    advantages) on 8 test prompts with the policy and critic of a PPO ``checkpoint`` (weights in its ``dcp/``),
+    the base model as the reference. ``overrides``: config values (the default main job's otherwise)."""
+    from rlbits.distributed.checkpoint import load_checkpoint
+    from rlbits.loops import ppo as ppo_loop
+    from rlbits.loops.api import resolve_config
+    from rlbits.loops.phases import prompt_batch
+    from rlbits.loops.runtime import setup
+
+    cfg = resolve_config(None, {"run_dir": str(run_dir), "kl_coef": 0.05, **overrides})  # the trained run's config
+    env = setup(cfg)
+    state = ppo_loop.init_state(cfg, env)  # policy, critic and reference from the initial weights
+    load_checkpoint(checkpoint, models=state.models, env=env)  # the trained policy and critic
+    state.sampling_generator = torch.Generator(env.device).manual_seed(0)
+    batch = ppo_loop.rollout(state, prompt_batch(state.val_prompts[:8]), cfg)
+    for phase in (ppo_loop.score, ppo_loop.reference, ppo_loop.values, ppo_loop.advantages):
+        batch = phase(state, batch, cfg)
+    row = int(batch["action_mask"].sum(-1).argmax())
+    plot_tokens(batch, "advantages", row=row, tokenizer=state.tokenizer).savefig(
+        out / "plot_tokens.png", dpi=110, bbox_inches="tight"
+    )
+    kl = rlbits.kl_penalty(batch["logprobs"], batch["ref_logprobs"], "k3")
+    plot_tokens(batch, kl, row=row, tokenizer=state.tokenizer, title="k3 KL to the reference per token").savefig(
+        out / "plot_tokens_kl.png", dpi=110, bbox_inches="tight"
+    )
 
 
 if __name__ == "__main__":
