@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlbits"
 RANKS = {
     "functional": 0,
     "_io": 1,
+    "_seeds": 1,  # derive_seed: stdlib only, below everything that seeds a stream
     "batch": 1,
     "tasks": 2,
     "models": 3,
@@ -24,6 +25,7 @@ RANKS = {
     "zoo": 5,  # the tasks' base models: built from tasks' corpora, used by the loops and the CLI
     "distributed": 6,
     "dist": 6,
+    "data": 6,  # PromptStream and the ILQL offline dataset: generate/score (rollout), unsharded/DistEnv (distributed)
     "loops": 7,
     "api": 7,
     "cli": 8,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import random
 from collections.abc import Callable
 from typing import Any
@@ -17,25 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlbits._seeds import derive_seed  # defined below the loops: rlbits.data's PromptStream uses it
 from rlbits.distributed.env import DistEnv, init
 from rlbits.distributed.parallelize import is_sharded, shard
 from rlbits.loops.config import RunConfig
 from rlbits.models.load import load_pretrained
-
-
-def derive_seed(seed: int, rank: int, stream: str) -> int:
-    """The seed of one named random stream of a run: 63 bits of blake2b over ``(seed, rank, stream)``.
-
-    Args:
-        seed: the run's ``cfg.seed``.
-        rank: the process's rank (0 for streams every rank must share, such as the prompt order).
-        stream: the stream's name (``"sampling"``, ``"minibatch"``, ``"validation"``, ``"prompts/epoch3"``).
-
-    Returns:
-        An int in [0, 2**63), different for different triples with overwhelming probability.
-    """
-    digest = hashlib.blake2b(f"{seed}|{rank}|{stream}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def generator(seed: int, rank: int, stream: str, device: torch.device | str = "cpu") -> torch.Generator:
