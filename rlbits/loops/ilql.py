@@ -25,6 +25,9 @@ built by ``build_offline_dataset``: ``dataset_size`` responses sampled from the 
 ``RUN_DIR/offline_dataset.jsonl`` (text and token ids) and a resumed run reads it back from there. Each
 step takes the next ``batch_size`` samples of a seeded per-epoch permutation of the set.
 
+Where the rest lives: ``SteeredPolicy`` in ``rlbits.models.steered``; ``steered_validate``, ``load_final``,
+``evaluate_betas`` and ``evaluate_run`` in ``rlbits.loops.evaluate``. They are importable from here too.
+
 How rlbits departs from trlx:
   - Targets and losses skip non-action tokens exactly (``action_mask``); the last response token is
     terminal whether it is EOS or the response was cut at ``max_new_tokens``.
@@ -66,7 +69,6 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rlbits.batch import build_batch, make_prompts, pad_right, trim_padding
 from rlbits.distributed.checkpoint import (
@@ -84,7 +86,6 @@ from rlbits.functional import (
     awac_loss,
     cql_loss,
     expectile_loss,
-    ilql_logits,
     ilql_targets,
     q_loss,
     token_rewards,
@@ -104,13 +105,16 @@ from rlbits.loops.common import (
     setup,
     skipped_step,
 )
-from rlbits.loops.common import validate as validate_policy
 from rlbits.loops.config import ConfigError, RunConfig, field_docs
 from rlbits.loops.data import PromptStream
+from rlbits.loops.evaluate import evaluate_betas, steered_validate
+from rlbits.loops.evaluate import evaluate_ilql_run as evaluate_run
+from rlbits.loops.evaluate import load_ilql_final as load_final
 from rlbits.loops.run import Run
 from rlbits.models.forward import position_ids_from_mask
 from rlbits.models.heads import ILQLModel
 from rlbits.models.load import load_tokenizer
+from rlbits.models.steered import SteeredPolicy
 from rlbits.tasks import get_task
 
 DATASET_FILE = "offline_dataset.jsonl"
@@ -191,87 +195,6 @@ class ILQLConfig(RunConfig):
             raise ConfigError(f"head_layers must be 1 (linear) or 2 (MLP, as trlx), got {self.head_layers}")
         if self.dataset_path is not None and not Path(self.dataset_path).is_file():
             raise ConfigError(f"dataset_path {self.dataset_path!r} is not a file ({docs['dataset_path']})")
-
-
-# --------------------------------------------------------------------------------------------------------
-# Steered decoding
-# --------------------------------------------------------------------------------------------------------
-
-
-class SteeredPolicy(torch.nn.Module):
-    """An ``ILQLModel`` seen as a causal LM whose logits are ``ilql_logits(logits, min target Q, V, beta)``.
-
-    ``generate(SteeredPolicy(model, beta), ...)`` then decodes steered with the usual KV cache: the forward
-    passes ``past_key_values``/``use_cache``/``logits_to_keep`` to the LM, reads its last hidden state and
-    runs the target Q heads and the V head on the kept positions only. With ``shared_trunk=False`` the
-    separate trunk keeps a cache of its own (reset on every prefill), and generation uses HF's dynamic
-    cache. ``beta=0`` returns the LM's own logits (as float32).
-
-    Args:
-        model: the ILQL model (not copied; it is the same module).
-        beta: steering strength, >= 0.
-    """
-
-    def __init__(self, model: ILQLModel, beta: float):
-        super().__init__()
-        if not isinstance(model, ILQLModel):
-            raise TypeError(f"model must be an rlbits ILQLModel, got {type(model).__name__}")
-        if not (math.isfinite(beta) and beta >= 0):
-            raise ValueError(f"beta must be a finite number >= 0, got {beta}")
-        self.model = model
-        self.beta = float(beta)
-        self._trunk_cache = None
-
-    @property
-    def config(self):
-        return self.model.policy.config
-
-    @property
-    def _can_compile_fullgraph(self) -> bool:  # read by generate: a StaticCache only with one trunk
-        return self.model.trunk is None and bool(getattr(self.model.policy, "_can_compile_fullgraph", False))
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        past_key_values=None,
-        use_cache: bool = False,
-        logits_to_keep: int = 0,
-    ) -> CausalLMOutputWithPast:
-        m = self.model
-        kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        out = m.policy(
-            **kw,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            output_hidden_states=m.trunk is None,
-            logits_to_keep=logits_to_keep,
-        )
-        if m.trunk is None:
-            hidden = out.hidden_states[-1]
-        else:
-            if past_key_values is None:  # prefill: start the trunk's own cache
-                self._trunk_cache = None
-            cache = self._trunk_cache if use_cache else None
-            mask = attention_mask
-            if mask is not None and cache is not None:
-                mask = mask[:, : cache.get_seq_length() + input_ids.shape[1]]
-            t_out = m.trunk(**{**kw, "attention_mask": mask}, past_key_values=cache, use_cache=use_cache)
-            self._trunk_cache = t_out.past_key_values if use_cache else None
-            hidden = t_out.last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        hidden = hidden.to(next(m.v.parameters()).dtype)
-        logits = out.logits.float()
-        if self.beta != 0:
-            with torch.no_grad():
-                q = m.target_q1(hidden).float()
-                if m.two_qs:
-                    q = torch.minimum(q, m.target_q2(hidden).float())
-                v = m.v(hidden).squeeze(-1).float()
-            logits = ilql_logits(logits, q, v, self.beta)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -690,21 +613,6 @@ def sync_targets(model: ILQLModel, cfg: ILQLConfig, step: int) -> bool:
     return False
 
 
-def steered_validate(
-    model: ILQLModel,
-    tokenizer: Any,
-    cfg: RunConfig,
-    *,
-    beta: float,
-    reward: Any = None,
-    prompts: Sequence[str] | None = None,
-    env: DistEnv | None = None,
-) -> tuple[dict[str, float], TensorDictBase]:
-    """Mean test-split reward of steered decoding at ``beta`` (``rlbits.loops.common.validate`` on a
-    ``SteeredPolicy``: same prompts, same noise as the base model's validation)."""
-    return validate_policy(SteeredPolicy(model, beta), tokenizer, cfg, reward=reward, prompts=prompts, env=env)
-
-
 def validate(
     state: State,
     cfg: ILQLConfig,
@@ -861,44 +769,6 @@ def train(
     finally:
         run.close()
     return Path(cfg.run_dir)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Evaluation
-# --------------------------------------------------------------------------------------------------------
-
-
-def load_final(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ILQLModel, Any]:
-    """The trained ILQL model (LM and heads) and tokenizer of ``RUN_DIR/final``."""
-    folder = Path(run_dir) / "final"
-    model = ILQLModel.from_pretrained(folder, device=device)
-    return disable_dropout(model), load_tokenizer(folder)
-
-
-def evaluate_betas(
-    model: ILQLModel,
-    tokenizer: Any,
-    cfg: RunConfig,
-    betas: Sequence[float],
-    *,
-    reward: Any = None,
-    prompts: Sequence[str] | None = None,
-) -> dict[float, dict[str, float]]:
-    """``steered_validate`` at each beta (same prompts and noise): ``{beta: metrics}``."""
-    return {
-        b: steered_validate(model, tokenizer, cfg, beta=b, reward=reward, prompts=prompts)[0] for b in betas
-    }
-
-
-def evaluate_run(run_dir: str | Path, cfg: ILQLConfig) -> dict[str, dict[str, float]]:
-    """For ``rlbits eval``: the base model (unsteered) and the final model steered at ``cfg.beta``, on the
-    same test prompts with the same noise. Returns ``{"base": metrics, "final": metrics}``."""
-    env = setup(cfg)
-    policy, tokenizer = load_policy_and_tokenizer(policy_path(cfg), env)
-    base, _ = validate_policy(policy, tokenizer, cfg)
-    model, tokenizer = load_final(run_dir, env.device)
-    final, _ = steered_validate(model, tokenizer, cfg, beta=cfg.beta)
-    return {"base": base, "final": final}
 
 
 __all__ = [

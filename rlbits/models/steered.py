@@ -1,0 +1,92 @@
+"""Steered decoding with a trained ILQL model: ``SteeredPolicy`` turns an ``ILQLModel`` into a causal LM whose
+logits are ``logits + beta * (min_i target_Q_i(s, .) - V(s))`` (``rlbits.functional.ilql_logits``), so plain
+``generate`` decodes steered, KV cache included."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from rlbits.functional import ilql_logits
+from rlbits.models.heads import ILQLModel
+
+
+class SteeredPolicy(torch.nn.Module):
+    """An ``ILQLModel`` seen as a causal LM whose logits are ``ilql_logits(logits, min target Q, V, beta)``.
+
+    ``generate(SteeredPolicy(model, beta), ...)`` then decodes steered with the usual KV cache: the forward
+    passes ``past_key_values``/``use_cache``/``logits_to_keep`` to the LM, reads its last hidden state and
+    runs the target Q heads and the V head on the kept positions only. With ``shared_trunk=False`` the
+    separate trunk keeps a cache of its own (reset on every prefill), and generation uses HF's dynamic
+    cache. ``beta=0`` returns the LM's own logits (as float32).
+
+    Args:
+        model: the ILQL model (not copied; it is the same module).
+        beta: steering strength, >= 0.
+    """
+
+    def __init__(self, model: ILQLModel, beta: float):
+        super().__init__()
+        if not isinstance(model, ILQLModel):
+            raise TypeError(f"model must be an rlbits ILQLModel, got {type(model).__name__}")
+        if not (math.isfinite(beta) and beta >= 0):
+            raise ValueError(f"beta must be a finite number >= 0, got {beta}")
+        self.model = model
+        self.beta = float(beta)
+        self._trunk_cache = None
+
+    @property
+    def config(self):
+        return self.model.policy.config
+
+    @property
+    def _can_compile_fullgraph(self) -> bool:  # read by generate: a StaticCache only with one trunk
+        return self.model.trunk is None and bool(getattr(self.model.policy, "_can_compile_fullgraph", False))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+    ) -> CausalLMOutputWithPast:
+        m = self.model
+        kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        out = m.policy(
+            **kw,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            output_hidden_states=m.trunk is None,
+            logits_to_keep=logits_to_keep,
+        )
+        if m.trunk is None:
+            hidden = out.hidden_states[-1]
+        else:
+            if past_key_values is None:  # prefill: start the trunk's own cache
+                self._trunk_cache = None
+            cache = self._trunk_cache if use_cache else None
+            mask = attention_mask
+            if mask is not None and cache is not None:
+                mask = mask[:, : cache.get_seq_length() + input_ids.shape[1]]
+            t_out = m.trunk(**{**kw, "attention_mask": mask}, past_key_values=cache, use_cache=use_cache)
+            self._trunk_cache = t_out.past_key_values if use_cache else None
+            hidden = t_out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        hidden = hidden.to(next(m.v.parameters()).dtype)
+        logits = out.logits.float()
+        if self.beta != 0:
+            with torch.no_grad():
+                q = m.target_q1(hidden).float()
+                if m.two_qs:
+                    q = torch.minimum(q, m.target_q2(hidden).float())
+                v = m.v(hidden).squeeze(-1).float()
+            logits = ilql_logits(logits, q, v, self.beta)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
+
+
+__all__ = ["SteeredPolicy"]
