@@ -5,11 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 import torch
+from tensordict import MemoryMappedTensor
 
-from rlbits.batch import tokenize_prompts
+from rlbits.batch import tokenize_prompts, trim_padding
+from rlbits.data import offline
+from rlbits.distributed.env import DistEnv
 from rlbits.functional import ilql_logits
 from rlbits.loops import ilql
 from rlbits.loops.config import ConfigError, config_from_dict
@@ -90,10 +94,14 @@ def test_two_step_smoke_run_builds_dataset_and_writes_the_run(tiny_path, tmp_pat
     ):
         assert math.isfinite(rows[1][key]), key
     assert "val_reward" in rows[2]
-    # the offline set: 16 scored samples with their exact token ids
+    # the offline set: 16 scored samples with their exact token ids, memory-mapped for training and as JSONL
     data = [json.loads(ln) for ln in (out / "offline_dataset.jsonl").read_text().splitlines()]
     assert len(data) == 16 and {"prompt", "response", "reward", "prompt_ids", "response_ids"} <= set(data[0])
     assert data[0]["reward"] == pytest.approx(reward([data[0]["prompt"]], [data[0]["response"]])[0])
+    tensors = offline.load_tensors(out / "offline_dataset")
+    assert tensors.batch_size == (16,) and tensors["rewards"].tolist() == pytest.approx([r["reward"] for r in data])
+    assert tensors["responses"][0, : len(data[0]["response_ids"])].tolist() == data[0]["response_ids"]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary folder left behind
     for name in ("config.yaml", "samples.jsonl", "tensorboard", "checkpoints/step_2/policy/config.json"):
         assert (out / name).exists(), name
     state = json.loads((out / "checkpoints/step_2/state.json").read_text())
@@ -109,33 +117,68 @@ def test_two_step_smoke_run_builds_dataset_and_writes_the_run(tiny_path, tmp_pat
     assert not torch.equal(policy.lm_head.weight, fresh.lm_head.weight)  # the trunk trained
 
 
-def test_resume_reproduces_the_uninterrupted_run(tiny_path, tmp_path):
-    kw = dict(max_num_steps=4, batch_size=4, microbatch_size=3, alpha=0.3, steps_for_target_q_sync=1)
-    full = ilql.train(make_cfg(tiny_path, tmp_path / "full", **kw), samples=SAMPLES, reward=reward)
+RESUME_KW = dict(max_num_steps=4, batch_size=4, microbatch_size=3, alpha=0.3, steps_for_target_q_sync=1)
 
-    class StopAfter2:
-        def __init__(self):
-            self.step = 0
 
-        def on_metrics(self, step, metrics):
-            self.step = step
+class StopAfter2:
+    def __init__(self):
+        self.step = 0
 
-        def should_stop(self):
-            return self.step >= 2
+    def on_metrics(self, step, metrics):
+        self.step = step
 
-    cfg = make_cfg(tiny_path, tmp_path / "cut", **kw)
+    def should_stop(self):
+        return self.step >= 2
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_path, tmp_path_factory):
+    """The uninterrupted 4-step run the resumed ones must reproduce."""
+    cfg = make_cfg(tiny_path, tmp_path_factory.mktemp("ilql_full") / "full", **RESUME_KW)
+    return ilql.train(cfg, samples=SAMPLES, reward=reward)
+
+
+def _cut_run(tiny_path, tmp_path):
+    cfg = make_cfg(tiny_path, tmp_path / "cut", **RESUME_KW)
     ilql.train(cfg, samples=SAMPLES, reward=reward, callbacks=[StopAfter2()])
     assert [r["step"] for r in read_metrics(cfg.run_dir)] == [0, 1, 2]
     assert not (tmp_path / "cut" / "final").exists()  # a stopped run leaves its checkpoint, not final/
-    ilql.train(cfg, resume=True, reward=reward)  # the dataset comes back from the run directory
-    a, b = read_metrics(full), read_metrics(cfg.run_dir)
+    return cfg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("holds", ["memmap", "jsonl"])
+def test_resume_reproduces_the_uninterrupted_run(holds, full_run, tiny_path, tmp_path):
+    """Resumed from its step-2 checkpoint, the run logs the uninterrupted run's steps 3-4 and ends with its
+    weights, bit for bit: the replay buffer draws the same batches from the checkpoint's ``consumed_samples``.
+    ``memmap``: the dataset comes back from RUN_DIR/offline_dataset/ alone (the JSONL export is deleted, so
+    training cannot be reading it). ``jsonl``: a run directory from before the memory-mapped folder holds
+    only offline_dataset.jsonl; it is converted on resume."""
+    cfg = _cut_run(tiny_path, tmp_path)
+    run_dir = tmp_path / "cut"
+    if holds == "memmap":
+        (run_dir / "offline_dataset.jsonl").unlink()
+    else:
+        shutil.rmtree(run_dir / "offline_dataset")
+    ilql.train(cfg, resume=True, reward=reward)  # no samples=: the dataset comes back from the run directory
+    assert (run_dir / "offline_dataset" / "meta.json").is_file()
+    a, b = read_metrics(full_run), read_metrics(cfg.run_dir)
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     for ra, rb in zip(a[3:], b[3:], strict=True):
         assert _comparable(ra) == _comparable(rb)
     assert "val_reward" in b[4]
-    m1, m2 = ILQLModel.from_pretrained(full / "final"), ILQLModel.from_pretrained(cfg.run_dir + "/final")
+    m1, m2 = ILQLModel.from_pretrained(full_run / "final"), ILQLModel.from_pretrained(cfg.run_dir + "/final")
     s1, s2 = m1.state_dict(), m2.state_dict()
     assert all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+@pytest.mark.slow
+def test_resume_without_the_dataset_is_an_error(tiny_path, tmp_path):
+    cfg = _cut_run(tiny_path, tmp_path)
+    shutil.rmtree(tmp_path / "cut" / "offline_dataset")
+    (tmp_path / "cut" / "offline_dataset.jsonl").unlink()
+    with pytest.raises(FileNotFoundError, match="offline dataset"):
+        ilql.train(cfg, resume=True, reward=reward)
 
 
 def test_resume_without_checkpoint_is_an_error(tiny_path, tmp_path):
@@ -285,6 +328,85 @@ def test_build_offline_dataset_is_seeded(tiny_path):
     assert a == b and len(a) == 6 and len({r["prompt"] for r in a}) == 6
     with pytest.raises(ValueError, match="n must be >= 1"):
         ilql.build_offline_dataset(reward, policy, tok, PROMPTS, 0, **kw)
+
+
+def _dataset(n=10):
+    rows = ilql.normalize_samples([(f"p{i}", " a" * (i % 4), float(i)) for i in range(n)])
+    return ilql.tensorize_dataset(rows, tiny_tokenizer(64))
+
+
+def test_replay_buffer_draws_each_epoch_in_the_prompt_stream_order():
+    """The sampler's draws are ``PromptStream(range(N), seed)``'s: every row once per epoch, a fresh seeded
+    order each epoch, batches crossing an epoch's end continue into the next (and may be larger than N)."""
+    from rlbits.data.stream import PromptStream
+
+    buffer = offline.offline_buffer(_dataset(10), seed=3)
+    stream = PromptStream(list(range(10)), 3)
+    for size in (4, 4, 4, 13, 1, 7):
+        assert buffer.sample(size)["rewards"].long().tolist() == stream.next(size)  # reward i marks row i
+    assert buffer.sampler.consumed_samples == stream.consumed_samples == 33
+    fresh = offline.offline_buffer(_dataset(10), seed=3)
+    epoch0, epoch1 = (fresh.sample(10)["rewards"].long().tolist() for _ in range(2))
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10)) and epoch0 != epoch1
+
+
+def test_replay_buffer_resumes_from_the_sample_count():
+    """A buffer built with the consumed_samples a checkpoint stores (or given the sampler's state_dict) draws
+    the batches the uninterrupted buffer draws next, and next_batch is the rows padding-trimmed."""
+    data = _dataset(10)
+    full = offline.offline_buffer(data, seed=5)
+    drawn = [full.sample(4) for _ in range(2)]
+    resumed = offline.offline_buffer(data, seed=5, consumed_samples=full.sampler.consumed_samples)
+    restored = offline.offline_buffer(data, seed=0)
+    restored.sampler.load_state_dict(full.sampler.state_dict())
+    for _ in range(4):  # crosses into epochs 1 and 2
+        want = full.sample(4)
+        assert (resumed.sample(4) == want).all() and (restored.sample(4) == want).all()
+    assert drawn[0]["rewards"].tolist() != drawn[1]["rewards"].tolist()
+    again = offline.offline_buffer(data, seed=5)
+    batch = offline.next_batch(again, 4)
+    index, _ = offline.EpochSampler(5).sample(range(10), 4)
+    expected = trim_padding(data[index])
+    assert batch.batch_size == expected.batch_size and (batch == expected).all()
+    assert batch["responses"].shape[1] <= data["responses"].shape[1]
+
+
+def test_next_batch_gives_each_rank_its_slice_of_one_draw():
+    data = _dataset(10)
+    whole = offline.offline_buffer(data, seed=1).sample(6)["rewards"].tolist()
+    parts = []
+    for rank in range(3):
+        buffer = offline.offline_buffer(data, seed=1)
+        parts += offline.next_batch(buffer, 2, DistEnv(rank=rank, world_size=3))["rewards"].tolist()
+        assert buffer.sampler.consumed_samples == 6  # every rank moves by the global batch
+    assert parts == whole
+
+
+def test_memmapped_dataset_round_trip_and_atomic_replace(tmp_path):
+    data = _dataset(6)
+    saved = offline.save_tensors(data, tmp_path / "offline_dataset")
+    assert all(isinstance(v, MemoryMappedTensor) for v in saved.values()) and (saved == data).all()
+    assert (offline.load_tensors(tmp_path / "offline_dataset") == data).all()
+    offline.save_tensors(_dataset(3), tmp_path / "offline_dataset")  # a rebuilt set replaces the folder
+    assert offline.load_tensors(tmp_path / "offline_dataset").batch_size == (3,)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["offline_dataset"]  # no .tmp-/.old- folder left
+    with pytest.raises(FileNotFoundError, match="meta.json"):
+        offline.load_tensors(tmp_path / "nothing")
+    assert offline.dataset_stats(data)["dataset/size"] == 6.0
+    assert offline.dataset_stats(data) == offline.dataset_stats([{"reward": float(i)} for i in range(6)])
+
+
+def test_moved_names_stay_importable_from_the_loop():
+    from rlbits.loops import evaluate
+    from rlbits.models.steered import SteeredPolicy
+
+    assert ilql.SteeredPolicy is SteeredPolicy
+    for name in ("build_offline_dataset", "normalize_samples", "save_dataset", "read_dataset", "tensorize_dataset",
+                 "load_or_build_dataset", "dataset_stats", "next_batch"):  # fmt: skip
+        assert getattr(ilql, name) is getattr(offline, name), name
+    assert ilql.load_final is evaluate.load_ilql_final and ilql.evaluate_run is evaluate.evaluate_ilql_run
+    assert ilql.evaluate_betas is evaluate.evaluate_betas and ilql.steered_validate is evaluate.steered_validate
+    assert set(ilql.__all__) <= set(dir(ilql))
 
 
 # --- config -----------------------------------------------------------------------------------------

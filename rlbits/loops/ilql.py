@@ -21,12 +21,15 @@ plain ``generate`` decodes steered, KV cache included).
 
 The offline set comes from ``samples=`` (triples or dicts), from ``dataset_path`` (a JSONL file), or is
 built by ``build_offline_dataset``: ``dataset_size`` responses sampled from the base model at
-``dataset_temperature`` for the task's train prompts and scored with the task's reward. It is written to
-``RUN_DIR/offline_dataset.jsonl`` (text and token ids) and a resumed run reads it back from there. Each
-step takes the next ``batch_size`` samples of a seeded per-epoch permutation of the set.
+``dataset_temperature`` for the task's train prompts and scored with the task's reward. It is padded into
+one TensorDict memory-mapped in ``RUN_DIR/offline_dataset/`` (with a human-readable copy of the rows in
+``RUN_DIR/offline_dataset.jsonl``), and a resumed run reads the folder back. Each step draws the next
+``batch_size`` samples of a seeded per-epoch permutation from a torchrl ``ReplayBuffer`` over that
+TensorDict (``rlbits.data.offline``).
 
-Where the rest lives: ``SteeredPolicy`` in ``rlbits.models.steered``; ``steered_validate``, ``load_final``,
-``evaluate_betas`` and ``evaluate_run`` in ``rlbits.loops.evaluate``. They are importable from here too.
+Where the rest lives: ``SteeredPolicy`` in ``rlbits.models.steered``; the dataset (rows, tensors, replay
+buffer, ``next_batch``) in ``rlbits.data.offline``; ``steered_validate``, ``load_final``, ``evaluate_betas``
+and ``evaluate_run`` in ``rlbits.loops.evaluate``. They are all importable from here too.
 
 How rlbits departs from trlx:
   - Targets and losses skip non-action tokens exactly (``action_mask``); the last response token is
@@ -60,7 +63,6 @@ at validation ``val_reward``, ``val_reward_std``, ``val_response_len`` (steered 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -68,9 +70,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
-from rlbits.batch import build_batch, make_prompts, pad_right, trim_padding
+from rlbits.batch import trim_padding
+from rlbits.data.offline import (
+    DATASET_DIR,
+    DATASET_FILE,
+    build_offline_dataset,
+    dataset_stats,
+    load_or_build_dataset,
+    next_batch,
+    normalize_samples,
+    offline_buffer,
+    read_dataset,
+    save_dataset,
+    tensorize_dataset,
+)
 from rlbits.distributed.checkpoint import (
     export_model,
     hf_folder,
@@ -80,7 +95,6 @@ from rlbits.distributed.checkpoint import (
     tokenizer_folder,
 )
 from rlbits.distributed.env import DistEnv
-from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import any_rank, global_count, reduce_metrics
 from rlbits.functional import (
     awac_loss,
@@ -99,14 +113,11 @@ from rlbits.loops.common import (
     make_optimizer,
     policy_path,
     prepare,
-    rollout,
     sample_rows,
-    score_rollout,
     setup,
     skipped_step,
 )
 from rlbits.loops.config import ConfigError, RunConfig, field_docs
-from rlbits.loops.data import PromptStream
 from rlbits.loops.evaluate import evaluate_betas, steered_validate
 from rlbits.loops.evaluate import evaluate_ilql_run as evaluate_run
 from rlbits.loops.evaluate import load_ilql_final as load_final
@@ -115,9 +126,7 @@ from rlbits.models.forward import position_ids_from_mask
 from rlbits.models.heads import ILQLModel
 from rlbits.models.load import load_tokenizer
 from rlbits.models.steered import SteeredPolicy
-from rlbits.tasks import get_task
 
-DATASET_FILE = "offline_dataset.jsonl"
 MODEL_NAME = "policy"  # the ILQL model is checkpointed under this name: an HF policy folder plus the heads
 
 
@@ -198,183 +207,6 @@ class ILQLConfig(RunConfig):
 
 
 # --------------------------------------------------------------------------------------------------------
-# The offline dataset
-# --------------------------------------------------------------------------------------------------------
-
-
-def _as_row(i: int, sample: Any) -> dict[str, Any]:
-    if isinstance(sample, dict):
-        missing = [k for k in ("prompt", "response", "reward") if k not in sample]
-        if missing:
-            raise ValueError(
-                f"samples[{i}] lacks key(s) {missing}; each sample needs prompt, response, reward"
-            )
-        row = dict(sample)
-    elif isinstance(sample, (tuple, list)) and len(sample) == 3:
-        row = {"prompt": sample[0], "response": sample[1], "reward": sample[2]}
-    else:
-        raise ValueError(
-            f"samples[{i}] must be a (prompt, response, reward) triple or a dict with those keys, got {sample!r:.80}"
-        )
-    if not isinstance(row["prompt"], str) or not row["prompt"]:
-        raise ValueError(f"samples[{i}]: prompt must be a non-empty str, got {row['prompt']!r:.80}")
-    if not isinstance(row["response"], str):
-        raise ValueError(f"samples[{i}]: response must be a str, got {row['response']!r:.80}")
-    try:
-        row["reward"] = float(row["reward"])
-    except (TypeError, ValueError):
-        raise ValueError(f"samples[{i}]: reward must be a number, got {row['reward']!r:.80}") from None
-    if not math.isfinite(row["reward"]):
-        raise ValueError(f"samples[{i}]: reward must be finite, got {row['reward']}")
-    return row
-
-
-def normalize_samples(samples: Sequence[Any]) -> list[dict[str, Any]]:
-    """Check an offline dataset and turn it into dicts ``{prompt, response, reward}`` (extra keys kept).
-
-    Raises:
-        ValueError: an empty dataset, or a sample that is not a triple/dict of (non-empty str, str, finite
-            number); the message names the sample's index.
-    """
-    if isinstance(samples, (str, bytes)) or len(samples) == 0:
-        raise ValueError("samples must be a non-empty list of (prompt, response, reward) triples or dicts")
-    return [_as_row(i, s) for i, s in enumerate(samples)]
-
-
-def build_offline_dataset(
-    task_or_reward: str | Any,
-    policy: torch.nn.Module,
-    tokenizer: Any,
-    prompts: Sequence[str],
-    n: int,
-    *,
-    seed: int,
-    temperature: float = 1.0,
-    max_new_tokens: int = 24,
-    batch_size: int = 256,
-) -> list[dict[str, Any]]:
-    """Sample ``n`` responses from ``policy`` and score them: the offline set ILQL learns from.
-
-    Prompts are taken in a seeded order (a fresh permutation per pass, as ``PromptStream``), one response
-    each; sampling noise comes from a generator seeded with ``seed``, so the same arguments give the same
-    set. The rows keep the exact sampled token ids (``prompt_ids``, ``response_ids``, EOS included when it
-    was sampled), so training sees the tokens the policy produced.
-
-    Args:
-        task_or_reward: a task name (its ``reward`` scores) or a reward (callable, reward model, URL).
-        policy: the behaviour policy (usually the base model).
-        tokenizer: its tokenizer.
-        prompts: prompt strings to draw from.
-        n: number of samples.
-        seed: seeds the prompt order and the sampling noise.
-        temperature: sampling temperature (> 0).
-        max_new_tokens: longest response.
-        batch_size: prompts per ``generate`` call.
-
-    Returns:
-        ``n`` dicts with ``prompt``, ``response``, ``reward``, ``prompt_ids``, ``response_ids``.
-
-    Raises:
-        ValueError: ``n < 1``, no prompts, ``temperature <= 0``; as ``score`` for bad rewards.
-    """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 to sample an offline set, got {temperature}")
-    reward = get_task(task_or_reward).reward if isinstance(task_or_reward, str) else task_or_reward
-    stream = PromptStream(list(prompts), seed)
-    device = next(policy.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed + 104_729)
-    rows: list[dict[str, Any]] = []
-    while len(rows) < n:
-        chunk = stream.next(min(batch_size, n - len(rows)))
-        batch = rollout(
-            policy,
-            tokenizer,
-            chunk,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            generator=generator,
-        )
-        rewards = score_rollout(batch, reward).tolist()
-        p_mask, a_mask = batch["prompt_mask"].tolist(), batch["action_mask"].tolist()
-        for i, (p_ids, r_ids) in enumerate(
-            zip(batch["prompts"].tolist(), batch["responses"].tolist(), strict=True)
-        ):
-            rows.append(
-                {
-                    "prompt": batch["prompt_text"][i],
-                    "response": batch["response_text"][i],
-                    "reward": float(rewards[i]),
-                    "prompt_ids": [t for t, m in zip(p_ids, p_mask[i], strict=True) if m],
-                    "response_ids": [t for t, m in zip(r_ids, a_mask[i], strict=True) if m],
-                }
-            )
-    return rows
-
-
-def save_dataset(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Write rows as JSONL (atomically: a temporary file renamed into place)."""
-    path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.rename(path)
-    return path
-
-
-def read_dataset(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL offline set, checked by ``normalize_samples``.
-
-    Raises:
-        ValueError: a line that is not JSON (named by line number), or a bad sample.
-    """
-    rows = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: line {i} is not valid JSON ({e})") from e
-    return normalize_samples(rows)
-
-
-def tensorize_dataset(rows: Sequence[dict[str, Any]], tokenizer: Any) -> TensorDict:
-    """The offline set as one batch TensorDict [N] (``build_batch``): ``prompts``/``prompt_mask``
-    (left-padded), ``responses``/``action_mask`` (right-padded), ``input_ids``/``attention_mask``,
-    ``rewards`` [N] float32.
-
-    Rows with ``prompt_ids``/``response_ids`` use them as they are; text-only rows are tokenized without
-    special tokens and the tokenizer's EOS is appended to the response (the end of a sample is terminal).
-
-    Raises:
-        ValueError: a prompt that tokenizes to nothing.
-    """
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    prompt_ids, response_ids = [], []
-    for i, row in enumerate(rows):
-        p = row.get("prompt_ids") or tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        if "response_ids" in row:
-            r = list(row["response_ids"])
-        else:
-            r = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + (
-                [eos] if eos is not None else []
-            )
-        if not p:
-            raise ValueError(f"sample {i}: prompt {row['prompt']!r:.60} tokenizes to no tokens")
-        if not r:
-            raise ValueError(f"sample {i}: response is empty and the tokenizer has no EOS to stand for it")
-        prompt_ids.append(p)
-        response_ids.append(r)
-    prompts = make_prompts(prompt_ids, pad)
-    responses = pad_right([torch.tensor(r, dtype=torch.int64) for r in response_ids], pad)
-    action_mask = pad_right([torch.ones(len(r), dtype=torch.bool) for r in response_ids], False)
-    rewards = torch.tensor([float(r["reward"]) for r in rows], dtype=torch.float32)
-    return build_batch(prompts["prompts"], prompts["prompt_mask"], responses, action_mask, rewards=rewards)
-
-
-# --------------------------------------------------------------------------------------------------------
 # State
 # --------------------------------------------------------------------------------------------------------
 
@@ -434,83 +266,9 @@ def init_state(cfg: ILQLConfig, env: DistEnv, *, resume_from: str | Path | None 
     return state
 
 
-def load_or_build_dataset(
-    cfg: ILQLConfig,
-    state: State,
-    *,
-    samples: Sequence[Any] | None = None,
-    reward: Any = None,
-    prompts: Sequence[str] | None = None,
-    resume: bool = False,
-    write: bool = True,
-) -> list[dict[str, Any]]:
-    """Phase 0: the offline set, also written to ``RUN_DIR/offline_dataset.jsonl`` (if ``write``).
-
-    A resumed run reads that file back (the policy has trained since, so it cannot rebuild the set).
-    Otherwise: ``samples`` if given, else ``cfg.dataset_path``, else ``build_offline_dataset`` with the
-    current (base) policy on ``prompts`` (default: the task's train split) scored by ``reward`` (default:
-    the task's).
-
-    Raises:
-        FileNotFoundError: resuming a run that has no dataset file.
-    """
-    path = Path(cfg.run_dir) / DATASET_FILE
-    if resume:
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"cannot resume {cfg.run_dir!r}: its offline dataset {str(path)!r} is missing"
-            )
-        return read_dataset(path)
-    if samples is not None:
-        rows = normalize_samples(samples)
-    elif cfg.dataset_path is not None:
-        rows = read_dataset(cfg.dataset_path)
-    else:
-        task = get_task(cfg.task)
-        with unsharded(state.model):  # a sharded model's root holds the embeddings: gather all of it
-            rows = build_offline_dataset(
-                reward if reward is not None else cfg.task,
-                state.model.policy,
-                state.tokenizer,
-                list(prompts) if prompts is not None else task.prompts("train"),
-                cfg.dataset_size,
-                seed=cfg.seed,
-                temperature=cfg.dataset_temperature,
-                max_new_tokens=cfg.max_new_tokens,
-                batch_size=cfg.dataset_batch_size,
-            )
-    if write:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_dataset(rows, path)
-    return rows
-
-
-def dataset_stats(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Size and reward statistics of the offline set (logged at step 0 as ``dataset/*``)."""
-    r = torch.tensor([row["reward"] for row in rows], dtype=torch.float64)
-    return {
-        "dataset/size": float(len(rows)),
-        "dataset/reward_mean": r.mean().item(),
-        "dataset/reward_std": r.std().item() if len(rows) > 1 else 0.0,
-        "dataset/reward_max": r.max().item(),
-        "dataset/reward_min": r.min().item(),
-    }
-
-
 # --------------------------------------------------------------------------------------------------------
 # Phases of a step
 # --------------------------------------------------------------------------------------------------------
-
-
-def next_batch(
-    data: TensorDict, stream: PromptStream, batch_size: int, env: DistEnv | None = None
-) -> TensorDictBase:
-    """Phase 1: the next ``batch_size`` rows of the per-epoch shuffled order, padding trimmed (under torchrun:
-    this rank's ``batch_size`` rows of the next ``batch_size * world_size``)."""
-    env = env or DistEnv()
-    rows = stream.next(batch_size * env.world_size)[env.rank * batch_size : (env.rank + 1) * batch_size]
-    index = torch.tensor(rows, dtype=torch.int64)
-    return trim_padding(data[index])
 
 
 def ilql_loss(
@@ -699,14 +457,13 @@ def train(
     state = init_state(cfg, env, resume_from=resume_from)
     timer = PhaseTimer()
     with timer("dataset"):
-        rows = load_or_build_dataset(
+        data = load_or_build_dataset(
             cfg, state, samples=samples, reward=reward, prompts=prompts, resume=resume_from is not None,
             write=env.is_main,
         )
-    data = tensorize_dataset(rows, state.tokenizer).to(env.device)
-    state.dataset_len = len(rows)
-    state.total_steps = num_steps(cfg, len(rows))
-    stream = PromptStream(list(range(len(rows))), cfg.seed, consumed_samples=state.consumed_samples)
+    buffer = offline_buffer(data, seed=cfg.seed, consumed_samples=state.consumed_samples)
+    state.dataset_len = len(data)
+    state.total_steps = num_steps(cfg, len(data))
 
     run = Run(
         cfg, env, callbacks=callbacks, resume=resume, total_steps=state.total_steps, start_step=state.step
@@ -714,7 +471,7 @@ def train(
     run.install_signal_handlers()
     try:
         if state.step == 0:
-            start = {**dataset_stats(rows), "time/dataset": timer.seconds["dataset"]}
+            start = {**dataset_stats(data), "time/dataset": timer.seconds["dataset"]}
             if cfg.val_at_start:
                 val, batch = validate(state, cfg, reward=reward, env=env)
                 state.val_reward = val["val_reward"]
@@ -727,24 +484,24 @@ def train(
             t0 = time.perf_counter()
             step = state.step + 1
             with timer("data"):
-                batch = next_batch(data, stream, cfg.batch_size, env)
+                batch = next_batch(buffer, cfg.batch_size, env)
             try:
                 with timer("update"):
                     metrics = update(state, batch, cfg, step, env)
             except FloatingPointError as e:
                 if cfg.on_nonfinite != "skip":
                     raise
-                state.step, state.consumed_samples = step, stream.consumed_samples
+                state.step, state.consumed_samples = step, buffer.sampler.consumed_samples
                 run.log(step, skipped_step(e, step))
                 continue
             with timer("sync"):
                 sync_targets(state.model, cfg, step)
             state.step = step
-            state.consumed_samples = stream.consumed_samples
+            state.consumed_samples = buffer.sampler.consumed_samples
             n_tokens = int(global_count(batch["action_mask"], env).item())
             state.total_valid_tokens += n_tokens
             metrics = reduce_metrics(metrics, env)
-            metrics["epoch"] = stream.epoch
+            metrics["epoch"] = state.consumed_samples // state.dataset_len
             metrics["tokens_per_s"] = n_tokens / max(time.perf_counter() - t0, 1e-9)
             is_last = step == state.total_steps
             if (cfg.val_period and step % cfg.val_period == 0) or (is_last and cfg.val_at_end):
@@ -772,6 +529,8 @@ def train(
 
 
 __all__ = [
+    "DATASET_DIR",
+    "DATASET_FILE",
     "ILQLConfig",
     "State",
     "SteeredPolicy",
@@ -786,6 +545,7 @@ __all__ = [
     "next_batch",
     "normalize_samples",
     "num_steps",
+    "offline_buffer",
     "read_dataset",
     "save",
     "save_dataset",
