@@ -48,7 +48,7 @@ Launch (one process, or N data-parallel FSDP2 ranks with ``torchrun``; docs/scal
 Metrics (metrics.jsonl, one line per step; see docs/reinforce.md): ``rewards``, ``rewards_with_kl``,
 ``gen_rewards``, ``baseline``, ``advantages``, ``init_policy_kl``, ``kl_loss``, ``actor_loss``,
 ``clipfrac``, ``approx_kl``, ``entropy``, ``grad_norm``, ``response_len``, ``truncated_frac``,
-``zero_std_frac``, ``kept_groups``, ``gen_batches``, ``loss_tokens``, ``epoch``, ``consumed_samples``,
+``zero_std_frac``, ``kept_groups``, ``gen_batches``, ``loss_tokens``, ``epoch``,
 ``tokens_per_s``, ``time/<phase>``, and ``val_reward`` (+ ``val_reward_std``, ``val_response_len``) on
 validation steps.
 """
