@@ -143,6 +143,17 @@ def validate(
     return values, batch
 
 
+def validate_policy(state: Any, batch: TensorDictBase | None, cfg: RunConfig) -> TensorDictBase:
+    """The validation phase of the online loops (PPO, REINFORCE): ``validate`` of ``state.policy`` on
+    ``state.val_prompts`` with ``state.reward``; adds ``val_reward``, ``val_reward_std``, ``val_response_len``
+    to ``state.metrics``. ``batch`` is not read. Returns this rank's validation batch."""
+    _, val_batch = validate(
+        state.policy, state.tokenizer, cfg, reward=state.reward, prompts=state.val_prompts, env=state.env,
+        metrics=state.metrics,
+    )  # fmt: skip
+    return val_batch
+
+
 def kl_per_sequence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
     """[B]: the summed k1 KL estimate of each sequence (nats); its mean over sequences is ``init_policy_kl``."""
     return masked_sum(kl_penalty(logprobs, ref_logprobs, "k1"), action_mask, dim=-1)
@@ -172,4 +183,5 @@ __all__ = [
     "rollout",
     "score_rollout",
     "validate",
+    "validate_policy",
 ]

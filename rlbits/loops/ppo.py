@@ -89,7 +89,7 @@ from rlbits.loops.runtime import (
     policy_path,
     prepare,
 )
-from rlbits.loops.state import LoopState, frozen, optimizer_of, runtime
+from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
 from rlbits.models.load import freeze, load_pretrained
@@ -216,7 +216,7 @@ class PPOConfig(RunConfig):
 
 
 @dataclasses.dataclass(kw_only=True)
-class State(LoopState):
+class State(OnlineState):
     """Everything a PPO run carries from step to step, saved as a whole (``rlbits.loops.state``)."""
 
     policy: torch.nn.Module
@@ -225,22 +225,8 @@ class State(LoopState):
     """Frozen initial policy (None when neither reference logprobs nor reference rewards are needed)."""
     policy_optimizer: torch.optim.Optimizer = optimizer_of("policy")
     value_optimizer: torch.optim.Optimizer = optimizer_of("value_model")
-    sampling_generator: torch.Generator
-    """Draws every rollout token (training and reference-reward rollouts)."""
-    minibatch_generator: torch.Generator
-    """Shuffles rows into minibatches (CPU)."""
-    stream: PromptStream
-    """The train prompts, in a seeded order per epoch; its position is saved."""
     kl_coef: float
     """Current coefficient of the active KL term (changes only with ``adaptive_kl``)."""
-    reward: Any = runtime(default=None)
-    """The reward (anything ``rlbits.score`` accepts)."""
-    val_prompts: list[str] = runtime(default_factory=list)
-
-    @property
-    def epoch(self) -> int:
-        """Passes over the train prompts completed."""
-        return self.stream.epoch
 
 
 def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> ValueModel:
@@ -478,15 +464,8 @@ def kl_control(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
     return batch
 
 
-def validate(state: State, batch: TensorDictBase | None, cfg: PPOConfig) -> TensorDictBase:
-    """Validation: mean reward of one response per test prompt (``rlbits.loops.phases.validate``); adds
-    ``val_reward``, ``val_reward_std``, ``val_response_len`` to ``state.metrics``; ``batch`` is not read.
-    Returns this rank's validation batch."""
-    _, val_batch = phases.validate(
-        state.policy, state.tokenizer, cfg, reward=state.reward, prompts=state.val_prompts, env=state.env,
-        metrics=state.metrics,
-    )  # fmt: skip
-    return val_batch
+validate = phases.validate_policy
+"""Validation: mean reward of one response per test prompt (``rlbits.loops.phases.validate_policy``)."""
 
 
 # --------------------------------------------------------------------------------------------------------

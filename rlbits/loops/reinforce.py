@@ -86,7 +86,7 @@ from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
 from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase, total_steps
 from rlbits.loops.runtime import autocast, generator, kernel, load_policy_and_tokenizer, policy_path, prepare
-from rlbits.loops.state import LoopState, frozen, optimizer_of, runtime
+from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.models.forward import policy_logprobs
 from rlbits.models.load import freeze, load_pretrained
 from rlbits.tasks import get_task
@@ -210,26 +210,13 @@ class ReinforceConfig(RunConfig):
 
 
 @dataclasses.dataclass(kw_only=True)
-class State(LoopState):
+class State(OnlineState):
     """Everything a REINFORCE run carries from step to step, saved as a whole (``rlbits.loops.state``)."""
 
     policy: torch.nn.Module
     reference: torch.nn.Module | None = frozen(default=None)
     """Frozen initial policy (``init_policy_kl``, the KL terms)."""
     optimizer: torch.optim.Optimizer = optimizer_of("policy")
-    sampling_generator: torch.Generator
-    """Sampling noise of the rollouts (on the policy's device)."""
-    minibatch_generator: torch.Generator
-    """Minibatch shuffles (CPU)."""
-    stream: PromptStream
-    """The train prompts, in a seeded order per epoch; its position is saved."""
-    reward: Any = runtime(default=None)
-    val_prompts: list[str] = runtime(default_factory=list)
-
-    @property
-    def epoch(self) -> int:
-        """Passes over the train prompts completed."""
-        return self.stream.epoch
 
 
 def init_state(
@@ -437,14 +424,8 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorD
     return batch
 
 
-def validate(state: State, batch: TensorDictBase | None, cfg: ReinforceConfig) -> TensorDictBase:
-    """Validation: mean test-split reward (``val_reward``, ...) with the validation generator (greedy if
-    ``val_greedy``), added to ``state.metrics``; ``batch`` is not read. Returns this rank's validation batch."""
-    _, val_batch = phases.validate(
-        state.policy, state.tokenizer, cfg, reward=state.reward, prompts=state.val_prompts, env=state.env,
-        metrics=state.metrics,
-    )  # fmt: skip
-    return val_batch
+validate = phases.validate_policy
+"""Validation: mean reward of one response per test prompt (``rlbits.loops.phases.validate_policy``)."""
 
 
 # --- the loop ----------------------------------------------------------------------------------------------

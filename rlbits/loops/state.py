@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.loops.metrics import StepMetrics
 
@@ -114,4 +115,25 @@ class LoopState:
             data.load_state_dict(saved[name])
 
 
-__all__ = ["LoopState", "frozen", "optimizer_of", "runtime"]
+@dataclasses.dataclass(kw_only=True)
+class OnlineState(LoopState):
+    """What the online loops (PPO, REINFORCE) add: the prompts, the reward, and their random streams."""
+
+    sampling_generator: torch.Generator
+    """Sampling noise of every rollout (on the policy's device)."""
+    minibatch_generator: torch.Generator
+    """Shuffles rows into minibatches (CPU)."""
+    stream: PromptStream
+    """The train prompts, in a seeded order per epoch; its position is saved."""
+    reward: Any = runtime(default=None)
+    """The reward (anything ``rlbits.score`` accepts)."""
+    val_prompts: list[str] = runtime(default_factory=list)
+    """The validation prompts (the task's test split)."""
+
+    @property
+    def epoch(self) -> int:
+        """Passes over the train prompts completed."""
+        return self.stream.epoch
+
+
+__all__ = ["LoopState", "OnlineState", "frozen", "optimizer_of", "runtime"]
