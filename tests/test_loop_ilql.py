@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,6 +70,7 @@ def _comparable(row):
 # --- the loop ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_step_smoke_run_builds_dataset_and_writes_the_run(tiny_path, tmp_path):
     cfg = make_cfg(tiny_path, tmp_path / "run", alpha=1.0, steps_for_target_q_sync=1, tensorboard=True)
     out = ilql.train(cfg, reward=reward, prompts=PROMPTS)
@@ -85,7 +87,7 @@ def test_two_step_smoke_run_builds_dataset_and_writes_the_run(tiny_path, tmp_pat
         "q_mean",
         "target_q_mean",
         "v_mean",
-        "q_target_mean",
+        "td_target_mean",
         "advantage_mean",
         "rewards",
         "grad_norm",
@@ -102,11 +104,11 @@ def test_two_step_smoke_run_builds_dataset_and_writes_the_run(tiny_path, tmp_pat
     assert tensors.batch_size == (16,) and tensors["rewards"].tolist() == pytest.approx([r["reward"] for r in data])
     assert tensors["responses"][0, : len(data[0]["response_ids"])].tolist() == data[0]["response_ids"]
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary folder left behind
-    for name in ("config.yaml", "samples.jsonl", "tensorboard", "checkpoints/step_2/policy/config.json"):
+    for name in ("config.yaml", "samples.jsonl", "tensorboard", "checkpoints/step_2/dcp/.metadata"):
         assert (out / name).exists(), name
     state = json.loads((out / "checkpoints/step_2/state.json").read_text())
-    assert state["current_step"] == 2 and state["consumed_samples"] == 16 and state["total_steps"] == 2
-    assert state["current_epoch"] == 1 and state["total_valid_tokens"] > 0
+    assert state["step"] == 2 and state["sampler"]["consumed_samples"] == 16 and state["total_steps"] == 2
+    assert rows[2]["epoch"] == 1 and state["total_valid_tokens"] > 0
     # final/: an HF policy folder plus the heads; alpha=1 every step leaves targets equal to online heads
     policy, tok = load_pretrained(out / "final")
     assert tok.eos_token_id == 63
@@ -142,7 +144,7 @@ def _cut_run(tiny_path, tmp_path):
     cfg = make_cfg(tiny_path, tmp_path / "cut", **RESUME_KW)
     ilql.train(cfg, samples=SAMPLES, reward=reward, callbacks=[StopAfter2()])
     assert [r["step"] for r in read_metrics(cfg.run_dir)] == [0, 1, 2]
-    assert not (tmp_path / "cut" / "final").exists()  # a stopped run leaves its checkpoint, not final/
+    assert (tmp_path / "cut" / "final").is_dir()  # every loop exports final/ at its end, stopped or not
     return cfg
 
 
@@ -181,11 +183,13 @@ def test_resume_without_the_dataset_is_an_error(tiny_path, tmp_path):
         ilql.train(cfg, resume=True, reward=reward)
 
 
+@pytest.mark.slow
 def test_resume_without_checkpoint_is_an_error(tiny_path, tmp_path):
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         ilql.train(make_cfg(tiny_path, tmp_path / "none"), resume=True, samples=SAMPLES)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_names_the_step_and_saves_nothing(tiny_path, tmp_path):
     bad = [(p, r, 1e39) for p, r, _ in SAMPLES]  # finite in float64, inf in float32
     cfg = make_cfg(tiny_path, tmp_path / "nan", val_at_start=False)
@@ -222,9 +226,10 @@ def test_target_sync_polyak_and_periodic(alpha, period):
             for p in list(model.q1.parameters()) + list(model.q2.parameters()):
                 p.add_(0.1 * step)
         online, before = _heads(model)
-        synced = ilql.sync_targets(model, cfg, step)
+        state = SimpleNamespace(model=model, step=step - 1)  # the phase runs before the step is counted
+        assert ilql.sync_targets(state, None, cfg) is None
+        synced = step % period == 0
         _, after = _heads(model)
-        assert synced == (step % period == 0)
         for o, b, a in zip(online, before, after, strict=True):
             expected = alpha * o + (1 - alpha) * b if synced else b
             torch.testing.assert_close(a, expected)

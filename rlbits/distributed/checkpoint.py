@@ -385,7 +385,8 @@ def load_checkpoint(
 
 def _load_hf_weights(model: nn.Module, path: Path, name: str) -> None:
     """Weights of model ``name`` from the HF folder of a checkpoint written before dcp/ held every model."""
-    folder = hf_folder(path, name)
+    earlier = {"value_model": "value", "model": "policy"}  # the folder names of the earlier format
+    folder = hf_folder(path, name) or hf_folder(path, earlier.get(name, name))
     if folder is None:
         raise ValueError(f"checkpoint {str(path)!r} holds no weights of model {name!r} (neither in dcp/ nor {name}/)")
     if is_sharded(model):

@@ -87,4 +87,4 @@ def reduce_metrics(metrics: Mapping[str, torch.Tensor | float], env: DistEnv) ->
         values = values.to(env.device)
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         values = values / env.world_size
-    return dict(zip(names, values.tolist()))
+    return dict(zip(names, values.tolist(), strict=True))

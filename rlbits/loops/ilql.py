@@ -64,18 +64,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
+from torchrl.data import ReplayBuffer
 
 from rlbits.batch import trim_padding
 from rlbits.data.offline import (
     DATASET_DIR,
     DATASET_FILE,
+    EpochSampler,
     build_offline_dataset,
     dataset_stats,
     load_or_build_dataset,
@@ -86,48 +87,22 @@ from rlbits.data.offline import (
     save_dataset,
     tensorize_dataset,
 )
-from rlbits.distributed.checkpoint import (
-    export_model,
-    hf_folder,
-    load_checkpoint,
-    resume_checkpoint,
-    save_checkpoint,
-    tokenizer_folder,
-)
 from rlbits.distributed.env import DistEnv
-from rlbits.distributed.reduce import any_rank, global_count, reduce_metrics
-from rlbits.functional import (
-    awac_loss,
-    cql_loss,
-    expectile_loss,
-    ilql_targets,
-    q_loss,
-    token_rewards,
-)
-from rlbits.loops.common import (
-    PhaseTimer,
-    autocast,
-    clip_and_step,
-    disable_dropout,
-    load_policy_and_tokenizer,
-    make_optimizer,
-    policy_path,
-    prepare,
-    sample_rows,
-    setup,
-    skipped_step,
-)
+from rlbits.distributed.reduce import any_rank, global_count
+from rlbits.functional import awac_loss, cql_loss, expectile_loss, ilql_targets, q_loss, token_rewards
+from rlbits.loops import phases
 from rlbits.loops.config import ConfigError, RunConfig, field_docs
 from rlbits.loops.evaluate import evaluate_betas, steered_validate
 from rlbits.loops.evaluate import evaluate_ilql_run as evaluate_run
 from rlbits.loops.evaluate import load_ilql_final as load_final
-from rlbits.loops.run import Run
+from rlbits.loops.optim import clip_and_step, make_optimizer
+from rlbits.loops.run import NonFiniteError, Run
+from rlbits.loops.runtime import autocast, disable_dropout, load_policy_and_tokenizer, policy_path, prepare
+from rlbits.loops.state import LoopState, optimizer_of, runtime
 from rlbits.models.forward import position_ids_from_mask
 from rlbits.models.heads import ILQLModel
-from rlbits.models.load import load_tokenizer
 from rlbits.models.steered import SteeredPolicy
-
-MODEL_NAME = "policy"  # the ILQL model is checkpointed under this name: an HF policy folder plus the heads
+from rlbits.tasks import get_task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,20 +186,30 @@ class ILQLConfig(RunConfig):
 # --------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class State:
-    """Everything a step reads and writes. ``step`` counts completed optimizer steps."""
+@dataclasses.dataclass(kw_only=True)
+class State(LoopState):
+    """Everything an ILQL run carries from step to step, saved as a whole (``rlbits.loops.state``)."""
 
     model: ILQLModel
-    tokenizer: Any
-    optimizer: torch.optim.Optimizer
-    step: int = 0
-    total_steps: int = 0
-    consumed_samples: int = 0
-    total_valid_tokens: int = 0
-    val_reward: float | None = None
-    dataset_len: int = 0
-    checkpoint: Path | None = None
+    """The LM with its Q, target Q and V heads."""
+    optimizer: torch.optim.Optimizer = optimizer_of("model")
+    sampler: EpochSampler | None = None
+    """The offline set's sampler (its position, ``consumed_samples``, is saved); set with ``attach``."""
+    buffer: ReplayBuffer | None = runtime(default=None, repr=False)
+    """The offline set in a torchrl ``ReplayBuffer`` (``rlbits.data.offline.offline_buffer``)."""
+    dataset_len: int = runtime(default=0)
+    reward: Any = runtime(default=None)
+    val_prompts: list[str] = runtime(default_factory=list)
+
+    @property
+    def epoch(self) -> int:
+        """Passes over the offline set completed."""
+        return self.sampler.consumed_samples // max(1, self.dataset_len) if self.sampler is not None else 0
+
+    def attach(self, data: TensorDictBase, seed: int) -> None:
+        """Draw batches from the offline set ``data`` (a fresh sampler; ``Run.start`` restores its position)."""
+        self.buffer = offline_buffer(data, seed=seed)
+        self.sampler, self.dataset_len = self.buffer.sampler, len(data)
 
 
 def _fresh_model(cfg: ILQLConfig, env: DistEnv | None = None) -> tuple[ILQLModel, Any]:
@@ -236,38 +221,22 @@ def _fresh_model(cfg: ILQLConfig, env: DistEnv | None = None) -> tuple[ILQLModel
     return model, tokenizer
 
 
-def init_state(cfg: ILQLConfig, env: DistEnv, *, resume_from: str | Path | None = None) -> State:
-    """The ILQL model, tokenizer, optimizer and counters: fresh from the policy, or from a checkpoint.
-
-    Fresh: the policy of ``cfg.policy`` (or the task's base model) with new heads seeded by ``cfg.seed``.
-    Resumed: model (heads and target heads included), optimizer, RNG states and counters of
-    ``resume_from``. ``total_steps`` is set by ``train`` once the dataset size is known.
-    """
-    folder = hf_folder(resume_from, MODEL_NAME)
-    if folder is not None:  # saved at world size 1: the ILQL model's own folder
-        model = ILQLModel.from_pretrained(folder)
-        tokenizer = load_tokenizer(folder)
-    else:  # fresh, or its weights come from the checkpoint's dcp/ below
-        model, tokenizer = _fresh_model(cfg, env)
-        if resume_from is not None:
-            tokenizer = load_tokenizer(tokenizer_folder(resume_from))
+def init_state(cfg: ILQLConfig, env: DistEnv, *, reward: Any = None) -> State:
+    """The ILQL model (the initial policy with new heads seeded by ``cfg.seed``), tokenizer and optimizer.
+    The offline set is attached next (``State.attach``); a resumed run then restores the checkpoint into
+    the state (``Run.start``)."""
+    task = get_task(cfg.task)
+    model, tokenizer = _fresh_model(cfg, env)
     model = prepare(disable_dropout(model).to(env.device).train(), cfg, env)
-    optimizer = make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay)
-    state = State(model=model, tokenizer=tokenizer, optimizer=optimizer)
-    if resume_from is not None:
-        saved = load_checkpoint(
-            resume_from, models={MODEL_NAME: model}, optimizers={MODEL_NAME: optimizer}, env=env
-        )
-        state.step = saved["current_step"]
-        state.consumed_samples = saved["consumed_samples"]
-        state.total_valid_tokens = saved["total_valid_tokens"]
-        state.val_reward = saved.get("val_reward")
-        state.checkpoint = Path(resume_from)
-    return state
+    return State(
+        env=env, tokenizer=tokenizer, model=model,
+        optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
+        reward=reward if reward is not None else task.reward, val_prompts=task.prompts("test"),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------
-# Phases of a step
+# Phases: phase(state, batch, cfg) -> batch
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -280,12 +249,14 @@ def ilql_loss(
     """The ILQL loss of one (micro)batch from ``ILQLModel.forward``'s outputs over ``input_ids``.
 
     Reads the response positions: the output at ``P - 1 + t`` is the state before response token t. Each
-    term is a token sum divided by ``num_tokens`` (the step's action-token count), so microbatch losses add
-    up to the step's token mean.
+    term is a token sum divided by ``num_tokens`` (the step's global action-token count), so microbatch
+    (and rank) losses add up to the step's token mean.
 
     Returns:
-        ``(loss, metrics)`` with ``loss_q``, ``loss_v``, ``loss_cql``, ``loss_awac``, ``q_mean``,
-        ``target_q_mean``, ``v_mean``, ``q_target_mean``, ``advantage_mean`` (token-sum weighted, detached).
+        ``(loss, metrics)`` with ``loss_q``, ``loss_v``, ``loss_cql``, ``loss_awac``, ``q_mean`` (the online
+        heads' Q of the taken tokens), ``target_q_mean`` (the target heads'), ``v_mean``, ``td_target_mean``
+        (the Bellman targets r + gamma V(s')), ``advantage_mean`` (target Q - V): token sums over
+        ``num_tokens``, detached.
     """
     P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
     actions, mask = batch["responses"], batch["action_mask"]
@@ -317,26 +288,23 @@ def ilql_loss(
         "q_mean": share(sum(q_taken) / len(q_taken)),
         "target_q_mean": share(target_q),
         "v_mean": share(v),
-        "q_target_mean": share(targets),
+        "td_target_mean": share(targets),
         "advantage_mean": share(target_q - v),
     }
     return loss, metrics
 
 
-def update(
-    state: State, batch: TensorDictBase, cfg: ILQLConfig, step: int, env: DistEnv | None = None
-) -> dict[str, torch.Tensor]:
+def update(state: State, batch: TensorDictBase, cfg: ILQLConfig) -> TensorDictBase:
     """Phase 2: forward/backward over microbatches of ``batch``, clip, one optimizer step. Every loss term is
     divided by the global action-token count, so N ranks take the step one process takes on the whole batch.
+    Adds the terms of ``ilql_loss``, ``grad_norm``, ``rewards`` and ``response_len`` to ``state.metrics``.
 
     Raises:
-        FloatingPointError: a non-finite loss or gradient, naming the step and phase; no update is applied.
+        NonFiniteError: a non-finite loss or gradient, naming the step and phase; no update is applied.
     """
-    model = state.model
-    mask = batch["action_mask"]
-    env = env or DistEnv()
-    num_tokens = global_count(mask, env).clamp(min=1)
-    sums: dict[str, torch.Tensor] = {}
+    model, env, m = state.model, state.env, state.metrics
+    step = state.step + 1
+    num_tokens = global_count(batch["action_mask"], env).clamp(min=1)
     for mb in batch.split(cfg.microbatch_size, dim=0):
         mb = trim_padding(mb)
         with autocast(model, cfg):
@@ -345,74 +313,35 @@ def update(
         loss, metrics = ilql_loss(out, mb, cfg, num_tokens)
         if any_rank(~torch.isfinite(loss.detach()), env):  # every rank raises together
             state.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"step {step}, phase update: the ILQL loss is {loss.item()} ({metrics})")
+            raise NonFiniteError(f"step {step}, phase update: the ILQL loss is {loss.item()} ({metrics})")
         loss.backward()
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v
+        for name, value in metrics.items():
+            m.sum(name, value)
     params = [p for p in model.parameters() if p.requires_grad]
     try:
-        grad_norm = clip_and_step(params, state.optimizer, cfg.max_grad_norm)
+        m.same("grad_norm", clip_and_step(params, state.optimizer, cfg.max_grad_norm))
     except FloatingPointError as e:
-        raise FloatingPointError(f"step {step}, phase update: {e}") from e
-    sums["grad_norm"] = grad_norm
-    sums["rewards"] = batch["rewards"].mean()
-    sums["response_len"] = mask.sum(-1).float().mean()
-    return sums
+        raise NonFiniteError(f"step {step}, phase update: {e}") from e
+    phases.add_batch_stats(m, batch)
+    return batch
 
 
-def sync_targets(model: ILQLModel, cfg: ILQLConfig, step: int) -> bool:
-    """Phase 3: every ``steps_for_target_q_sync`` steps, ``target = alpha * online + (1 - alpha) * target``.
-
-    Returns whether the targets were updated at this ``step`` (1-based count of completed steps).
-    """
-    if step % cfg.steps_for_target_q_sync == 0:
-        model.sync_target_q_heads(cfg.alpha)
-        return True
-    return False
+def sync_targets(state: State, batch: TensorDictBase, cfg: ILQLConfig) -> TensorDictBase:
+    """Phase 3: after every ``steps_for_target_q_sync``-th step, ``target = alpha * online + (1 - alpha) *
+    target`` for the target Q heads."""
+    if (state.step + 1) % cfg.steps_for_target_q_sync == 0:
+        state.model.sync_target_q_heads(cfg.alpha)
+    return batch
 
 
-def validate(
-    state: State,
-    cfg: ILQLConfig,
-    *,
-    reward: Any = None,
-    prompts: Sequence[str] | None = None,
-    env: DistEnv | None = None,
-) -> tuple[dict[str, float], TensorDictBase]:
-    """Phase 4: steered decoding at ``cfg.beta`` (``val_reward``, ...) and the LM alone (``val_reward_policy``)."""
-    metrics, batch = steered_validate(
-        state.model, state.tokenizer, cfg, beta=cfg.beta, reward=reward, prompts=prompts, env=env
-    )
-    if cfg.beta != 0:
-        plain, _ = steered_validate(
-            state.model, state.tokenizer, cfg, beta=0.0, reward=reward, prompts=prompts, env=env
-        )
-        metrics["val_reward_policy"] = plain["val_reward"]
-    else:
-        metrics["val_reward_policy"] = metrics["val_reward"]
-    return metrics, batch
-
-
-def save(state: State, cfg: ILQLConfig, *, total_steps: int, env: DistEnv | None = None) -> Path:
-    """Phase 5: checkpoint ``RUN_DIR/checkpoints/step_N`` (the ILQL model as ``policy/``, optimizer, counters;
-    every rank calls it)."""
-    return save_checkpoint(
-        cfg.run_dir,
-        state.step,
-        models={MODEL_NAME: state.model},
-        optimizers={MODEL_NAME: state.optimizer},
-        state={
-            "consumed_samples": state.consumed_samples,
-            "current_step": state.step,
-            "current_epoch": state.consumed_samples // max(1, state.dataset_len),
-            "total_steps": total_steps,
-            "total_valid_tokens": state.total_valid_tokens,
-            "val_reward": state.val_reward,
-        },
-        tokenizer=state.tokenizer,
-        keep=cfg.keep_checkpoints,
-        env=env,
-    )
+def validate(state: State, batch: TensorDictBase | None, cfg: ILQLConfig) -> TensorDictBase:
+    """Validation: steered decoding at ``cfg.beta`` (``val_reward``, ``val_reward_std``, ``val_response_len``)
+    and the LM alone (``val_reward_policy``), added to ``state.metrics``. Returns the steered batch."""
+    kw = dict(reward=state.reward, prompts=state.val_prompts, env=state.env)
+    values, val_batch = steered_validate(state.model, state.tokenizer, cfg, beta=cfg.beta, **kw)
+    plain = steered_validate(state.model, state.tokenizer, cfg, beta=0.0, **kw)[0] if cfg.beta != 0 else values
+    state.metrics.update({**values, "val_reward_policy": plain["val_reward"]})
+    return val_batch
 
 
 def num_steps(cfg: ILQLConfig, dataset_len: int) -> int:
@@ -426,14 +355,9 @@ def num_steps(cfg: ILQLConfig, dataset_len: int) -> int:
 
 
 def train(
-    cfg: ILQLConfig,
-    *,
-    callbacks: Sequence[Any] = (),
-    resume: bool = False,
-    reward: Any = None,
-    prompts: Sequence[str] | None = None,
-    samples: Sequence[Any] | None = None,
-) -> Path:
+    cfg: ILQLConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, reward: Any = None,
+    prompts: Sequence[str] | None = None, samples: Sequence[Any] | None = None,
+) -> Path:  # fmt: skip
     """Train ILQL and return the run directory (``RUN_DIR/final`` holds the LM, tokenizer and heads).
 
     Args:
@@ -447,85 +371,28 @@ def train(
 
     Raises:
         ConfigError: an invalid config. FileNotFoundError: ``resume`` without a checkpoint.
-        FloatingPointError: a non-finite loss or gradient (names the step; nothing is saved).
+        NonFiniteError: a non-finite loss or gradient (names the step; nothing is saved).
     """
     if not isinstance(cfg, ILQLConfig):
         raise ConfigError(f"cfg must be an ILQLConfig, got {type(cfg).__name__}")
-    cfg.validate()
-    env = setup(cfg)
-    resume_from = resume_checkpoint(cfg.run_dir, missing_ok=True) if resume else None
-    state = init_state(cfg, env, resume_from=resume_from)
-    timer = PhaseTimer()
-    with timer("dataset"):
-        data = load_or_build_dataset(
-            cfg, state, samples=samples, reward=reward, prompts=prompts, resume=resume_from is not None,
-            write=env.is_main,
-        )
-    buffer = offline_buffer(data, seed=cfg.seed, consumed_samples=state.consumed_samples)
-    state.dataset_len = len(data)
-    state.total_steps = num_steps(cfg, len(data))
-
-    run = Run(
-        cfg, env, callbacks=callbacks, resume=resume, total_steps=state.total_steps, start_step=state.step
-    )
-    run.install_signal_handlers()
-    try:
-        if state.step == 0:
-            start = {**dataset_stats(data), "time/dataset": timer.seconds["dataset"]}
-            if cfg.val_at_start:
-                val, batch = validate(state, cfg, reward=reward, env=env)
-                state.val_reward = val["val_reward"]
-                start.update(val)
-                run.log_samples(0, sample_rows(batch, cfg.log_samples))
-            run.log(0, start)
-        last_val = 0
-        while state.step < state.total_steps and not run.should_stop:
-            timer = PhaseTimer()
-            t0 = time.perf_counter()
-            step = state.step + 1
-            with timer("data"):
-                batch = next_batch(buffer, cfg.batch_size, env)
-            try:
-                with timer("update"):
-                    metrics = update(state, batch, cfg, step, env)
-            except FloatingPointError as e:
-                if cfg.on_nonfinite != "skip":
-                    raise
-                state.step, state.consumed_samples = step, buffer.sampler.consumed_samples
-                run.log(step, skipped_step(e, step))
-                continue
-            with timer("sync"):
-                sync_targets(state.model, cfg, step)
-            state.step = step
-            state.consumed_samples = buffer.sampler.consumed_samples
-            n_tokens = int(global_count(batch["action_mask"], env).item())
-            state.total_valid_tokens += n_tokens
-            metrics = reduce_metrics(metrics, env)
-            metrics["epoch"] = state.consumed_samples // state.dataset_len
-            metrics["tokens_per_s"] = n_tokens / max(time.perf_counter() - t0, 1e-9)
-            is_last = step == state.total_steps
-            if (cfg.val_period and step % cfg.val_period == 0) or (is_last and cfg.val_at_end):
-                with timer("validate"):
-                    val, vbatch = validate(state, cfg, reward=reward, env=env)
-                state.val_reward = val["val_reward"]
-                metrics.update(val)
-                run.log_samples(step, sample_rows(vbatch, cfg.log_samples))
-                last_val = step
-            metrics.update(timer.metrics())
-            run.log(step, metrics)  # before the checkpoint: a resume drops rows past it, never misses one
-            run.progress(
-                step, loss=metrics["loss"], **({"val_reward": state.val_reward} if last_val == step else {})
-            )
-            if (cfg.save_period and step % cfg.save_period == 0) or is_last or run.should_stop:
-                save(state, cfg, total_steps=state.total_steps, env=env)
-        if state.step == state.total_steps:  # a stopped run has its checkpoint, not final/
-            export_model(
-                state.model, Path(cfg.run_dir) / "final", tokenizer=state.tokenizer, env=env,
-                build=lambda: _fresh_model(cfg)[0],
-            )  # fmt: skip
-    finally:
-        run.close()
-    return Path(cfg.run_dir)
+    with Run(cfg, callbacks=callbacks, resume=resume) as run:
+        state = init_state(cfg, run.env, reward=reward)
+        with run.timer("dataset"):  # 0. the offline set: built from the base policy, or read back on resume
+            data = load_or_build_dataset(cfg, state, samples=samples, reward=reward, prompts=prompts,
+                                         resume=run.checkpoint is not None, write=run.env.is_main)  # fmt: skip
+        state.attach(data, cfg.seed)
+        run.start(state, validate=validate, total_steps=num_steps(cfg, len(data)))
+        state.metrics.update({**dataset_stats(data), "time/dataset": run.timer.seconds["dataset"]})
+        for _ in run.steps(state):
+            with run.step(state):
+                with run.phase("data"):  # 1. the next batch of offline rows
+                    batch = next_batch(state.buffer, cfg.batch_size, run.env)
+                with run.phase("update"):  # 2. Q, V, CQL and AWAC losses; one optimizer step
+                    batch = update(state, batch, cfg)
+                with run.phase("sync"):  # 3. target Q heads towards the online ones
+                    batch = sync_targets(state, batch, cfg)
+                run.end_step(state, batch)  # 4. log; validate and save when due
+        return run.finish(state, model=state.model, build=lambda: _fresh_model(cfg)[0])
 
 
 __all__ = [
@@ -547,7 +414,6 @@ __all__ = [
     "num_steps",
     "offline_buffer",
     "read_dataset",
-    "save",
     "save_dataset",
     "steered_validate",
     "sync_targets",

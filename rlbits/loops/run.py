@@ -185,16 +185,16 @@ class Run:
         return state.step >= self.total or epoch >= self.cfg.max_num_epochs
 
     def steps(self, state: LoopState) -> Iterator[int]:
-        """Validate before training (step 0, when ``val_at_start`` and not resumed past it), then yield the
-        number of each step to take until the run is done or a stop is requested."""
-        if self.cfg.val_at_start and state.step == 0:
-            state.metrics = StepMetrics()
-            val_batch = self._validate(state, None, self.cfg)
+        """Log step 0 (the validation before training when ``val_at_start``, and any statistics the loop
+        added to ``state.metrics`` before its first step), unless resumed past it; then yield the number of
+        each step to take until the run is done or a stop is requested."""
+        if state.step == 0:  # step 0: the validation before training, and what the loop measured before it
+            val_batch = self._validate(state, None, self.cfg) if self.cfg.val_at_start else None
             values = state.metrics.reduce(self.env)
-            state.val_reward = values.get("val_reward")
-            self.logger.log(0, values)
-            rows = sample_rows(val_batch, self.cfg.log_samples)
-            self.logger.log_samples(0, [{"split": "test", **row} for row in rows])
+            if values:
+                state.val_reward = values.get("val_reward", state.val_reward)
+                self.logger.log(0, values)
+                self.logger.log_samples(0, [{"split": "test", **row} for row in sample_rows(val_batch, self.cfg.log_samples)])
         stop = self.should_stop
         while not self.done(state) and not stop:
             yield state.step + 1

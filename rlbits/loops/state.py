@@ -111,8 +111,8 @@ class LoopState:
         for name in self._fields("counter"):
             if name in saved:
                 setattr(self, name, saved[name])
-        for name, data in self._fields("data").items():
-            data.load_state_dict(saved[name])
+        for name, data in self._fields("data").items():  # earlier checkpoints: consumed_samples at the top
+            data.load_state_dict(saved[name] if name in saved else saved)
 
 
 @dataclasses.dataclass(kw_only=True)
