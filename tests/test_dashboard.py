@@ -76,6 +76,7 @@ def test_stop_button_sets_should_stop():
     assert dash.should_stop() and dash.button.disabled
 
 
+@pytest.mark.slow
 def test_clicking_stop_during_a_run_ends_it_after_the_step_with_a_checkpoint(policy_dir, tmp_path):
     class ClickAfterFirstStep:
         def __init__(self, dash):
@@ -97,6 +98,7 @@ def test_clicking_stop_during_a_run_ends_it_after_the_step_with_a_checkpoint(pol
     assert len(dash.samples) == 2 and dash.samples[0]["prompt"] in PROMPTS
 
 
+@pytest.mark.slow
 def test_background_run_stops_cleanly_on_a_click(policy_dir, tmp_path):
     dash = Dashboard()
     thread = dash.train(**tiny_run(policy_dir, tmp_path / "run", max_num_steps=1000))
@@ -118,6 +120,7 @@ def test_background_run_stops_cleanly_on_a_click(policy_dir, tmp_path):
         dash.train(**tiny_run(policy_dir, tmp_path / "run2"))
 
 
+@pytest.mark.slow
 def test_background_errors_are_shown_and_re_raised(tmp_path):
     dash = Dashboard()
     dash.train(config={"loop": "ppo", "run_dir": str(tmp_path / "r"), "policy": str(tmp_path / "missing")})

@@ -262,6 +262,7 @@ class NanOnCall:
         return [float("nan") if self.calls == self.bad and i == 1 else 0.5 for i in range(len(prompts))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["ppo", "reinforce"])
 def test_skip_drops_a_step_with_a_nan_reward_and_goes_on(loop, tiny_policy, tmp_path):
     import rlbits

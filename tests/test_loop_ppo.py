@@ -248,6 +248,7 @@ def test_adaptive_kl_controller():
 # --------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_step_run_writes_the_run(policy_dir, tmp_path):
     run_dir = tmp_path / "run"
     cfg = make_cfg(policy_dir, run_dir, val_at_start=True, val_at_end=True, tensorboard=True, save_period=1,
@@ -282,6 +283,7 @@ def test_two_step_run_writes_the_run(policy_dir, tmp_path):
         train(cfg, reward=reward, prompts=PROMPTS)
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(policy_dir, tmp_path):
     options = dict(max_num_steps=4, save_period=2, adaptive_kl=True, kl_target=0.01, kl_horizon=20, val_period=2,
                    value_clip_eps=0.2)  # fmt: skip
@@ -303,6 +305,7 @@ def test_resume_reproduces_the_uninterrupted_run(policy_dir, tmp_path):
     assert torch.equal(wa, wb)
 
 
+@pytest.mark.slow
 def test_critic_warmup_leaves_the_policy_unchanged(policy_dir, tmp_path):
     cfg = make_cfg(policy_dir, tmp_path / "run", policy_training_start_step=2, save_period=1, checkpoint_hf_folders=True)
     train(cfg, reward=reward, prompts=PROMPTS)
@@ -317,6 +320,7 @@ def test_critic_warmup_leaves_the_policy_unchanged(policy_dir, tmp_path):
     assert not torch.equal(flat_weights(critic1), flat_weights(critic2))
 
 
+@pytest.mark.slow
 def test_adaptive_kl_and_skip_reference_in_a_run(policy_dir, tmp_path):
     cfg = make_cfg(
         policy_dir, tmp_path / "a", adaptive_kl=True, kl_target=1e-4, kl_horizon=10, max_num_steps=3
@@ -331,6 +335,7 @@ def test_adaptive_kl_and_skip_reference_in_a_run(policy_dir, tmp_path):
     assert all(r["init_policy_kl"] == 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_reward_subtract_reference_run(policy_dir, tmp_path):
     cfg = make_cfg(
         policy_dir, tmp_path / "run", reward_subtract_reference=True, reward_whiten=True, max_num_steps=1
@@ -375,6 +380,7 @@ def test_config_errors(values, match):
         config_from_dict(PPOConfig, values)
 
 
+@pytest.mark.slow
 def test_config_file_and_runtime_errors(policy_dir, tmp_path):
     cfg = load_config(PPOConfig, CONFIG, [f"run_dir={tmp_path / 'r'}"])
     assert cfg.loop == "ppo" and cfg.task == "sentiment"
@@ -389,6 +395,7 @@ def test_config_file_and_runtime_errors(policy_dir, tmp_path):
     assert total_steps(make_cfg(policy_dir, tmp_path, max_num_steps=100, max_num_epochs=2), len(PROMPTS), 4) == 4
 
 
+@pytest.mark.slow
 def test_stop_request_ends_after_the_step_with_a_checkpoint(policy_dir, tmp_path):
     class StopAfterFirstStep:
         def __init__(self):

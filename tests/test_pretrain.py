@@ -39,6 +39,7 @@ def test_tokenizer_round_trips_text():
         pt.train_tokenizer(docs, 100)
 
 
+@pytest.mark.slow
 def test_pretrain_folder_loads(tiny_arith):
     model = AutoModelForCausalLM.from_pretrained(tiny_arith)
     tok = AutoTokenizer.from_pretrained(tiny_arith)
@@ -57,6 +58,7 @@ def test_pretrain_folder_loads(tiny_arith):
     assert [p.name for p in pt.Path(tiny_arith).parent.iterdir()] == ["model"]
 
 
+@pytest.mark.slow
 def test_pretrain_deterministic(tiny_arith, tmp_path):
     again = pt.pretrain("arithmetic", tmp_path / "again", seed=0, **TINY)
     other = pt.pretrain("arithmetic", tmp_path / "other", seed=1, **TINY)
@@ -71,6 +73,7 @@ def test_pretrain_deterministic(tiny_arith, tmp_path):
     ).read_text()
 
 
+@pytest.mark.slow
 def test_pretrain_restores_global_state(tmp_path):
     torch.manual_seed(123)
     expected = torch.rand(3)
@@ -80,6 +83,7 @@ def test_pretrain_restores_global_state(tmp_path):
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+@pytest.mark.slow
 def test_pretrain_replaces_existing_folder(tmp_path):
     out = tmp_path / "m"
     out.mkdir()
@@ -90,6 +94,7 @@ def test_pretrain_replaces_existing_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
+@pytest.mark.slow
 def test_pretrain_refuses_to_overwrite_a_folder_that_is_not_a_model(tmp_path):
     out = tmp_path / "notes"
     out.mkdir()
@@ -99,6 +104,7 @@ def test_pretrain_refuses_to_overwrite_a_folder_that_is_not_a_model(tmp_path):
     assert (out / "mine.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_pretrain_bad_settings(tmp_path):
     with pytest.raises(ValueError, match="unknown task 'chess'"):
         pt.pretrain("chess", tmp_path / "x")
@@ -124,6 +130,7 @@ def _reference_greedy(model, tok, prompt: str, max_new_tokens: int) -> str:
     return tok.decode(out, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_evaluate_greedy_matches_reference(tiny_arith):
     res = pt.evaluate(tiny_arith, "arithmetic", n=12, max_new_tokens=4)
     assert res["n"] == 12 and set(res) == {"mean", "std", "accuracy", "n", "samples"}
@@ -136,6 +143,7 @@ def test_evaluate_greedy_matches_reference(tiny_arith):
     assert [s[2] for s in res["samples"]] == rewards
 
 
+@pytest.mark.slow
 def test_evaluate_sampling_seeded(tiny_arith):
     a = pt.evaluate(tiny_arith, "arithmetic", greedy=False, n=10, max_new_tokens=3, seed=5)
     b = pt.evaluate(tiny_arith, "arithmetic", greedy=False, n=10, max_new_tokens=3, seed=5)
@@ -207,6 +215,7 @@ def test_loss_starts_after_separator():
         pt._loss_starts(tok, data, "+=")
 
 
+@pytest.mark.slow
 def test_plateau_check_runs_and_keeps_model(tiny_arith):
     before = (pt.Path(tiny_arith) / "model.safetensors").read_bytes()
     res = pt.plateau_check(tiny_arith, "arithmetic", cpu_seconds=0.5, n=6)
@@ -232,6 +241,7 @@ def test_recipes_are_those_of_the_cached_builds():
     assert sorted(pt.RECIPES) == sorted(TASKS) and all(tuple(r) == pt.SETTINGS for r in pt.RECIPES.values())
 
 
+@pytest.mark.slow
 def test_task_registered_outside_rlbits_brings_its_recipe(monkeypatch, tmp_path):
     import sys
     import types
