@@ -54,7 +54,7 @@ Under ``torchrun`` the model (LM, Q/V heads, target heads) is sharded with FSDP2
 (docs/scaling.md); rank 0 writes the logs and ``final/``.
 
 Logged metrics (``metrics.jsonl``, per step; docs/ilql.md explains each): ``loss``, ``loss_q``, ``loss_v``,
-``loss_cql``, ``loss_awac``, ``q_mean``, ``target_q_mean``, ``v_mean``, ``q_target_mean``,
+``loss_cql``, ``loss_awac``, ``q_mean``, ``target_q_mean``, ``v_mean``, ``td_target_mean``,
 ``advantage_mean``, ``rewards``, ``response_len``, ``grad_norm``, ``epoch``, ``tokens_per_s``, ``time/*``;
 at validation ``val_reward``, ``val_reward_std``, ``val_response_len`` (steered at ``beta``) and
 ``val_reward_policy`` (the trained LM head alone, beta = 0).
