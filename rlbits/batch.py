@@ -18,7 +18,7 @@ Layout (as in verl and OpenRLHF): prompts are **left**-padded to a common length
 A batch without ``response_mask`` is read as if ``response_mask == action_mask`` (every real response token
 is an action); ``build_batch`` always writes both.
 
-Helpers: ``validate``; ``make_prompts`` / ``tokenize_prompts``; ``build_batch``; ``pad_left`` /
+Helpers: ``check`` (``validate``, its earlier name); ``make_prompts`` / ``tokenize_prompts``; ``build_batch``; ``pad_left`` /
 ``pad_right`` / ``collate``; ``split_microbatches`` / ``split_minibatches``; ``group_ids`` /
 ``repeat_interleave_prompts``; ``decode``; ``trim_padding``. None of them syncs with the device except
 where its docstring says so.
@@ -71,6 +71,7 @@ __all__ = [
     "split_minibatches",
     "tokenize_prompts",
     "trim_padding",
+    "check",
     "validate",
 ]
 
@@ -171,11 +172,11 @@ def response_mask(batch: TensorDictBase) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------------
-# validate
+# check
 # --------------------------------------------------------------------------------------------------------
 
 
-def validate(
+def check(
     batch: TensorDictBase,
     required: Iterable[str] = (PROMPTS, PROMPT_MASK),
     *,
@@ -208,7 +209,7 @@ def validate(
         check_values: also run the content checks above.
 
     Returns:
-        ``batch``, so that ``validate`` can be chained.
+        ``batch``, so that ``check`` can be chained.
 
     Raises:
         ValueError: the first problem found, naming the key and what was expected.
@@ -223,8 +224,12 @@ def validate(
     return batch
 
 
+
+validate = check
+"""Earlier name of ``check`` (in rlbits "validate" means the reward on held-out prompts)."""
+
 def _check_schema(batch: TensorDictBase) -> dict[str, int]:
-    """``validate`` without ``required`` and value checks; returns the named sizes (``B`` and, where a key
+    """``check`` without ``required`` and value checks; returns the named sizes (``B`` and, where a key
     has them, ``P`` and ``R``)."""
     if not isinstance(batch, TensorDictBase):
         raise ValueError(f"batch must be a TensorDict, got {type(batch).__name__}")
@@ -567,7 +572,7 @@ def build_batch(
         ``TensorDict`` with ``batch_size [B]``.
 
     Raises:
-        ValueError: a column whose shape or dtype does not follow ``SCHEMA`` (see ``validate``), a list
+        ValueError: a column whose shape or dtype does not follow ``SCHEMA`` (see ``check``), a list
             of strings whose length is not B, or ``input_ids`` / ``attention_mask`` passed in.
     """
     batch_len = prompts.shape[0] if prompts.dim() else 0
@@ -597,7 +602,7 @@ def build_batch(
                 f"{key} must have leading dim B={batch_len} (from prompts), got shape {tuple(value.shape)}"
             )
     batch = TensorDict(given, batch_size=[batch_len])
-    validate(batch, required=(PROMPTS, PROMPT_MASK, RESPONSES, ACTION_MASK))
+    check(batch, required=(PROMPTS, PROMPT_MASK, RESPONSES, ACTION_MASK))
     zero = torch.zeros((), device=action_mask.device)
     per_token = batch.select(*[key for key in PER_TOKEN_KEYS if key in columns])
     batch.update(per_token.apply(lambda t: torch.where(action_mask, t, zero)))
@@ -643,7 +648,7 @@ def _repad(
 def collate(batches: Sequence[TensorDictBase], pad_token_id: int | None = None) -> TensorDictBase:
     """Concatenate batches whose prompt and response lengths differ.
 
-    Each batch is validated, then prompt-side keys are left-padded to the largest P, response-side keys
+    Each batch is checked, then prompt-side keys are left-padded to the largest P, response-side keys
     right-padded to the largest R (0 for floats, False for masks, ``pad_token_id`` for token ids), and
     ``input_ids`` / ``attention_mask`` re-padded on both sides of their prompt/response boundary. Text keys
     and keys outside ``SCHEMA`` are concatenated as they are (their shapes must already agree).
@@ -658,7 +663,7 @@ def collate(batches: Sequence[TensorDictBase], pad_token_id: int | None = None) 
         A new TensorDict with batch_size [sum B_i].
 
     Raises:
-        ValueError: no batches, keys that differ between batches, a batch that fails ``validate``, a key
+        ValueError: no batches, keys that differ between batches, a batch that fails ``check``, a key
             outside ``SCHEMA`` whose shapes differ, or a missing ``pad_token_id``.
     """
     if len(batches) == 0:

@@ -443,7 +443,7 @@ def test_config_errors_name_the_field(key, value, match):
 
 def test_config_defaults_are_valid_and_frozen():
     cfg = ilql.ILQLConfig()
-    cfg.validate()
+    cfg.check()
     assert cfg.loop == "ilql"
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.beta = 2.0  # type: ignore[misc]

@@ -111,8 +111,10 @@ class RunConfig:
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of storing them (less memory, ~1/3 more compute)."""
 
-    def validate(self) -> None:
-        """Range checks shared by all loops; loops extend this. Raises ConfigError."""
+    def check(self) -> None:
+        """Range checks shared by all loops; loops extend this. Raises ConfigError.
+
+        (In rlbits "validate" means one thing: the reward on held-out prompts, a loop's ``validate`` phase.)"""
         positive = ("max_num_steps", "max_num_epochs", "num_prompts_per_step", "num_generations_per_prompt",
                     "max_new_tokens", "microbatch_size", "max_val_samples", "keep_checkpoints")
         for name in positive:
@@ -137,6 +139,13 @@ class RunConfig:
             raise ConfigError(f"loop must be one of ppo, reinforce, ilql; got {self.loop!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+
+    def validate(self) -> None:
+        """Deprecated name of ``check``."""
+        import warnings
+
+        warnings.warn("RunConfig.validate() is renamed check()", DeprecationWarning, stacklevel=2)
+        self.check()
 
     @property
     def rollout_batch_size(self) -> int:
@@ -248,7 +257,7 @@ def config_from_dict(cls: type[C], values: dict[str, Any]) -> C:
             raise ConfigError(f"unknown config key {key!r} for {cls.__name__}{hint} (valid keys: {', '.join(fields)})")
         kwargs[key] = _coerce(cls, key, value, hints[key])
     cfg = cls(**kwargs)
-    cfg.validate()
+    cfg.check()
     return cfg
 
 

@@ -154,9 +154,9 @@ class ILQLConfig(RunConfig):
     dataset_path: str | None = None
     """JSONL file of offline samples, one ``{"prompt", "response", "reward"}`` object per line; None builds the set."""
 
-    def validate(self) -> None:
+    def check(self) -> None:
         """RunConfig's checks plus ILQL's ranges. Raises ConfigError naming the field."""
-        super().validate()
+        super().check()
         docs = field_docs(type(self))
         if self.loop != "ilql":
             raise ConfigError(f"loop must be 'ilql' for ILQLConfig, got {self.loop!r}")

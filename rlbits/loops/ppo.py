@@ -169,9 +169,9 @@ class PPOConfig(RunConfig):
     policy_training_start_step: int = 0
     """Critic warm-up: during the first this-many steps only the critic trains (policy weights unchanged)."""
 
-    def validate(self) -> None:
+    def check(self) -> None:
         """RunConfig's checks plus PPO's ranges. Raises ConfigError naming the field."""
-        super().validate()
+        super().check()
         if self.loop != "ppo":
             raise ConfigError(f"loop must be 'ppo' for PPOConfig, got {self.loop!r}")
         for name in ("ppo_epochs", "num_minibatches"):

@@ -142,9 +142,9 @@ class ReinforceConfig(RunConfig):
     overlong_filtering: bool = False
     """Mask responses that hit max_new_tokens without EOS out of the loss (DAPO overlong filtering)."""
 
-    def validate(self) -> None:
+    def check(self) -> None:
         """Shared checks plus the REINFORCE ones. Raises ConfigError naming the field."""
-        super().validate()
+        super().check()
         if self.loop != "reinforce":
             raise ConfigError(f"loop must be 'reinforce' for ReinforceConfig, got {self.loop!r}")
         if self.baseline not in BASELINES:

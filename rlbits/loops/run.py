@@ -126,7 +126,7 @@ class Run:
     """
 
     def __init__(self, cfg: RunConfig, *, callbacks: Sequence[Any] = (), resume: bool = False) -> None:
-        cfg.validate()
+        cfg.check()
         self.cfg = cfg
         self.dir = Path(cfg.run_dir)
         self.resume = resume

@@ -92,7 +92,7 @@ def _as_float(v: Any) -> float | None:
     return None
 
 
-def validate_rewards(
+def check_rewards(
     out: Any,
     prompts: Sequence[str],
     responses: Sequence[str],
@@ -171,6 +171,10 @@ def validate_rewards(
         raise InvalidRewardError(f"{source} returned reward {values[i]!r} for {sample(i)}; it {why}")
     return rewards
 
+
+
+validate_rewards = check_rewards
+"""Earlier name of ``check_rewards``."""
 
 def accepted_columns(fn: Callable, names: Sequence[str]) -> list[str]:
     """The column names that ``fn`` can take as keyword arguments (all if it has ``**kwargs``).
@@ -439,7 +443,7 @@ def score_texts(
             raise
         except Exception as e:
             _raise_located(fn, e, source, prompts, responses, columns, names, start, stop, n, locate)
-        chunks.append(validate_rewards(out, p, r, offset=start, total=n, source=source))
+        chunks.append(check_rewards(out, p, r, offset=start, total=n, source=source))
     return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.float32)
 
 
@@ -542,5 +546,6 @@ __all__ = [
     "describe_sample",
     "score",
     "score_texts",
+    "check_rewards",
     "validate_rewards",
 ]
