@@ -125,6 +125,11 @@ class RunConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**53:
             raise ConfigError(f"seed must be in [0, 2**53), got {self.seed} (seeds torch generators, which take 64 bits)")
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # a Literal field holds one of its values, also when built directly
+            if typing.get_origin(hints[f.name]) is Literal and getattr(self, f.name) not in typing.get_args(hints[f.name]):
+                allowed = ", ".join(map(repr, typing.get_args(hints[f.name])))
+                raise ConfigError(f"{f.name} must be one of {allowed}; got {getattr(self, f.name)!r}")
         for f in dataclasses.fields(self):  # no float field may be NaN; only max_grad_norm may be inf
             value = getattr(self, f.name)
             if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and f.name != "max_grad_norm")):
@@ -151,6 +156,34 @@ class RunConfig:
     def rollout_batch_size(self) -> int:
         """Responses per step: ``num_prompts_per_step * num_generations_per_prompt``."""
         return self.num_prompts_per_step * self.num_generations_per_prompt
+
+
+def check_ranges(
+    cfg: RunConfig,
+    *,
+    at_least_one: tuple[str, ...] = (),
+    non_negative: tuple[str, ...] = (),
+    positive: tuple[str, ...] = (),
+    positive_or_none: tuple[str, ...] = (),
+    unit_interval: tuple[str, ...] = (),
+) -> None:
+    """Range checks of a config's fields by name, for the loops' ``check``: ``at_least_one`` (ints >= 1),
+    ``non_negative`` (>= 0), ``positive`` (> 0), ``positive_or_none`` (> 0 or None), ``unit_interval`` (in
+    [0, 1], None allowed). Raises ConfigError naming the first bad field, its value and its docstring."""
+    docs = field_docs(type(cfg))
+    rules = (
+        (at_least_one, lambda v: v >= 1, ">= 1"),
+        (non_negative, lambda v: v >= 0, ">= 0"),
+        (positive, lambda v: v > 0, "> 0"),
+        (positive_or_none, lambda v: v is None or v > 0, "> 0 or null"),
+        (unit_interval, lambda v: v is None or 0 <= v <= 1, "in [0, 1]"),
+    )
+    for names, ok, what in rules:
+        for name in names:
+            value = getattr(cfg, name)
+            if not ok(value):
+                doc = docs.get(name, "")
+                raise ConfigError(f"{name} must be {what}, got {value}" + (f" ({doc})" if doc else ""))
 
 
 def field_docs(cls: type) -> dict[str, str]:

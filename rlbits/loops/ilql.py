@@ -91,7 +91,7 @@ from rlbits.distributed.env import DistEnv
 from rlbits.distributed.reduce import any_rank, global_count
 from rlbits.functional import awac_loss, cql_loss, expectile_loss, ilql_targets, q_loss, token_rewards
 from rlbits.loops import phases
-from rlbits.loops.config import ConfigError, RunConfig, field_docs
+from rlbits.loops.config import ConfigError, RunConfig, check_ranges, field_docs
 from rlbits.loops.evaluate import evaluate_betas, steered_validate
 from rlbits.loops.evaluate import evaluate_ilql_run as evaluate_run
 from rlbits.loops.evaluate import load_ilql_final as load_final
@@ -160,21 +160,18 @@ class ILQLConfig(RunConfig):
         docs = field_docs(type(self))
         if self.loop != "ilql":
             raise ConfigError(f"loop must be 'ilql' for ILQLConfig, got {self.loop!r}")
-        for name in ("batch_size", "steps_for_target_q_sync", "dataset_size", "dataset_batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)} ({docs[name]})")
+        check_ranges(
+            self, at_least_one=("batch_size", "steps_for_target_q_sync", "dataset_size", "dataset_batch_size"),
+            unit_interval=("gamma",), positive=("dataset_temperature",),
+        )  # fmt: skip
         if not 0 < self.tau < 1:
             raise ConfigError(f"tau must be in (0, 1), got {self.tau} ({docs['tau']})")
-        if not 0 <= self.gamma <= 1:
-            raise ConfigError(f"gamma must be in [0, 1], got {self.gamma} ({docs['gamma']})")
         if not 0 <= self.alpha <= 1:
             raise ConfigError(f"alpha must be in [0, 1] (1 = hard copy), got {self.alpha} ({docs['alpha']})")
         for name in ("cql_scale", "awac_scale", "beta"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value} ({docs[name]})")
-        if not self.dataset_temperature > 0:
-            raise ConfigError(f"dataset_temperature must be > 0, got {self.dataset_temperature}")
         if self.head_layers not in (1, 2):
             raise ConfigError(f"head_layers must be 1 (linear) or 2 (MLP, as trlx), got {self.head_layers}")
         if self.dataset_path is not None and not Path(self.dataset_path).is_file():

@@ -76,7 +76,7 @@ from rlbits.functional import (
     value_loss,
 )
 from rlbits.loops import phases
-from rlbits.loops.config import ConfigError, RunConfig
+from rlbits.loops.config import ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
 from rlbits.loops.run import NonFiniteError, Run, total_steps
@@ -174,32 +174,19 @@ class PPOConfig(RunConfig):
         super().check()
         if self.loop != "ppo":
             raise ConfigError(f"loop must be 'ppo' for PPOConfig, got {self.loop!r}")
-        for name in ("ppo_epochs", "num_minibatches"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_ranges(
+            self, at_least_one=("ppo_epochs", "num_minibatches"),
+            non_negative=("clip_eps", "entropy_coef", "kl_coef", "kl_loss_coef", "policy_training_start_step"),
+            positive=("kl_target", "kl_horizon", "vf_coef"), unit_interval=("gamma", "lam", "critic_lam"),
+            positive_or_none=("clip_eps_high", "reward_clip", "value_clip_eps", "critic_learning_rate"),
+        )  # fmt: skip
         if self.num_minibatches > self.num_prompts_per_step:
             raise ConfigError(
                 f"num_minibatches ({self.num_minibatches}) must be <= num_prompts_per_step "
                 f"({self.num_prompts_per_step}): minibatches hold whole prompt groups"
             )
-        nonneg = ("clip_eps", "entropy_coef", "kl_coef", "kl_loss_coef", "policy_training_start_step")
-        for name in nonneg:
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        optional_pos = ("clip_eps_high", "reward_clip", "value_clip_eps", "critic_learning_rate")
-        for name in optional_pos:
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"{name} must be > 0 or null, got {value}")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ConfigError(f"dual_clip must be > 1 (Ye 2020) or null, got {self.dual_clip}")
-        for name in ("kl_target", "kl_horizon", "vf_coef"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("gamma", "lam", "critic_lam"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= 1:
-                raise ConfigError(f"{name} must be in [0, 1], got {value}")
         if self.adaptive_kl and self.skip_reference_policy_logprobs:
             raise ConfigError(
                 "adaptive_kl needs the reference policy's logprobs; it cannot be combined with "

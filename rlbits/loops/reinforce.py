@@ -70,7 +70,6 @@ from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_max, any_rank, global_count
 from rlbits.functional import (
-    KL_ESTIMATORS,
     aggregate_loss,
     group_normalize,
     kl_penalty,
@@ -81,7 +80,7 @@ from rlbits.functional import (
     rloo_baseline,
 )
 from rlbits.loops import phases
-from rlbits.loops.config import ConfigError, RunConfig
+from rlbits.loops.config import ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
 from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase, total_steps
@@ -92,7 +91,6 @@ from rlbits.models.load import freeze, load_pretrained
 from rlbits.tasks import get_task
 
 BASELINES = ("rloo", "grpo", "dr_grpo", "grpo_unscaled", "none")
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,19 +156,10 @@ class ReinforceConfig(RunConfig):
             raise ConfigError(
                 "dynamic_sampling needs num_generations_per_prompt >= 2 (a reward spread per group)"
             )
-        for name in ("kl_estimator", "kl_loss_estimator"):
-            if getattr(self, name) not in KL_ESTIMATORS:
-                raise ConfigError(
-                    f"{name} must be one of {', '.join(KL_ESTIMATORS)}; got {getattr(self, name)!r}"
-                )
-        if self.loss_agg not in LOSS_AGGREGATIONS:
-            raise ConfigError(
-                f"loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}; got {self.loss_agg!r}"
-            )
-        if self.kl_coef < 0 or self.kl_loss_coef < 0:
-            raise ConfigError(
-                f"kl_coef and kl_loss_coef must be >= 0, got {self.kl_coef} and {self.kl_loss_coef}"
-            )
+        check_ranges(
+            self, at_least_one=("num_iterations", "num_minibatches", "dynamic_sampling_max_gen_batches"),
+            non_negative=("kl_coef", "kl_loss_coef", "clip_eps", "grpo_eps"), positive_or_none=("clip_eps_high",),
+        )  # fmt: skip
         if self.kl_in_reward and self.kl_coef == 0:
             raise ConfigError(
                 "kl_in_reward=true needs kl_coef > 0 (the weight of the KL taken off the reward)"
@@ -180,22 +169,11 @@ class ReinforceConfig(RunConfig):
                 f"kl_coef={self.kl_coef} has no effect with kl_in_reward=false; set kl_in_reward=true, or use "
                 "kl_loss_coef for a KL term in the loss"
             )
-        if self.num_iterations < 1 or self.num_minibatches < 1 or self.dynamic_sampling_max_gen_batches < 1:
-            raise ConfigError(
-                "num_iterations, num_minibatches and dynamic_sampling_max_gen_batches must be >= 1, got "
-                f"{self.num_iterations}, {self.num_minibatches}, {self.dynamic_sampling_max_gen_batches}"
-            )
         if self.num_minibatches > self.num_prompts_per_step:
             raise ConfigError(
                 f"num_minibatches ({self.num_minibatches}) must be <= num_prompts_per_step "
                 f"({self.num_prompts_per_step}): minibatches hold whole groups"
             )
-        if self.clip_eps < 0 or (self.clip_eps_high is not None and self.clip_eps_high < 0):
-            raise ConfigError(
-                f"clip_eps and clip_eps_high must be >= 0, got {self.clip_eps} and {self.clip_eps_high}"
-            )
-        if not self.grpo_eps >= 0:
-            raise ConfigError(f"grpo_eps must be >= 0, got {self.grpo_eps}")
 
     @property
     def ppo_epochs(self) -> int:
