@@ -35,6 +35,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import ReplayBuffer, TensorStorage
 from torchrl.data.replay_buffers import Sampler
 
+from rlbits._seeds import derive_seed
 from rlbits.batch import build_batch, decode, make_prompts, pad_right, tokenize_prompts, trim_padding
 from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
@@ -166,7 +167,7 @@ def build_offline_dataset(
     reward = get_task(task_or_reward).reward if isinstance(task_or_reward, str) else task_or_reward
     stream = PromptStream(list(prompts), seed)
     device = next(policy.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed + 104_729)
+    generator = torch.Generator(device=device).manual_seed(derive_seed(seed, 0, "offline_dataset"))
     rows: list[dict[str, Any]] = []
     while len(rows) < n:
         chunk = stream.next(min(batch_size, n - len(rows)))

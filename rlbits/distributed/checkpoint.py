@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import PreTrainedModel
 
+from rlbits._seeds import derive_seed
 from rlbits.distributed.env import DistEnv, barrier
 from rlbits.distributed.parallelize import is_sharded
 from rlbits.distributed.reduce import any_rank
@@ -373,8 +374,8 @@ def load_checkpoint(
     elif generators:
         # No stream to map from N ranks to M: reseed each from its seed and the step, so the continued run
         # neither replays the first steps' noise nor depends on anything but (seed, step, rank).
-        for g in generators.values():
-            g.manual_seed((g.initial_seed() * 1_000_003 + int(saved.get("step", 0))) % 2**63)
+        for name, g in generators.items():
+            g.manual_seed(derive_seed(g.initial_seed(), env.rank, f"{name}/resumed_at_step_{saved.get('step', 0)}"))
         warnings.warn(
             f"checkpoint {str(path)!r} was saved at world size {saved.get('world_size', 1)}, resumed at "
             f"{env.world_size}: RNG streams are reseeded from (seed, step, rank) (the run continues, not bit-exactly)",
