@@ -497,7 +497,8 @@ def test_tiny_left_padding_matches_unpadded(arch, impl):
         plain = model(ids).logits
         out = model(padded, attention_mask=mask, position_ids=pos).logits
     assert not out.isnan().any()  # fully masked pad rows stay finite
-    torch.testing.assert_close(out[:, 3:], plain, rtol=0, atol=2e-6)
+    # float32 summation order differs with padding (measured up to 2.2e-6 on logits ~1); a padding bug is O(0.1)
+    torch.testing.assert_close(out[:, 3:], plain, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- safe loading (issue 8)
