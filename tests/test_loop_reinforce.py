@@ -247,9 +247,9 @@ def test_two_step_smoke_run(tiny_path, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(run_dir / "final") is not None
     assert (run_dir / "final" / "tokenizer.json").exists()
     samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
-    train_rows = [s for s in samples if s["step"] > 0]  # step 0: the validation before training, as every loop
+    train_rows = [s for s in samples if "split" not in s]  # the rest: validations (step 0 and the last step)
     assert len(train_rows) == 4 and {"step", "prompt", "response", "reward"} <= train_rows[0].keys()
-    assert {s.get("split") for s in samples if s["step"] == 0} == {"test"}
+    assert {s["step"] for s in samples if s.get("split") == "test"} == {0, 2}
 
 
 @pytest.mark.slow

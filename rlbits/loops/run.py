@@ -235,17 +235,19 @@ class Run:
             state.metrics.same("epoch", float(state.epoch))
         logged = state.metrics.reduce(self.env)
         last = self.done(state) or self.should_stop  # a stop asked during the step: validate at the end
+        val_batch = None
         if (self.cfg.val_period and state.step % self.cfg.val_period == 0) or (self.cfg.val_at_end and last):
             state.metrics = StepMetrics()
             with self.timer("validate"):
-                self._validate(state, None, self.cfg)
+                val_batch = self._validate(state, None, self.cfg)
             val = state.metrics.reduce(self.env)
             state.val_reward = val.get("val_reward", state.val_reward)
             logged.update(val)
         logged.update(self.timer.metrics())
         logged["tokens_per_s"] = num_tokens / max(logged["time/step"], 1e-9)
         self.logger.log(state.step, logged)
-        self.logger.log_samples(state.step, sample_rows(batch, self.cfg.log_samples))
+        test_rows = [{"split": "test", **row} for row in sample_rows(val_batch, self.cfg.log_samples)]
+        self.logger.log_samples(state.step, sample_rows(batch, self.cfg.log_samples) + test_rows)
         self.logger.progress(state.step, **{k: logged[k] for k in ("rewards", "init_policy_kl", "loss") if k in logged})
         self._stopped = self.should_stop  # a stop asked while logging (a dashboard's button) saves too
         if (self.cfg.save_period and state.step % self.cfg.save_period == 0) or last or self._stopped:
