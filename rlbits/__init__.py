@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 _LAZY = {
     # rollout
     "generate": "rlbits.rollout.generate",
+    "generate_texts": "rlbits.rollout.generate",
     "score": "rlbits.rollout.score",
     "RewardModel": "rlbits.rollout.score",
     "RewardError": "rlbits.rollout.score",

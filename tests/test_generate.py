@@ -564,3 +564,24 @@ def test_bf16_policy_runs_and_returns_float32():
     tf = policy_logprobs(model, out)
     assert tf.dtype == torch.float32
     assert (tf - out["logprobs"]).abs().max().item() < 0.1  # bf16 cache vs full forward: loose
+
+
+def test_generate_texts_is_generate_on_tokenized_prompts_then_decode():
+    """``generate_texts`` = ``tokenize_prompts`` + ``generate`` (eval mode, no grad) + ``decode``, and leaves
+    the policy's mode as it was."""
+    from rlbits.batch import decode, tokenize_prompts
+    from rlbits.models.tiny import tiny_tokenizer
+    from rlbits.rollout.generate import generate_texts
+
+    tok = tiny_tokenizer()
+    policy = tiny_causal_lm("gpt2", vocab_size=len(tok), seed=0).train()
+    prompts = ["a cat", "hello there", "x"]
+    out = generate_texts(policy, tok, prompts, max_new_tokens=5, num_samples=2, generator=torch.Generator().manual_seed(3))
+    assert policy.training and not out["logprobs"].requires_grad
+    assert list(out["prompt_text"]) == [p for p in prompts for _ in range(2)]
+    policy.eval()
+    with torch.no_grad():
+        ref = generate(policy, tokenize_prompts(tok, prompts), max_new_tokens=5, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id, num_samples=2, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(out["responses"], ref["responses"]) and torch.equal(out["logprobs"], ref["logprobs"])
+    assert list(out["response_text"]) == list(decode(ref, tok)["response_text"])

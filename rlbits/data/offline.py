@@ -36,11 +36,11 @@ from torchrl.data import ReplayBuffer, TensorStorage
 from torchrl.data.replay_buffers import Sampler
 
 from rlbits._seeds import derive_seed
-from rlbits.batch import build_batch, decode, make_prompts, pad_right, tokenize_prompts, trim_padding
+from rlbits.batch import build_batch, make_prompts, pad_right, trim_padding
 from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
-from rlbits.rollout.generate import generate
+from rlbits.rollout.generate import generate_texts
 from rlbits.rollout.score import score
 from rlbits.tasks import get_task
 
@@ -62,27 +62,12 @@ def _sample_responses(
     temperature: float,
     generator: torch.Generator,
 ) -> TensorDictBase:
-    """One sampled response per prompt, decoded: what ``rlbits.loops.common.rollout`` does (this layer sits
-    below the loops). A sharded policy is gathered for the whole call, so decoding runs no collective."""
-    device = next(policy.parameters()).device
-    prompts_td = tokenize_prompts(tokenizer, list(prompts)).to(device)
-    was_training = policy.training
-    policy.eval()
-    try:
-        with torch.no_grad(), unsharded(policy):
-            batch = generate(
-                policy,
-                prompts_td,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-                num_samples=1,
-                generator=generator,
-            )
-    finally:
-        policy.train(was_training)
-    return decode(batch, tokenizer)
+    """One sampled response per prompt, decoded (``generate_texts``); a sharded policy is gathered for the
+    whole call, so decoding runs no collective."""
+    with unsharded(policy):
+        return generate_texts(
+            policy, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature, generator=generator
+        )
 
 
 def _as_row(i: int, sample: Any) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
-from rlbits.batch import decode, tokenize_prompts
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_sum
@@ -21,7 +20,7 @@ from rlbits.loops.config import RunConfig
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.runtime import autocast, generator
 from rlbits.models.forward import policy_logprobs
-from rlbits.rollout.generate import generate
+from rlbits.rollout.generate import generate_texts
 from rlbits.rollout.score import score
 
 
@@ -51,32 +50,17 @@ def rollout(
     generator: torch.Generator | None = None,
     logits_processor: Callable | None = None,
 ) -> TensorDictBase:
-    """Tokenize ``prompts``, sample ``num_samples`` responses each with ``generate``, decode the text.
+    """``generate_texts`` (tokenize, sample ``num_samples`` responses each, decode) with a sharded policy
+    gathered for the whole call.
 
     Returns the batch of docs/batch.md (``prompts`` ... ``logprobs``, ``group``, ``prompt_text``,
     ``response_text``) with behaviour logprobs at ``temperature`` (greedy when ``temperature == 0``).
     """
-    device = next(policy.parameters()).device
-    prompts_td = tokenize_prompts(tokenizer, list(prompts)).to(device)
-    was_training = policy.training
-    policy.eval()
-    try:
-        # A sharded policy is gathered once for the whole rollout: decoding then runs no collective.
-        with torch.no_grad(), unsharded(policy):
-            batch = generate(
-                policy,
-                prompts_td,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-                num_samples=num_samples,
-                generator=generator,
-                logits_processor=logits_processor,
-            )
-    finally:
-        policy.train(was_training)
-    return decode(batch, tokenizer)
+    with unsharded(policy):  # a sharded policy is gathered once for the whole rollout
+        return generate_texts(
+            policy, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+            num_samples=num_samples, generator=generator, logits_processor=logits_processor,
+        )  # fmt: skip
 
 
 def score_rollout(batch: TensorDictBase, reward: Any) -> torch.Tensor:

@@ -30,12 +30,13 @@ OpenRLHF and verl). Greedy decoding (``temperature=0``) reports logprobs at temp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from rlbits.batch import build_batch, group_ids
+from rlbits.batch import build_batch, decode, group_ids, tokenize_prompts
 from rlbits.functional import entropy_from_logits
 from rlbits.models.forward import accepts_logits_to_keep, position_ids_from_mask, split_head
 
@@ -443,3 +444,43 @@ def generate(
     if entropy is not None:
         columns["entropy"] = entropy[:, :R].contiguous()
     return build_batch(prompts, prompt_mask, input_ids[:, P : P + R].contiguous(), action_mask, **columns)
+
+
+def generate_texts(
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    logits_processor: Callable | None = None,
+) -> TensorDict:
+    """``generate`` from prompt strings: tokenize them (``tokenize_prompts``), sample ``num_samples``
+    responses each with the policy in eval mode and no gradient, decode the texts (``decode``).
+
+    Returns the batch ``generate`` returns plus ``prompt_text`` and ``response_text``. A sharded (FSDP2)
+    policy should be gathered around the call (``rlbits.distributed.parallelize.unsharded``), so decoding
+    runs no collective per token.
+    """
+    device = next(policy.parameters()).device
+    prompts_td = tokenize_prompts(tokenizer, list(prompts)).to(device)
+    was_training = policy.training
+    policy.eval()
+    try:
+        with torch.no_grad():
+            batch = generate(
+                policy,
+                prompts_td,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                num_samples=num_samples,
+                generator=generator,
+                logits_processor=logits_processor,
+            )
+    finally:
+        policy.train(was_training)
+    return decode(batch, tokenizer)
