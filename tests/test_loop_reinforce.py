@@ -11,10 +11,9 @@ import torch
 from tensordict import TensorDict
 
 from rlbits.distributed.env import DistEnv
-from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops import reinforce
+from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops.metrics import StepMetrics
-from rlbits.loops.phases import prompt_batch
 from rlbits.loops.reinforce import (
     ReinforceConfig,
     informative_groups,
