@@ -150,7 +150,7 @@ SCHEMA: dict[str, KeySpec] = {
     PROMPT_TEXT: KeySpec(("B",), str, "decoded prompt (non-tensor)"),
     RESPONSE_TEXT: KeySpec(("B",), str, "decoded response (non-tensor)"),
 }
-"""Every key of the batch: ``key -> KeySpec(dims, dtype, meaning)``. DESIGN.md's table ("The batch") plus
+"""Every key of the batch: ``key -> KeySpec(dims, dtype, meaning)``. docs/design.md's table ("The batch") plus
 ``response_mask`` (see the module docstring) and ``entropy`` (written by ``generate(return_entropy=True)``)."""
 
 PER_TOKEN_KEYS: tuple[str, ...] = tuple(

@@ -1,4 +1,4 @@
-"""Imports point down only (DESIGN.md "Layers"). Walks every module's AST, including imports inside
+"""Imports point down only (docs/design.md "Layers"). Walks every module's AST, including imports inside
 functions, so a lazy import cannot hide a layer reaching up."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The public API contract of DESIGN.md: every name importable from ``rlbits`` with its documented signature."""
+"""The public API contract of docs/design.md: every name importable from ``rlbits`` with its documented signature."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Teacher-forced forward passes over a generated batch: per-token logprobs and critic values.
 
-Both read the batch layout of DESIGN.md (``input_ids = cat(prompts, responses)``: prompts left-padded to
+Both read the batch layout of docs/design.md (``input_ids = cat(prompts, responses)``: prompts left-padded to
 P, responses right-padded to R) and use the position ids ``generate`` used, so that
 ``policy_logprobs(policy, generate(policy, ...))`` reproduces the sampler's ``logprobs``. The logits at
 position ``P - 1 + t`` predict response token ``t``; only those R positions go through the LM head

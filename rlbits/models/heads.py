@@ -68,7 +68,7 @@ class ValueModel(nn.Module):
     ``backbone`` is a transformer without LM head (``AutoModel``, e.g. ``GPT2Model``); ``head`` is
     ``nn.Linear(hidden, 1)``. The value at position t is that of the state after reading token t, i.e. before
     token t+1: for a batch ``cat(prompts, responses)`` the value of response token j is at position
-    ``P - 1 + j`` (DESIGN.md, ``values``).
+    ``P - 1 + j`` (docs/design.md, ``values``).
 
     Head init: weights N(0, (1/(hidden+1))^2), bias 0. The last hidden state is normalised (entries of
     order 1), so initial values are near 0 and the first advantages are close to the returns; unlike a zero

@@ -157,7 +157,7 @@ def load_tokenizer(
 ):
     """Load the tokenizer of a local model folder and make it ready for batched RL.
 
-    - ``padding_side`` defaults to ``"left"``: prompts are left-padded (DESIGN.md, "The batch").
+    - ``padding_side`` defaults to ``"left"``: prompts are left-padded (docs/design.md, "The batch").
     - Without a pad token, the EOS token is used as pad. This is safe in rlbits because padding is always
       identified by ``attention_mask`` / ``action_mask``, never by comparing ids with ``pad_token_id``; code
       that finds padding by id would also drop real EOS tokens.

@@ -133,7 +133,7 @@ def tiny_tokenizer(vocab_size: int = 64) -> PreTrainedTokenizerFast:
     (digits, ``+-=*/ .``, newline, lowercase,
     punctuation, uppercase), then ``<eos>`` at ``vocab_size - 1``. Characters
     outside the vocabulary map to ``<unk>``. No BOS/EOS is added on encode; ``padding_side`` is ``"left"``
-    (prompts are left-padded, see DESIGN.md). Built with the ``tokenizers`` library; nothing is downloaded.
+    (prompts are left-padded, see docs/design.md). Built with the ``tokenizers`` library; nothing is downloaded.
 
     Raises:
         ValueError: ``vocab_size`` < 5 or > ``len(CHARS) + 4``.

@@ -2,7 +2,7 @@
 
 ``plot_tokens(batch, "advantages", row=3, tokenizer=tok)`` returns a matplotlib figure; ``tokens_html``
 gives the same colouring as HTML (the rollout browser uses it). Only action tokens (``action_mask`` True)
-are drawn: padding and tool tokens carry no per-token quantity (DESIGN.md, "The batch").
+are drawn: padding and tool tokens carry no per-token quantity (docs/design.md, "The batch").
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def plot_tokens(
     """Draw the action tokens of response ``row``, each on a box coloured by its value of ``key``.
 
     Args:
-        batch: a batch TensorDict (DESIGN.md) with ``responses`` and ``action_mask`` [B, R].
+        batch: a batch TensorDict (docs/design.md) with ``responses`` and ``action_mask`` [B, R].
         key: a batch key of a [B, R] float tensor (``advantages``, ``logprobs``, ``values``, ...) or such a
             tensor itself (``rlbits.kl_penalty(...)``).
         row: which response.

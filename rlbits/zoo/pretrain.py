@@ -105,7 +105,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     Digits are split one per token before BPE (``pre_tokenizers.Digits(individual_digits=True)``), so numbers
     are spelled digit by digit. Ids 0 and 1 are ``<pad>`` and ``<eos>`` (also used as BOS, as in GPT-2); then
     the 256 byte symbols, then merges up to ``vocab_size``. Encoding adds no special tokens; ``padding_side``
-    is ``"left"`` (prompts are left-padded, see DESIGN.md). Deterministic for a given ``texts``.
+    is ``"left"`` (prompts are left-padded, see docs/design.md). Deterministic for a given ``texts``.
 
     Raises:
         ValueError: ``vocab_size`` < 258 (specials plus the byte alphabet).
