@@ -252,8 +252,28 @@ def test_load_pretrained_sets_model_pad_and_checks_vocab(tmp_path):
     assert loaded.generation_config.pad_token_id == 0
 
     save_pretrained(tiny_causal_lm(vocab_size=32), tiny_tokenizer(V), tmp_path / "b")
-    with pytest.raises(ValueError, match="has 64 tokens but the model's embedding has 32 rows"):
+    with pytest.raises(ValueError, match="has 64 tokens but the model's embedding has 32 rows") as e:
         load_pretrained(tmp_path / "b")
+    assert "id 63 '<eos>' (its eos_token)" in str(e.value)  # an added special token, past the 32 rows
+    assert "31 ids of the tokenizer's own vocabulary" in str(e.value)
+
+
+def test_load_pretrained_says_how_to_fix_a_token_the_tokenizer_adds(tmp_path):
+    # As a Qwen2 folder whose tokenizer_config.json names a pad token the vocabulary lacks: reloading adds it.
+    tok = tiny_tokenizer(V)
+    tok.add_special_tokens({"pad_token": "<|mypad|>"})
+    save_pretrained(tiny_causal_lm(vocab_size=V), tok, tmp_path / "m")
+    with pytest.raises(ValueError, match=f"has {V + 1} tokens but the model's embedding has {V} rows") as e:
+        load_pretrained(tmp_path / "m")
+    message = str(e.value)
+    assert f"id {V} '<|mypad|>' (its pad_token)" in message and "added_tokens_decoder" in message
+    assert "model.resize_token_embeddings(len(tokenizer))" in message
+    # The first fix the message names works.
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(tmp_path / "m")
+    loaded, loaded_tok = load_pretrained(tmp_path / "m")
+    assert loaded.get_input_embeddings().num_embeddings == len(loaded_tok) == V + 1
 
 
 # ---------------------------------------------------------------- reference policy
@@ -645,3 +665,55 @@ def _scan(*folders: str) -> list[str]:
 def test_test_files_load_no_pickle_either():
     bad = _scan("tests")
     assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------- FSDP2: heads return no views
+
+_FSDP_WORKER = """
+import torch
+from rlbits.distributed.env import init
+from rlbits.distributed.parallelize import shard
+from rlbits.models.heads import ILQLModel, ValueModel
+from rlbits.models.tiny import tiny_causal_lm
+
+env = init("cpu")
+ids = torch.randint(3, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+for name, model in (("value", ValueModel.from_policy(tiny_causal_lm("gpt2", 32, seed=0), seed=1)),
+                    ("ilql", ILQLModel(tiny_causal_lm("gpt2", 32, seed=0)))):
+    with torch.no_grad():
+        expected = model(ids)
+    out = shard(model, env)(ids)
+    got = out if name == "value" else out["v"] + out["q1"].mean(-1) + out["q2"].mean(-1)
+    got.sum().backward()
+    if name == "value":
+        assert torch.equal(out.detach(), expected)
+    else:
+        assert all(torch.equal(out[k].detach(), expected[k]) for k in expected)
+print("ranks done", env.rank)
+"""
+
+
+@pytest.mark.slow
+def test_sharded_heads_return_no_view_on_two_ranks(tmp_path):
+    """FSDP2 warned "returned a view tensor ... wrong gradients" on every rank from ValueModel.forward (the
+    ``squeeze(-1)`` of the head) and ILQLModel.forward (the Q heads' 3-d Linear): the outputs are tensors of
+    their own now, with the same values."""
+    import subprocess
+    import sys
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(_FSDP_WORKER)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    assert out.stdout.count("ranks done") == 2
+    assert "view tensor" not in out.stdout + out.stderr
+
+
+def test_heads_return_float32_tensors_that_are_not_views():
+    policy = tiny_causal_lm(vocab_size=V)
+    assert ValueModel.from_policy(policy)(_ids())._base is None
+    out = ILQLModel(policy)(_ids())
+    assert all(out[k]._base is None and out[k].dtype == torch.float32 for k in ("q1", "q2", "v"))

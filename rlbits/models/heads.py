@@ -193,7 +193,19 @@ class ValueModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
         hidden = out.last_hidden_state
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+        return _float_not_a_view(self.head(hidden.to(self.head.weight.dtype)).squeeze(-1))
+
+
+def _float_not_a_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 as a tensor of its own, not a view (same values).
+
+    A module sharded with FSDP2 that returns a view (``squeeze(-1)`` of a head's ``[B, T, 1]`` output, or a
+    ``Linear`` with bias on a 3-d input, which reshapes its 2-d result) makes FSDP2 warn on every rank and
+    every forward that an in-place op on the view would skip its pre-backward hook and give wrong gradients.
+    ``float()`` of a bf16 tensor already copies; a float32 view is cloned (the view's base is freed with it).
+    """
+    t = t.float()
+    return t.clone() if t._base is not None else t
 
 
 def make_head(hidden: int, out: int, layers: int = 2) -> nn.Module:
@@ -319,14 +331,14 @@ class ILQLModel(nn.Module):
         out = self.policy(**kw, output_hidden_states=self.trunk is None)
         hidden = out.hidden_states[-1] if self.trunk is None else self.trunk(**kw).last_hidden_state
         hidden = hidden.to(next(self.v.parameters()).dtype)
-        result = {"logits": out.logits, "q1": self.q1(hidden).float()}
+        result = {"logits": out.logits, "q1": _float_not_a_view(self.q1(hidden))}
         if self.two_qs:
-            result["q2"] = self.q2(hidden).float()
+            result["q2"] = _float_not_a_view(self.q2(hidden))
         with torch.no_grad():
             result["target_q1"] = self.target_q1(hidden).float()
             if self.two_qs:
                 result["target_q2"] = self.target_q2(hidden).float()
-        result["v"] = self.v(hidden).squeeze(-1).float()
+        result["v"] = _float_not_a_view(self.v(hidden).squeeze(-1))
         return result
 
     def _head_state(self) -> dict[str, torch.Tensor]:

@@ -209,6 +209,39 @@ def prepare_tokenizer(tokenizer, *, eos_token: str | None = None, where: str = "
     return tokenizer
 
 
+def _vocab_mismatch(path, tok, vocab: int) -> str:
+    # What ``load_pretrained`` says when the tokenizer has ids past the embedding: which tokens, where they
+    # come from, and the two ways to make the folder consistent.
+    fields: dict[str, list[str]] = {}
+    for field, value in tok.special_tokens_map.items():
+        for token in value if isinstance(value, list) else [value]:
+            fields.setdefault(str(token), []).append(field)
+    added = {i: str(t) for i, t in tok.added_tokens_decoder.items() if i >= vocab}
+    parts = []
+    if added:
+        listed = ", ".join(
+            f"id {i} {t!r}" + (f" (its {' / '.join(fields[t])})" if t in fields else "")
+            for i, t in sorted(added.items())[:5]
+        ) + (f" and {len(added) - 5} more" if len(added) > 5 else "")
+        parts.append(
+            f"tokens the tokenizer adds to its vocabulary on load: {listed}, from tokenizer_config.json "
+            "(its 'added_tokens_decoder' and special-token fields such as 'pad_token') or special_tokens_map.json"
+        )
+    if len(tok) - vocab > len(added):
+        parts.append(
+            f"{len(tok) - vocab - len(added)} ids of the tokenizer's own vocabulary (was the model trained with it?)"
+        )
+    origin = "; and ".join(parts) + ". "
+    return (
+        f"tokenizer in {str(path)!r} has {len(tok)} tokens but the model's embedding has {vocab} rows: "
+        f"ids {vocab} and above would index past the embedding. They are {origin}"
+        "To fix the folder, either grow the model to the tokenizer before saving (model = "
+        "AutoModelForCausalLM.from_pretrained(path); model.resize_token_embeddings(len(tokenizer)); "
+        "model.save_pretrained(path)), or remove the extra tokens from the tokenizer (e.g. set pad_token to an "
+        "existing token such as the EOS token, which rlbits does itself when there is none) and save it again."
+    )
+
+
 def load_pretrained(
     path: str | os.PathLike,
     *,
@@ -237,9 +270,7 @@ def load_pretrained(
     tok = load_tokenizer(path, padding_side=padding_side, trust_remote_code=trust_remote_code)
     vocab = model.get_input_embeddings().num_embeddings
     if len(tok) > vocab:
-        raise ValueError(
-            f"tokenizer in {str(path)!r} has {len(tok)} tokens but the model's embedding has {vocab} rows"
-        )
+        raise ValueError(_vocab_mismatch(path, tok, vocab))
     for cfg in (model.config, getattr(model, "generation_config", None)):
         if cfg is None:
             continue
