@@ -166,7 +166,7 @@ def test_base_model_builds_once(monkeypatch, tmp_path):
     def fake_pretrain(task, out_dir=None, **kwargs):
         calls.append((task, out_dir))
         out_dir.mkdir(parents=True)
-        (out_dir / "base_model.json").write_text("{}")
+        (out_dir / "base_model.json").write_text(json.dumps(pt.build_settings()))
         return str(out_dir)
 
     monkeypatch.setattr(pt, "pretrain", fake_pretrain)
@@ -180,6 +180,99 @@ def test_base_model_builds_once(monkeypatch, tmp_path):
         zoo.base_model("chess")
     with pytest.raises(ValueError, match="unknown task"):
         pt.ensure_base_model("chess")
+
+
+def _fake_build(calls, threads=None):
+    def fake_pretrain(task, out_dir=None, **kwargs):
+        calls.append((task, out_dir))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        info = {**pt.build_settings(), **({} if threads is None else {"torch_threads": threads})}
+        (out_dir / "base_model.json").write_text(json.dumps(info))
+        return str(out_dir)
+
+    return fake_pretrain
+
+
+def test_base_model_rebuilds_a_cached_model_built_with_other_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLBITS_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(pt, "pretrain", _fake_build(calls, threads=2))
+    zoo.base_model("arithmetic")  # an old build at the caller's 2 threads
+    monkeypatch.setattr(pt, "pretrain", _fake_build(calls))
+    path = pt.Path(zoo.base_model("arithmetic"))  # rebuilt with BUILD_THREADS
+    assert len(calls) == 2 and json.loads((path / "base_model.json").read_text())["torch_threads"] == 1
+    assert zoo.base_model("arithmetic") == str(path) and len(calls) == 2  # now current: kept
+    info = json.loads((path / "base_model.json").read_text())
+    (path / "base_model.json").write_text(json.dumps({**info, "torch_version": "1.0.0"}))
+    with pytest.warns(RuntimeWarning, match=r"built with torch 1\.0\.0, this is torch .*rlbits pretrain arithmetic"):
+        zoo.base_model("arithmetic")  # another torch version: a warning, no rebuild
+    assert len(calls) == 2
+    del info["torch_threads"]
+    (path / "base_model.json").write_text(json.dumps(info))  # unrecorded thread count: rebuilt
+    zoo.base_model("arithmetic")
+    assert len(calls) == 3
+
+
+def test_base_model_waiting_for_a_held_lock_says_so_and_times_out(monkeypatch, tmp_path, capsys):
+    import fcntl
+    import os
+    import threading
+
+    monkeypatch.setenv("RLBITS_CACHE", str(tmp_path))
+    monkeypatch.setattr(pt, "LOCK_REPORT_EVERY_S", 0.2)
+    lock = tmp_path / ".arithmetic-base.lock"
+    folder = tmp_path / "arithmetic-base"
+    with open(lock, "a+") as held:  # another process's build (flock: another open file conflicts)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242\n")
+        held.flush()
+        with pytest.raises(TimeoutError, match=r"gave up after 1 s waiting for another process \(pid 4242\)") as e:
+            zoo.base_model("arithmetic", lock_timeout=0.7)
+        assert f"remove {lock}" in str(e.value) and "RLBITS_LOCK_TIMEOUT" in str(e.value)
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if "waiting for another process" in line]
+        assert len(lines) >= 3  # at once, then every LOCK_REPORT_EVERY_S
+        assert f"(pid 4242) building {folder}" in lines[0] and f"Lock file: {lock}" in lines[0]
+        assert f"remove {lock} and retry" in lines[0]
+        monkeypatch.setenv("RLBITS_LOCK_TIMEOUT", "0.3")  # the environment's bound
+        with pytest.raises(TimeoutError, match="now 0.3"):
+            zoo.base_model("arithmetic")
+        monkeypatch.setenv("RLBITS_LOCK_TIMEOUT", "soon")
+        with pytest.raises(ValueError, match="RLBITS_LOCK_TIMEOUT must be a number of seconds, got 'soon'"):
+            zoo.base_model("arithmetic")
+        monkeypatch.delenv("RLBITS_LOCK_TIMEOUT")
+        # The other process finishes its build and lets go: the waiter uses that build, builds nothing.
+        calls = []
+        monkeypatch.setattr(pt, "pretrain", _fake_build(calls))
+
+        def finish():
+            _fake_build([])("arithmetic", folder)
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+        timer = threading.Timer(0.5, finish)
+        timer.start()
+        assert zoo.base_model("arithmetic", lock_timeout=30) == str(folder)
+        timer.join()
+    assert calls == [] and lock.read_text() == f"{os.getpid()}\n"  # the last holder wrote its pid
+
+
+@pytest.mark.slow
+def test_pretrain_weights_do_not_depend_on_the_callers_threads(tmp_path):
+    # Before the build used its own thread count these differed (1 vs 2 threads, even this tiny recipe).
+    before = torch.get_num_threads()
+    paths = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            paths.append(pt.Path(pt.pretrain("arithmetic", tmp_path / f"t{threads}", seed=0, **TINY)))
+            assert torch.get_num_threads() == threads  # the caller's count is restored
+    finally:
+        torch.set_num_threads(before)
+    one, two = ((p / "model.safetensors").read_bytes() for p in paths)
+    assert one == two
+    info = json.loads((paths[1] / "base_model.json").read_text())
+    assert info["torch_threads"] == pt.BUILD_THREADS == 1 and info["deterministic_algorithms"] is True
+    assert info["torch_version"] == torch.__version__
 
 
 def test_cli_pretrain_prints_path_last(monkeypatch, tmp_path, capsys):

@@ -30,18 +30,22 @@ from rlbits.zoo.pretrain import (
 )
 
 
-def base_model(task: str) -> str:
+def base_model(task: str, *, lock_timeout: float | None = None) -> str:
     """Path of ``task``'s base model (HF folder: model, tokenizer, ``base_model.json``), built on first use.
 
     The folder is ``$RLBITS_CACHE/<task>-base`` (``RLBITS_CACHE`` defaults to ``~/.cache/rlbits``). If it is
     missing it is built with ``rlbits.zoo.pretrain.pretrain(task)`` (seed 0, the task's ``RECIPES`` entry; a
-    few CPU minutes, with a progress bar), under a lock file so a second process waits for the first build.
-    ``rlbits pretrain TASK`` rebuilds it.
+    few CPU minutes, with a progress bar), under a lock file so a second process waits for the first build
+    (saying so on stderr every 30 s, and giving up after ``lock_timeout`` seconds: default
+    ``$RLBITS_LOCK_TIMEOUT``, else an hour). The build uses its own thread count and deterministic kernels, so
+    its weights do not depend on the calling process; a cached model whose ``base_model.json`` records other
+    build settings is rebuilt (another torch version: a warning). ``rlbits pretrain TASK`` rebuilds it.
 
     Raises:
         ValueError: ``task`` is not a registered task (the message lists the valid names).
+        TimeoutError: another process's build held the lock longer than ``lock_timeout``.
     """
-    return pretrain.ensure_base_model(task)
+    return pretrain.ensure_base_model(task, lock_timeout=lock_timeout)
 
 
 __all__ = [

@@ -15,8 +15,19 @@ parameters, build time, final loss), so ``AutoModelForCausalLM.from_pretrained(p
 
 Default folder: ``$RLBITS_CACHE/<task>-base``, with ``RLBITS_CACHE`` defaulting to ``~/.cache/rlbits``.
 ``ensure_base_model(task)`` (what ``rlbits.zoo.base_model(task)`` calls) builds it only if it is missing,
-under a file lock so two processes don't build it twice. The folder's name does not depend on the recipe:
-after changing ``RECIPES``, rebuild (``rlbits pretrain TASK``).
+under a file lock so two processes don't build it twice (the waiting one says so on stderr every 30 s and
+gives up after ``RLBITS_LOCK_TIMEOUT`` seconds, default an hour). The folder's name does not depend on the
+recipe: after changing ``RECIPES``, rebuild (``rlbits pretrain TASK``).
+
+**Determinism.** CPU kernels sum in an order that depends on the number of torch threads, and 1,000 steps
+of training amplify the last-bit differences into a different model (a sentiment base model built by a
+2-thread process gave a PPO tutorial an ``approx_kl`` of 1.38 at its first update instead of 0.013). So the
+build runs with its own settings, whatever the caller's: ``BUILD_THREADS`` (1) torch threads and
+``torch.use_deterministic_algorithms(True)``, the caller's settings restored after. ``base_model.json``
+records them (``torch_threads``, ``deterministic_algorithms``, ``torch_version``). ``ensure_base_model``
+rebuilds a cached model whose recorded thread count is not ``BUILD_THREADS`` (or missing: an older build at
+the caller's thread count), and warns, without rebuilding, about one built by another torch version (its
+kernels may round differently; a rebuild takes minutes, so it is left to ``rlbits pretrain TASK``).
 
 ``evaluate(path, task)`` scores a model on a task's prompts with plain ``model.generate``.
 """
@@ -31,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,6 +51,12 @@ import torch
 from rlbits._io import atomic_folder
 
 PAD_TOKEN = "<pad>"
+# Torch intra-op threads of every build, whatever the calling process uses: the weights depend on it.
+BUILD_THREADS = 1
+# Longest wait for another process's build (seconds), unless ``RLBITS_LOCK_TIMEOUT`` or ``lock_timeout=``.
+LOCK_TIMEOUT_S = 3600.0
+# Seconds between the "waiting for another process" lines on stderr.
+LOCK_REPORT_EVERY_S = 30.0
 EOS_TOKEN = "<eos>"
 # Keys a recipe holds and ``pretrain`` accepts as overrides.
 SETTINGS = (
@@ -202,14 +220,22 @@ def _lr_at(step: int, steps: int, lr: float) -> float:
     return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
 
+def build_settings() -> dict:
+    """What besides the seed and the recipe decides a build's weights, as ``base_model.json`` records it."""
+    return dict(torch_threads=BUILD_THREADS, deterministic_algorithms=True, torch_version=torch.__version__)
+
+
 @contextlib.contextmanager
 def _deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
+    # The build's own thread count and deterministic kernels; the caller's settings and RNG state restored.
+    previous, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(BUILD_THREADS)
     try:
         with torch.random.fork_rng(devices=[]):
             yield
     finally:
+        torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(previous)
 
 
@@ -255,10 +281,15 @@ def pretrain(
             its first occurrence in each document (the response and ``<eos>``); else every token.
         progress: show a tqdm progress bar with the running loss.
 
+    The model trains with ``BUILD_THREADS`` torch threads and deterministic algorithms, whatever the
+    caller's settings (restored after): the same seed and settings give byte-identical weights in a
+    1-thread and a 16-thread process.
+
     Returns:
         The folder's path as a str. It also holds ``base_model.json``: task, seed, settings, ``params``,
         ``build_seconds`` (wall clock), ``build_cpu_seconds`` (CPU time of this process, all threads),
-        ``final_loss`` (mean training loss over the last 50 steps, nats per token).
+        ``final_loss`` (mean training loss over the last 50 steps, nats per token) and ``build_settings()``
+        (``torch_threads``, ``deterministic_algorithms``, ``torch_version``).
 
     Raises:
         ValueError: unknown task, or a setting out of range.
@@ -347,9 +378,8 @@ def pretrain(
         params=params,
         build_seconds=round(time.perf_counter() - start, 1),
         build_cpu_seconds=round(time.process_time() - start_cpu, 1),
-        torch_threads=torch.get_num_threads(),
         final_loss=round(statistics.fmean(losses[-50:]), 4),
-        torch_version=torch.__version__,
+        **build_settings(),
     )
 
     def write(folder: Path) -> None:
@@ -422,39 +452,130 @@ def plateau_check(
     return dict(before=before, after=after, steps=steps, cpu_seconds=round(used, 1), lr=lr)
 
 
+def lock_timeout() -> float:
+    """Seconds a process waits for another one's build: ``$RLBITS_LOCK_TIMEOUT``, else ``LOCK_TIMEOUT_S``."""
+    value = os.environ.get("RLBITS_LOCK_TIMEOUT")
+    if not value:
+        return LOCK_TIMEOUT_S
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"RLBITS_LOCK_TIMEOUT must be a number of seconds, got {value!r}") from None
+
+
+def _holder(path: Path) -> str:
+    # The pid the lock's holder wrote into the lock file, as words for a message.
+    try:
+        pid = path.read_text().strip()
+    except OSError:
+        pid = ""
+    return f"pid {pid}" if pid.isdigit() else "pid unknown"
+
+
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def _file_lock(path: Path, *, what: str = "", timeout: float | None = None):
+    # An exclusive flock on ``path``, held while the block runs; its holder writes its pid into the file.
+    # A waiter says on stderr what it waits for (at once, then every LOCK_REPORT_EVERY_S) and raises
+    # TimeoutError after ``timeout`` seconds (default ``lock_timeout()``).
+    timeout = lock_timeout() if timeout is None else timeout
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    with open(path, "a+") as f:
         try:
             import fcntl
         except ImportError:  # no flock (Windows): build without a lock
             yield
             return
-        fcntl.flock(f, fcntl.LOCK_EX)
+        start = time.monotonic()
+        report_at = start
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            now = time.monotonic()
+            if now - start >= timeout:
+                raise TimeoutError(
+                    f"gave up after {now - start:.0f} s waiting for another process ({_holder(path)}) "
+                    f"building {what or path}: the lock file {path} is still locked. If that build hangs, end "
+                    f"its process; if no process holds the lock (a network filesystem that kept it), remove "
+                    f"{path}. Wait longer with RLBITS_LOCK_TIMEOUT=SECONDS (now {timeout:g})."
+                )
+            if now >= report_at:
+                print(
+                    f"rlbits: waiting for another process ({_holder(path)}) building {what or path} "
+                    f"({now - start:.0f} s so far, giving up after {timeout:g} s: RLBITS_LOCK_TIMEOUT). "
+                    f"Lock file: {path}; the lock goes with its process, so if no such process is running "
+                    f"(e.g. the lock is on a network filesystem), remove {path} and retry.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                report_at = now + LOCK_REPORT_EVERY_S
+            time.sleep(max(0.0, min(0.2, timeout - (now - start))))
         try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def ensure_base_model(task: str) -> str:
+def _stale(out: Path, task: str) -> str | None:
+    # Why the cached model in ``out`` must be built (again), or None if it is usable. Warns about a build by
+    # another torch version (kept: see the module docstring).
+    try:
+        info = json.loads((out / "base_model.json").read_text())
+    except FileNotFoundError:
+        return "first use"
+    except (OSError, ValueError) as e:
+        return f"its base_model.json is unreadable ({e})"
+    threads = info.get("torch_threads")
+    if threads != BUILD_THREADS:
+        return (
+            f"it was built with {threads if threads is not None else 'an unrecorded number of'} torch "
+            f"threads, and builds now use {BUILD_THREADS} (the weights depend on it)"
+        )
+    if info.get("torch_version") != torch.__version__:
+        warnings.warn(
+            f"the {task} base model in {out} was built with torch {info.get('torch_version')}, this is torch "
+            f"{torch.__version__}: its weights may differ in the last bits from a build with this version "
+            f"(`rlbits pretrain {task}` rebuilds it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return None
+
+
+def ensure_base_model(task: str, *, lock_timeout: float | None = None) -> str:
     """Path of ``task``'s base model in ``default_model_dir(task)``, built with ``pretrain(task)`` (seed 0)
-    if missing. A lock file beside it makes a second process wait for the first build instead of repeating it.
+    if missing, or rebuilt if its ``base_model.json`` records another thread count than ``BUILD_THREADS``
+    (warns if it records another torch version; see the module docstring).
+
+    A lock file beside it (``.<task>-base.lock``) makes a second process wait for the first build instead of
+    repeating it; the waiting process prints what it waits for on stderr (at once, then every 30 s).
+
+    Args:
+        lock_timeout: seconds to wait for another process's build; default ``$RLBITS_LOCK_TIMEOUT``, else
+            ``LOCK_TIMEOUT_S`` (an hour; a build takes minutes).
 
     Raises:
         ValueError: unknown task.
+        TimeoutError: another process held the lock longer than ``lock_timeout`` (the message names the lock
+            file and its holder's pid).
     """
     from rlbits.tasks import get_task
 
     get_task(task)
     out = default_model_dir(task)
-    if (out / "base_model.json").exists():
+    if _stale(out, task) is None:
         return str(out)
-    with _file_lock(out.parent / f".{out.name}.lock"):
-        if not (out / "base_model.json").exists():
+    with _file_lock(out.parent / f".{out.name}.lock", what=str(out), timeout=lock_timeout):
+        reason = _stale(out, task)  # another process may have built it while this one waited
+        if reason is not None:
             print(
-                f"rlbits: building the {task} base model in {out} (first use, a few minutes)", file=sys.stderr
+                f"rlbits: building the {task} base model in {out} ({reason}; a few minutes)", file=sys.stderr
             )
             pretrain(task, out)
     return str(out)
@@ -538,6 +659,9 @@ def evaluate(
 
 __all__ = [
     "RECIPES",
+    "BUILD_THREADS",
+    "build_settings",
+    "lock_timeout",
     "cache_dir",
     "default_model_dir",
     "train_tokenizer",
