@@ -72,19 +72,45 @@ def entropy(logits, temperature=1.0):
     return out
 
 
-def kl(logprobs, ref_logprobs, estimator):
+def _kl_value(d, estimator):
+    base = estimator.rstrip("+")
+    if base == "k1":
+        return d
+    if base == "abs":
+        return abs(d)
+    if base == "k2":
+        return 0.5 * d * d
+    return math.exp(-d) - (-d) - 1
+
+
+def kl(logprobs, ref_logprobs, estimator, clamp=None):
+    """Per-token value; ``k1+`` / ``k3+`` have the value of ``k1`` / ``k3``; ``clamp`` clips it to [-c, c]."""
     out = torch.zeros(logprobs.shape, dtype=torch.float64)
     for idx in range(logprobs.numel()):
         d = float(_cells(logprobs.detach())[idx]) - float(_cells(ref_logprobs.detach())[idx])
-        if estimator == "k1":
-            v = d
-        elif estimator == "abs":
-            v = abs(d)
-        elif estimator == "k2":
-            v = 0.5 * d * d
-        else:
-            v = math.exp(-d) - (-d) - 1
+        v = _kl_value(d, estimator)
+        if clamp is not None:
+            v = min(max(v, -clamp), clamp)
         out.view(-1)[idx] = v
+    return out
+
+
+def kl_grad(logprobs, ref_logprobs, estimator, clamp=None):
+    """Per-token d(estimate)/d(logprobs) (the gradient w.r.t. ref_logprobs is its negative).
+
+    k1 -> 1, abs -> sign(d), k2 -> d, k3 -> 1 - exp(-d); 0 where the clamp is active. The straight-through
+    ``k1+`` / ``k3+`` have the gradient of k2, d, whatever the clamp.
+    """
+    out = torch.zeros(logprobs.shape, dtype=torch.float64)
+    for idx in range(logprobs.numel()):
+        d = float(_cells(logprobs.detach())[idx]) - float(_cells(ref_logprobs.detach())[idx])
+        if estimator.endswith("+"):
+            g = d
+        elif clamp is not None and abs(_kl_value(d, estimator)) > clamp:
+            g = 0.0
+        else:
+            g = {"k1": 1.0, "abs": math.copysign(1.0, d) if d != 0 else 0.0, "k2": d, "k3": 1 - math.exp(-d)}[estimator]
+        out.view(-1)[idx] = g
     return out
 
 
@@ -131,15 +157,46 @@ def rloo_baseline(rewards, k):
     return torch.stack(out)
 
 
-def group_normalize(rewards, k, scale=True, eps=1e-6):
+def _std(values):
+    mean = sum(values) / len(values)
+    return torch.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def group_normalize(rewards, k, scale=True, eps=1e-6, std="group"):
+    """``group``: (r - mean of the group) / (unbiased std of the group + eps).
+    ``leave_one_out`` (NeMo-RL): (r - mean of the *other* K - 1) / (unbiased std of the others + eps), not
+    divided when the others are all equal."""
     out = []
     for i in range(len(rewards)):
         g = i // k
         members = [rewards[j] for j in range(g * k, g * k + k)]
-        mean = sum(members) / k
-        std = torch.sqrt(sum((m - mean) ** 2 for m in members) / (k - 1))
-        out.append((rewards[i] - mean) / (std + eps) if scale else rewards[i] - mean)
+        if std == "group":
+            centre = sum(members) / k
+            spread = _std(members) + eps
+        else:
+            others = [rewards[j] for j in range(g * k, g * k + k) if j != i]
+            centre = sum(others) / (k - 1)
+            equal = all(float(o.detach()) == float(others[0].detach()) for o in others)
+            spread = None if (equal or not scale) else _std(others) + eps
+        if not scale or spread is None:
+            out.append(rewards[i] - centre)
+        else:
+            out.append((rewards[i] - centre) / spread)
     return torch.stack(out)
+
+
+def awac_per_token(logits, actions, mask, advantages=None, beta=0.0):
+    """exp(beta * advantage) (a constant) times the NLL of the taken token; 0 off the mask."""
+    nll = -logprobs(logits, actions)
+    B, R = mask.shape
+    rows = []
+    for b in range(B):
+        row = []
+        for t in range(R):
+            w = 1.0 if advantages is None else math.exp(beta * float(advantages[b, t]))
+            row.append(w * nll[b, t] if mask[b, t] else torch.zeros((), dtype=torch.float64))
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
 
 
 def aggregate(per_token, mask, agg, num_tokens=None, num_seqs=None):

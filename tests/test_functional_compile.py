@@ -38,10 +38,18 @@ def _cases():
         "logprobs_from_logits": (rlbits.logprobs_from_logits, (rnd(B, R, V, grad=True), tokens), {"temperature": 0.7}),
         "entropy_from_logits": (rlbits.entropy_from_logits, (rnd(B, R, V, grad=True),), {}),
         "kl_penalty": (rlbits.kl_penalty, (rnd(B, R, grad=True), rnd(B, R)), {"estimator": "k3"}),
+        "kl_penalty_clamp": (rlbits.kl_penalty, (rnd(B, R, grad=True), rnd(B, R)), {"estimator": "k3", "clamp": 0.5}),
+        "kl_penalty_k1+": (rlbits.kl_penalty, (rnd(B, R, grad=True), rnd(B, R)), {"estimator": "k1+", "clamp": 1.0}),
+        "kl_penalty_k3+": (rlbits.kl_penalty, (rnd(B, R, grad=True), rnd(B, R)), {"estimator": "k3+"}),
         "token_rewards": (rlbits.token_rewards, (rnd(B, grad=True), mask), {"kl": rnd(B, R), "kl_coef": 0.1}),
         "gae": (rlbits.gae, (rnd(B, R, grad=True), rnd(B, R, grad=True), mask), {"gamma": 0.99, "lam": 0.95}),
         "rloo_baseline": (rlbits.rloo_baseline, (rnd(B, grad=True),), {"group_size": 2}),
         "group_normalize": (rlbits.group_normalize, (rnd(B, grad=True),), {"group_size": 2}),
+        "group_normalize_leave_one_out": (
+            rlbits.group_normalize,
+            (torch.tensor([1.0, 0.0, 0.0, 0.3, -1.2, 2.0, 0.5, 0.5, 0.5], requires_grad=True),),  # equal others, spread, a tie
+            {"group_size": 3, "std": "leave_one_out"},
+        ),
         "ppo_loss": (
             rlbits.ppo_loss,
             ((old + 0.3 * rnd(B, R)).requires_grad_(True), old, rnd(B, R), mask),
@@ -54,6 +62,11 @@ def _cases():
         "expectile_loss": (rlbits.expectile_loss, (rnd(B, R, grad=True), rnd(B, R), mask), {"tau": 0.8}),
         "cql_loss": (rlbits.cql_loss, (rnd(B, R, V, grad=True), tokens, mask), {}),
         "awac_loss": (rlbits.awac_loss, (rnd(B, R, V, grad=True), tokens, mask), {}),
+        "awac_loss_weighted": (
+            rlbits.awac_loss,
+            (rnd(B, R, V, grad=True), tokens, mask),
+            {"advantages": rnd(B, R), "beta": 0.5, "num_tokens": 20},
+        ),
         "ilql_logits": (rlbits.ilql_logits, (rnd(B, R, V, grad=True), rnd(B, R, V), rnd(B, R)), {"beta": 0.5}),
     }
 

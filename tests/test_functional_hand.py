@@ -53,6 +53,10 @@ def test_kl_estimators():
     close(rlbits.kl_penalty(logp, ref, "k2"), 0.5 * d * d)
     close(rlbits.kl_penalty(logp, ref, "k3"), 0.5 + d - 1)  # exp(-d) = 1/2
     close(rlbits.kl_penalty(t(0.3), t(0.3), "k3"), 0.0)
+    close(rlbits.kl_penalty(logp, ref, "k1", clamp=0.5), 0.5)  # log 2 = 0.69 clipped
+    close(rlbits.kl_penalty(ref, logp, "k1", clamp=0.5), -0.5)
+    close(rlbits.kl_penalty(logp, ref, "k3+"), 0.5 + d - 1)  # the value of k3
+    close(rlbits.kl_penalty(logp, ref, "k1+", clamp=0.5), 0.5)
 
 
 def test_adaptive_kl_controller():
@@ -99,6 +103,13 @@ def test_group_baselines():
     close(rlbits.group_normalize(r, 3, eps=0.0), [-1.0, 0.0, 1.0, -1.0, 0.0, 1.0])  # std of (1,2,3) is 1
     close(rlbits.group_normalize(r, 3, scale=False), [-1.0, 0.0, 1.0, -1.0, 0.0, 1.0])
     close(rlbits.group_normalize(t(2.0, 2.0), 2), [0.0, 0.0])  # no spread -> no signal, not NaN
+    # leave-one-out (NeMo-RL): sample 0 of [1, 0, 0] has others (0, 0), std 0: 1 - 0, not divided;
+    # samples 1, 2 have others (1, 0): mean 0.5, std sqrt(0.5). In [1, 2, 4], sample 0: (1 - 3) / sqrt(2).
+    s = math.sqrt(0.5)
+    close(rlbits.group_normalize(t(1.0, 0.0, 0.0), 3, eps=0.0, std="leave_one_out"), [1.0, -0.5 / s, -0.5 / s])
+    close(rlbits.group_normalize(t(1.0, 2.0, 4.0), 3, eps=0.0, std="leave_one_out")[0], -2.0 / math.sqrt(2.0))
+    close(rlbits.group_normalize(t(1.0, 0.0, 0.0), 3, scale=False, std="leave_one_out"), [1.0, -0.5, -0.5])
+    close(rlbits.group_normalize(t(3.0, 3.0, 3.0), 3, std="leave_one_out"), [0.0, 0.0, 0.0])
 
 
 def test_aggregation_modes():
@@ -157,6 +168,10 @@ def test_ilql_pieces():
     q = t([[0.0, math.log(3.0)]])  # [1, 1, 2]: probabilities 1/4, 3/4
     close(rlbits.cql_loss(q, torch.tensor([[0]]), torch.ones(1, 1, dtype=torch.bool))[0], -math.log(0.25))
     close(rlbits.awac_loss(q, torch.tensor([[1]]), torch.ones(1, 1, dtype=torch.bool))[0], -math.log(0.75))
+    # trlx's AWAC weight exp(beta (Q - V)): Q - V = log 2, beta = 1 -> weight 2
+    weighted, m = rlbits.awac_loss(q, torch.tensor([[1]]), torch.ones(1, 1, dtype=torch.bool), advantages=t([math.log(2.0)]), beta=1.0)
+    close(weighted, -2.0 * math.log(0.75))
+    close(m["awac_weight_mean"], 2.0)
     logits, qv, v = t([[1.0, 2.0]]), t([[3.0, 1.0]]), t([2.0])
     close(rlbits.ilql_logits(logits, qv, v, beta=2.0), [[[3.0, 0.0]]])  # logits + 2 (q - v)
 
@@ -168,6 +183,10 @@ BAD = [
     (lambda: rlbits.masked_mean(torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.bool)), "floating-point"),
     (lambda: rlbits.kl_penalty(torch.zeros(2, 3), torch.zeros(2, 3), "k4"), "unknown KL estimator 'k4'"),
     (lambda: rlbits.kl_penalty(torch.zeros(2, 3), torch.zeros(2, 4)), "ref_logprobs has shape"),
+    (lambda: rlbits.kl_penalty(torch.zeros(2, 3), torch.zeros(2, 3), "k2+"), "unknown KL estimator 'k2\\+'"),
+    (lambda: rlbits.kl_penalty(torch.zeros(2, 3), torch.zeros(2, 3), clamp=0.0), r"clamp must be in \(0, inf\)"),
+    (lambda: rlbits.kl_penalty(torch.zeros(2, 3), torch.zeros(2, 3), clamp=-10.0), r"clamp must be in \(0, inf\), got -10"),
+    (lambda: rlbits.kl_penalty(torch.zeros(2, 3), torch.zeros(2, 3), clamp=math.inf), "clamp must be in"),
     (lambda: rlbits.logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long)), "tokens has shape"),
     (lambda: rlbits.logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 3)), "integer"),
     (lambda: rlbits.logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), 0.0), "temperature"),
@@ -179,6 +198,8 @@ BAD = [
     (lambda: rlbits.rloo_baseline(torch.zeros(4), 1), "group_size must be >= 2"),
     (lambda: rlbits.group_normalize(torch.zeros(6), 4), "not divisible"),
     (lambda: rlbits.group_normalize(torch.zeros(6), 2.0), "must be an int"),
+    (lambda: rlbits.group_normalize(torch.zeros(6), 3, std="loo"), "unknown std 'loo'"),
+    (lambda: rlbits.group_normalize(torch.zeros(6), 2, std="leave_one_out"), "leave_one_out\" needs group_size >= 3"),
     (lambda: rlbits.ppo_loss(*[torch.zeros(2, 3)] * 3, torch.ones(2, 3, dtype=torch.bool), agg="mean"), "unknown agg 'mean'"),
     (lambda: rlbits.ppo_loss(*[torch.zeros(2, 3)] * 3, torch.ones(2, 3, dtype=torch.bool), dual_clip=1.0), "dual_clip must be > 1"),
     (lambda: rlbits.ppo_loss(*[torch.zeros(2, 3)] * 3, torch.ones(2, 3, dtype=torch.bool), clip_eps=-0.1), "clip_eps"),
@@ -187,6 +208,9 @@ BAD = [
     (lambda: rlbits.reinforce_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), agg="sum"), "unknown agg"),
     (lambda: rlbits.expectile_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), tau=1.0), "tau must be in"),
     (lambda: rlbits.cql_loss(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool)), "must agree"),
+    (lambda: rlbits.awac_loss(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool), beta=0.5), "needs advantages"),
+    (lambda: rlbits.awac_loss(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool), advantages=torch.zeros(2, 4), beta=0.5), "advantages has shape"),
+    (lambda: rlbits.awac_loss(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool), advantages=torch.zeros(2, 3), beta=math.nan), "beta must be"),
     (lambda: rlbits.ilql_logits(torch.zeros(2, 5), torch.zeros(2, 5), torch.zeros(5), 1.0), "v has shape"),
     (lambda: rlbits.ilql_targets(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(3, 2, dtype=torch.bool)), "action_mask has shape"),
 ]

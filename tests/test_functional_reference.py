@@ -138,16 +138,50 @@ def test_logprobs_keeps_no_vocab_sized_tensor_for_backward():
 # --- KL, token rewards, GAE ----------------------------------------------------------------------------
 
 
-@given(masked_case(), st.sampled_from(rlbits.KL_ESTIMATORS))
-def test_kl_penalty_matches_reference(case, estimator):
+@given(masked_case(), st.sampled_from(rlbits.KL_ESTIMATORS), st.sampled_from([None, 0.3, 1.0, 10.0]))
+def test_kl_penalty_matches_reference(case, estimator, clamp):
     B, R, mask, gen = case
-    lp, ref_lp = leaf(randn(gen, B, R)), leaf(randn(gen, B, R))
-    got = rlbits.kl_penalty(lp, ref_lp, estimator)
-    torch.testing.assert_close(got, ref.kl(lp, ref_lp, estimator), **F64)
-    # the gradient w.r.t. logprobs, per token: k1 -> 1, abs -> sign(d), k2 -> d, k3 -> 1 - exp(-d)
-    d = (lp - ref_lp).detach()
-    expected = {"k1": torch.ones_like(d), "abs": torch.sign(d), "k2": d, "k3": 1 - torch.exp(-d)}[estimator]
-    torch.testing.assert_close(grads(got.sum(), lp)[0], expected, **F64)
+    lp, ref_lp = leaf(randn(gen, B, R, scale=1.5)), leaf(randn(gen, B, R, scale=1.5))  # some |d| past a clamp
+    lp_pad = torch.where(mask, lp, torch.zeros((), dtype=lp.dtype))  # the batch schema: 0 on padding
+    ref_pad = torch.where(mask, ref_lp, torch.zeros((), dtype=lp.dtype))
+    got = rlbits.kl_penalty(lp_pad, ref_pad, estimator, clamp=clamp)
+    torch.testing.assert_close(got, ref.kl(lp_pad, ref_pad, estimator, clamp), **F64)
+    assert (got[~mask] == 0).all()
+    # the gradient, per token, of a masked sum (as a KL loss term): the reference's on the mask, 0 off it
+    g_lp, g_ref = grads(rlbits.masked_sum(got, mask), lp, ref_lp)
+    want = torch.where(mask, ref.kl_grad(lp_pad, ref_pad, estimator, clamp), torch.zeros((), dtype=torch.float64))
+    torch.testing.assert_close(g_lp if g_lp is not None else torch.zeros_like(want), want, **F64)
+    torch.testing.assert_close(g_ref if g_ref is not None else torch.zeros_like(want), -want, **F64)
+
+
+def test_kl_straight_through_value_and_gradient():
+    """k1+ / k3+: the value of k1 / k3 and the gradient of k2, also where a clamp cuts the value."""
+    gen = torch.Generator().manual_seed(5)
+    lp, ref_lp = leaf(randn(gen, 3, 6, scale=2.0)), randn(gen, 3, 6, scale=2.0)
+    for plus, base in (("k1+", "k1"), ("k3+", "k3")):
+        for clamp in (None, 0.5):
+            got = rlbits.kl_penalty(lp, ref_lp, plus, clamp=clamp)
+            torch.testing.assert_close(got, rlbits.kl_penalty(lp, ref_lp, base, clamp=clamp), atol=0, rtol=0)
+            (g,) = grads(got.sum(), lp)
+            (g_k2,) = grads(rlbits.kl_penalty(lp, ref_lp, "k2").sum(), lp)
+            torch.testing.assert_close(g, g_k2, atol=0, rtol=0)
+            torch.testing.assert_close(g, (lp - ref_lp).detach(), **F64)
+
+
+def test_kl_clamp_none_is_unchanged_and_extremes_stay_finite():
+    gen = torch.Generator().manual_seed(6)
+    lp, ref_lp = randn(gen, 2, 5, scale=3.0), randn(gen, 2, 5, scale=3.0)
+    for estimator in ("k1", "abs", "k2", "k3"):
+        torch.testing.assert_close(
+            rlbits.kl_penalty(lp, ref_lp, estimator, clamp=None), rlbits.kl_penalty(lp, ref_lp, estimator), atol=0, rtol=0
+        )
+    # float32, log-ratios of +-200: exp(200) overflows, yet the clamped values and gradients are finite
+    x = torch.tensor([[-200.0, 200.0, 0.5]], requires_grad=True)
+    for estimator in rlbits.KL_ESTIMATORS:
+        out = rlbits.kl_penalty(x, torch.zeros(1, 3), estimator, clamp=10.0)
+        (g,) = grads(out.sum(), x)
+        assert torch.isfinite(out).all() and torch.isfinite(g).all(), (estimator, out, g)
+        assert out.abs().max() <= 10.0
 
 
 @given(masked_case(), st.sampled_from([0.0, 0.1, 2.0]))
@@ -223,6 +257,30 @@ def test_group_baselines_match_reference(groups, k, seed):
         torch.testing.assert_close(
             rlbits.group_normalize(rewards, k, scale=scale), ref.group_normalize(rewards, k, scale=scale), **F64
         )
+
+
+@given(st.integers(1, 4), st.integers(3, 6), st.booleans(), st.sampled_from([1e-6, 0.0, 0.1]), st.integers(0, 10**6))
+def test_group_normalize_leave_one_out_matches_reference(groups, k, binary, eps, seed):
+    """NeMo-RL's leave-one-out std: values and gradients against the loop, on real-valued rewards and on 0/1
+    rewards (whose groups often have all-equal others, where the advantage is not divided)."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = (torch.rand(groups * k, generator=gen) > 0.6).double() if binary else randn(gen, groups * k)
+    rewards = leaf(raw)
+    for scale in (True, False):
+        got = rlbits.group_normalize(rewards, k, scale=scale, eps=eps, std="leave_one_out")
+        want = ref.group_normalize(rewards, k, scale=scale, eps=eps, std="leave_one_out")
+        torch.testing.assert_close(got, want, **F64)
+        w = randn(gen, groups * k)
+        (g,) = grads((got * w).sum(), rewards)
+        (h,) = grads((want * w).sum(), rewards)
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, h, **F64)
+    # scale=False is the RLOO advantage
+    torch.testing.assert_close(
+        rlbits.group_normalize(raw, k, scale=False, std="leave_one_out"), raw - rlbits.rloo_baseline(raw, k), **F64
+    )
+    # the default is unchanged by the keyword
+    torch.testing.assert_close(rlbits.group_normalize(raw, k, std="group"), rlbits.group_normalize(raw, k), atol=0, rtol=0)
 
 
 # --- losses ----------------------------------------------------------------------------------------------
@@ -350,6 +408,34 @@ def test_ilql_losses_match_reference(case, tau):
         loss, _ = fn(q_logits, actions, mask)
         torch.testing.assert_close(loss, want, **F64)
         torch.testing.assert_close(grads(loss, q_logits)[0], grads(want, q_logits)[0] if want.requires_grad else torch.zeros_like(q_logits), **F64)
+
+
+@given(masked_case(), st.sampled_from([0.0, 0.5, 1.0, -0.3]), st.booleans())
+def test_awac_weighted_loss_matches_reference(case, beta, global_denominator):
+    """trlx's AWAC weight exp(beta (Q - V)): a constant per token (no gradient into the advantages)."""
+    B, R, mask, gen = case
+    V = 5
+    logits = leaf(randn(gen, B, R, V, scale=2.0))
+    actions = torch.randint(0, V, (B, R), generator=gen)
+    adv = leaf(randn(gen, B, R))
+    adv_pad = torch.where(mask, adv, torch.tensor(float("inf"), dtype=adv.dtype))  # padding must not matter
+    num_tokens = 11 if global_denominator else None
+    loss, metrics = rlbits.awac_loss(logits, actions, mask, num_tokens, advantages=adv_pad, beta=beta)
+    want = ref.aggregate(ref.awac_per_token(logits, actions, mask, adv, beta), mask, "token-mean", num_tokens)
+    torch.testing.assert_close(loss, want, **F64)
+    g_logits, g_adv = grads(loss, logits, adv)
+    h = grads(want, logits)[0] if want.requires_grad else torch.zeros_like(logits)
+    torch.testing.assert_close(g_logits, h, **F64)
+    assert g_adv is None or (g_adv == 0).all()
+    weights = torch.exp(beta * adv.detach())
+    torch.testing.assert_close(metrics["awac_weight_mean"], ref.masked_mean(weights, mask), **F64)
+    want_max = max((float(w) for w, m in zip(weights.reshape(-1), mask.reshape(-1), strict=True) if m), default=0.0)
+    torch.testing.assert_close(metrics["awac_weight_max"], torch.tensor(want_max, dtype=torch.float64), **F64)
+    assert all(not m.requires_grad and m.dim() == 0 for m in metrics.values())
+    # beta = 0 (trlx's default) is today's unweighted NLL, with or without advantages
+    plain, extra = rlbits.awac_loss(logits, actions, mask, num_tokens)
+    assert extra == {}
+    torch.testing.assert_close(rlbits.awac_loss(logits, actions, mask, num_tokens, advantages=adv, beta=0.0)[0], plain, **F64)
 
 
 # --- float32 and bf16 inputs -----------------------------------------------------------------------------

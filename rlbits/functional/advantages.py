@@ -249,31 +249,92 @@ def rloo_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return einops.rearrange(baseline, "g k -> (g k)").to(_float_dtype(rewards))
 
 
+GROUP_STDS = ("group", "leave_one_out")
+
+
+def _leave_one_out_stats(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each sample of [G, K] groups, statistics of the *other* K - 1 samples of its group.
+
+    Returns ``(mean, std, spread)``, each [G, K]: the mean, the unbiased std (divisor K - 2), and whether
+    the others differ at all (``max != min``, exact, where a computed std could be a rounding residue).
+    Built on a [G, K, K] "others" view (row i of group g: the group without sample i): K is a group size
+    (tens), so K^2 per prompt is small. Where the others are all equal the std is that of a constant 1
+    (its value is unused there), so no ``sqrt(0)`` sends a NaN into the gradient.
+    """
+    k = groups.shape[1]
+    others = ~torch.eye(k, dtype=torch.bool, device=groups.device)  # [i, j]: j is one of i's others
+    zero = torch.zeros((), dtype=groups.dtype, device=groups.device)
+    row = groups[:, None, :].expand(-1, k, -1)  # [g, i, j] = r[g, j]
+    mean = torch.where(others, row, zero).sum(-1) / (k - 1)
+    dev = torch.where(others, row - mean[..., None], zero)
+    var = (dev * dev).sum(-1) / (k - 2)
+    big = torch.tensor(torch.finfo(groups.dtype).max, dtype=groups.dtype, device=groups.device)
+    spread = torch.where(others, row, big).amin(-1) != torch.where(others, row, -big).amax(-1)
+    std = torch.sqrt(torch.where(spread, var, torch.ones((), dtype=groups.dtype, device=groups.device)))
+    return mean, std, spread
+
+
 def group_normalize(
-    rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_size: int,
+    scale: bool = True,
+    eps: float = 1e-6,
+    *,
+    std: str = "group",
 ) -> torch.Tensor:
     """GRPO advantage: reward minus its group's mean, divided by the group's std.
 
-    ``A_i = (r_i - mean_g) / (std_g + eps)`` with the unbiased std (as ``torch.std``) over the K contiguous
-    samples of each prompt (Shao 2024, DeepSeekMath, eq. 3 / sec. 4.1.2). ``scale=False`` returns
-    ``r_i - mean_g`` (Dr. GRPO, Liu 2025, which drops the std to remove a difficulty bias). A group whose
-    rewards are all equal gets advantage 0.
+    ``std="group"`` (default): ``A_i = (r_i - mean_g) / (std_g + eps)`` with the unbiased std (as
+    ``torch.std``) over the K contiguous samples of each prompt (Shao 2024, DeepSeekMath, eq. 3 / sec.
+    4.1.2). A group whose rewards are all equal gets advantage 0.
+
+    ``std="leave_one_out"``: NeMo-RL's GRPO advantage with ``use_leave_one_out_baseline: true`` (its
+    default; ``calculate_baseline_and_std_per_prompt`` and ``GRPOAdvantageEstimator`` in
+    ``nemo_rl/algorithms/``, read at NVIDIA-NeMo/RL commit 7ea279ab, v0.7.0 + 1338 commits): both the
+    mean and the std come from the *other* K - 1 samples of the group,
+    ``A_i = (r_i - mean_{-i}) / (std_{-i} + eps)``, ``std_{-i}`` the unbiased std of those K - 1 rewards
+    (NeMo-RL's ``(E[r^2] - E[r]^2) (n / (n - 1))``, ``n = K - 1``). As in NeMo-RL, where the other K - 1
+    rewards are all equal (std 0) the advantage is not divided: ``A_i = r_i - mean_{-i}`` (e.g. 0/1
+    rewards ``[1, 0, 0]`` give ``A_0 = 1 - 0 = 1``; ``A_1 = A_2 = -0.5 / (0.707 + eps)``). rlbits tests "all equal" exactly (max == min) and
+    computes the std in two passes; NeMo-RL tests its one-pass std for ``> 0``, which rounding can miss.
+    Needs K >= 3 (one other sample has no unbiased std; NeMo-RL silently skips the division then).
+
+    ``scale=False`` returns the numerator only: ``r_i - mean_g`` (Dr. GRPO, Liu 2025, which drops the std
+    to remove a difficulty bias), or with ``std="leave_one_out"`` ``r_i - mean_{-i}`` (the RLOO advantage,
+    ``r - rloo_baseline(r, K)``; NeMo-RL with ``normalize_rewards: false``), for any K >= 2.
 
     Args:
         rewards: [B] float, B = num_prompts * K.
-        group_size: K >= 2.
-        scale: divide by the group std.
+        group_size: K >= 2 (K >= 3 for ``std="leave_one_out"`` with ``scale``).
+        scale: divide by the std.
         eps: added to the std.
+        std: keyword-only; ``"group"`` or ``"leave_one_out"``.
 
     Returns:
         [B] in ``rewards.dtype``.
 
     Raises:
-        ValueError: ``rewards`` is not 1-D, ``K < 2``, or ``B % K != 0``.
+        ValueError: ``rewards`` is not 1-D, ``K < 2``, ``B % K != 0``, an unknown ``std``, or ``K < 3``
+        with ``std="leave_one_out"`` and ``scale``.
     """
+    if not isinstance(std, str) or std not in GROUP_STDS:
+        raise ValueError(f"unknown std {std!r}; expected one of {', '.join(GROUP_STDS)}")
     _checks.in_range("eps", eps, 0, math.inf, high_open=True)
     groups = _groups(rewards, group_size)
-    out = groups - einops.reduce(groups, "g k -> g 1", "mean")
-    if scale:
-        out = out / (groups.std(dim=1, keepdim=True) + eps)  # over k; einops.reduce has no (unbiased) std
+    if std == "group":
+        out = groups - einops.reduce(groups, "g k -> g 1", "mean")
+        if scale:
+            out = out / (groups.std(dim=1, keepdim=True) + eps)  # over k; einops.reduce has no (unbiased) std
+    else:
+        if scale and group_size < 3:
+            raise ValueError(
+                f'std="leave_one_out" needs group_size >= 3 (the std of the other K - 1 samples needs two of '
+                f"them), got {group_size}"
+            )
+        if scale:
+            loo_mean, loo_std, spread = _leave_one_out_stats(groups)
+            out = groups - loo_mean
+            out = torch.where(spread, out / (loo_std + eps), out)
+        else:
+            out = groups - (einops.reduce(groups, "g k -> g 1", "sum") - groups) / (group_size - 1)
     return einops.rearrange(out, "g k -> (g k)").to(_float_dtype(rewards))

@@ -118,9 +118,8 @@ def expectile_loss(
     return loss, {"v_mean": masked_mean(v.detach(), mask)}
 
 
-def _masked_nll(
-    logits: torch.Tensor, actions: torch.Tensor, action_mask: torch.Tensor, num_tokens, name: str
-) -> torch.Tensor:
+def _token_nll(logits: torch.Tensor, actions: torch.Tensor, action_mask: torch.Tensor, name: str) -> torch.Tensor:
+    """``-log softmax(logits)[action]`` per token, [B, R], after checking the shapes and dtypes."""
     _checks.ndim("action_mask", action_mask, 2, "[B, R]")
     _checks.ndim(name, logits, 3, "[B, R, V]")
     _checks.floating(name, logits)
@@ -132,8 +131,13 @@ def _masked_nll(
             f"{name} {tuple(logits.shape)}, actions {tuple(actions.shape)} and action_mask "
             f"{tuple(action_mask.shape)} must agree on [B, R]"
         )
-    nll = -logprobs_from_logits(logits, actions)
-    return aggregate_loss(nll, action_mask, "token-mean", num_tokens)
+    return -logprobs_from_logits(logits, actions)
+
+
+def _masked_nll(
+    logits: torch.Tensor, actions: torch.Tensor, action_mask: torch.Tensor, num_tokens, name: str
+) -> torch.Tensor:
+    return aggregate_loss(_token_nll(logits, actions, action_mask, name), action_mask, "token-mean", num_tokens)
 
 
 def cql_loss(
@@ -167,22 +171,57 @@ def awac_loss(
     actions: torch.Tensor,
     action_mask: torch.Tensor,
     num_tokens: int | torch.Tensor | None = None,
+    *,
+    advantages: torch.Tensor | None = None,
+    beta: float | torch.Tensor = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Language-model NLL of the dataset tokens, masked mean (ILQL's AWAC term as in trlx, weight 1).
+    """Advantage-weighted NLL of the dataset tokens, masked mean (ILQL's AWAC term; Nair 2020, AWAC).
+
+    Per action token ``w_t * -log pi(a_t | s_t)`` with ``w_t = exp(beta * advantages_t)``, where
+    ``advantages_t = Q_target(s_t, a_t) - V(s_t)``. As in trlx's ``ILQLConfig.loss``
+    (``trlx/models/modeling_ilql.py`` at CarperAI/trlx commit 3340c2f, v0.7.0 + 70 commits): the weight is
+    computed without gradient (``advantages`` are detached here), is not clipped, and multiplies each
+    token's cross-entropy before the masked mean; trlx uses the min over its target Q heads of the taken
+    token for ``Q_target`` and its V head for ``V``, and its default ``beta`` is 0 (plain NLL).
+    ``beta=0`` (default) is weight 1: the plain NLL, with ``advantages`` not needed. Large
+    ``beta * advantages`` overflow ``exp``; the caller picks beta (trlx documents (0, 1)).
 
     Args:
         logits: [B, R, V] policy logits aligned with ``actions``.
         actions: [B, R] int64.
         action_mask: [B, R] bool.
         num_tokens: global denominator.
+        advantages: keyword-only; [B, R] float ``Q_target - V`` of the taken tokens, or None (weight 1;
+            then ``beta`` must be 0).
+        beta: keyword-only; AWAC temperature, a finite number or 0-dim tensor.
 
     Returns:
-        ``(loss, {})``.
+        ``(loss, metrics)``: metrics ``{}`` without ``advantages``; with them ``awac_weight_mean`` and
+        ``awac_weight_max`` over action tokens (detached; 0 for an empty mask).
 
     Raises:
-        ValueError: mismatched shapes.
+        ValueError: mismatched shapes, non-finite ``beta``, or ``beta != 0`` without ``advantages``.
     """
-    return _masked_nll(logits, actions, action_mask, num_tokens, "logits"), {}
+    _checks.finite("beta", beta)
+    if advantages is None:
+        if not isinstance(beta, torch.Tensor) and beta != 0:
+            raise ValueError(f"awac_loss with beta={beta!r} needs advantages (Q_target - V), got None")
+        return _masked_nll(logits, actions, action_mask, num_tokens, "logits"), {}
+    nll = _token_nll(logits, actions, action_mask, "logits")
+    _checks.floating("advantages", advantages)
+    _checks.same_shape(action_mask=action_mask, advantages=advantages)
+    mask = action_mask.to(torch.bool)
+    dtype = _checks.compute_dtype(logits, advantages)
+    zero = torch.zeros((), dtype=dtype, device=logits.device)
+    # Masked before exp: padding may hold anything, and exp(inf) * 0 would be NaN.
+    adv = torch.where(mask, advantages.detach().to(dtype), zero)
+    weight = torch.exp(beta * adv)
+    loss = aggregate_loss(weight * nll.to(dtype), mask, "token-mean", num_tokens)
+    metrics = {
+        "awac_weight_mean": masked_mean(weight, mask),
+        "awac_weight_max": torch.where(mask, weight, zero).amax() if weight.numel() else zero,
+    }
+    return loss, metrics
 
 
 def ilql_logits(logits: torch.Tensor, q: torch.Tensor, v: torch.Tensor, beta: float) -> torch.Tensor:
