@@ -57,7 +57,10 @@ Logged metrics (``metrics.jsonl``, per step; docs/ilql.md explains each): ``loss
 ``loss_cql``, ``loss_awac``, ``q_mean``, ``target_q_mean``, ``v_mean``, ``td_target_mean``,
 ``advantage_mean``, ``rewards``, ``response_len``, ``grad_norm``, ``epoch``, ``tokens_per_s``, ``time/*``;
 at validation ``val_reward``, ``val_reward_std``, ``val_response_len`` (steered at ``beta``) and
-``val_reward_policy`` (the trained LM head alone, beta = 0).
+``val_reward_policy`` (the trained LM head alone, beta = 0). At step 0 the heads are untrained, so
+``val_reward`` (and its std and length) is the base model's (beta 0, equal to ``val_reward_policy``), and
+steering with the untrained heads goes to ``val_reward_untrained_heads``, ``val_reward_std_untrained_heads``
+and ``val_response_len_untrained_heads``.
 """
 
 from __future__ import annotations
@@ -333,10 +336,21 @@ def sync_targets(state: State, batch: TensorDictBase, cfg: ILQLConfig) -> Tensor
 
 def validate(state: State, batch: TensorDictBase | None, cfg: ILQLConfig) -> TensorDictBase:
     """Validation: steered decoding at ``cfg.beta`` (``val_reward``, ``val_reward_std``, ``val_response_len``)
-    and the LM alone (``val_reward_policy``), added to ``state.metrics``. Returns the steered batch."""
+    and the LM alone (``val_reward_policy``), added to ``state.metrics``. Returns the steered batch.
+
+    Step 0 (before training) is the base model's validation, as in every loop: ``val_reward``,
+    ``val_reward_std``, ``val_response_len`` and ``val_reward_policy`` are the LM alone (beta 0, the base
+    model), and the batch returned is its decodes. Steering with the untrained heads (random Q - V, not the
+    base) is logged under ``val_reward_untrained_heads``, ``val_reward_std_untrained_heads``,
+    ``val_response_len_untrained_heads``."""
     kw = dict(reward=state.reward, prompts=state.val_prompts, env=state.env)
     values, val_batch = steered_validate(state.model, state.tokenizer, cfg, beta=cfg.beta, **kw)
-    plain = steered_validate(state.model, state.tokenizer, cfg, beta=0.0, **kw)[0] if cfg.beta != 0 else values
+    plain, plain_batch = (
+        steered_validate(state.model, state.tokenizer, cfg, beta=0.0, **kw) if cfg.beta != 0 else (values, val_batch)
+    )
+    if state.step == 0:  # untrained heads: the base is the LM alone
+        state.metrics.update({f"{k}_untrained_heads": v for k, v in values.items()})
+        values, val_batch = plain, plain_batch
     state.metrics.update({**values, "val_reward_policy": plain["val_reward"]})
     return val_batch
 
