@@ -1,11 +1,14 @@
-"""The prompt stream: epochs over a prompt list in a seeded order, resumable from a sample count.
+"""The prompt stream: epochs over a prompt list in a seeded order, resumable from a sample count; and the
+up-front checks of user prompts (``check_prompts``, ``check_prompt_lengths``, ``read_prompts``).
 
 Every loop draws its prompts in this order, and ILQL its offline rows (``rlbits.data.offline.EpochSampler``);
 ``rlbits.loops.data`` re-exports it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,4 +71,87 @@ class PromptStream:
         self.consumed_samples = int(state["consumed_samples"])
 
 
-__all__ = ["PromptStream"]
+class PromptError(ValueError):
+    """User prompts are unusable (not a list of strings, empty, too long); the message names the prompt."""
+
+
+def check_prompts(prompts: Any, what: str = "prompts") -> list[str]:
+    """Check user prompts before any model is loaded; return them as a list of str.
+
+    ``what`` names the argument in messages (``prompts``, ``val_prompts``); prompts are numbered from 1 in
+    the order given.
+
+    Raises:
+        PromptError (a ValueError): ``prompts`` is a single string (it would be read as one prompt per
+            character), not a sequence, empty, or holds a non-str or an empty / whitespace-only prompt.
+    """
+    if isinstance(prompts, (str, bytes)):
+        text = prompts if isinstance(prompts, str) else repr(prompts)
+        raise PromptError(
+            f"{what} is a single string ({text[:40]!r}); pass a list of prompts, e.g. {what}=[{text[:40]!r}]"
+        )
+    if isinstance(prompts, dict) or not isinstance(prompts, Sequence):
+        raise PromptError(f"{what} must be a list of strings, got {type(prompts).__name__}")
+    out = list(prompts)
+    if not out:
+        raise PromptError(f"{what} is an empty list; give at least one prompt (or None for the task's)")
+    for i, prompt in enumerate(out, start=1):
+        if not isinstance(prompt, str):
+            raise PromptError(
+                f"prompt {i} of your {what} is a {type(prompt).__name__} ({prompt!r:.60}), not a str; "
+                "every prompt must be a string"
+            )
+        if not prompt.strip():
+            raise PromptError(f"prompt {i} of your {what} is empty{' (whitespace only)' if prompt else ''}")
+    return out
+
+
+def read_prompts(path: str | Path, what: str = "val_prompts") -> list[str]:
+    """Prompts from a file: ``.jsonl`` (one ``{"prompt": ...}`` object per line), otherwise plain text with
+    one prompt per line (blank lines skipped). Checked by ``check_prompts``.
+
+    Raises:
+        FileNotFoundError: no such file. PromptError: a bad line, or no prompt at all.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} file {str(path)!r} does not exist")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix == ".jsonl":
+        prompts = []
+        for n, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptError(f"{what} file {str(path)!r}, line {n}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict) or "prompt" not in row:
+                raise PromptError(f'{what} file {str(path)!r}, line {n}: expected an object with a "prompt" key')
+            prompts.append(row["prompt"])
+    else:
+        prompts = [line for line in lines if line.strip()]
+    return check_prompts(prompts, f"{what} (from {path.name})")
+
+
+def check_prompt_lengths(
+    prompts: Sequence[str], tokenizer: Any, *, max_new_tokens: int, max_positions: int | None, what: str = "prompts"
+) -> int:
+    """Check that the longest prompt plus ``max_new_tokens`` fits the model's context ``max_positions`` (None:
+    no limit known); returns the longest prompt's token count.
+
+    Raises:
+        PromptError: a prompt too long, naming it (numbered from 1) and the limits.
+    """
+    lengths = [len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if max_positions is not None and lengths[longest] + max_new_tokens > max_positions:
+        raise PromptError(
+            f"prompt {longest + 1} of your {what} has {lengths[longest]} tokens; with max_new_tokens = "
+            f"{max_new_tokens} that is {lengths[longest] + max_new_tokens}, more than the model's context of "
+            f"{max_positions} positions; shorten the prompts or lower max_new_tokens"
+        )
+    return lengths[longest]
+
+
+__all__ = ["PromptError", "PromptStream", "check_prompt_lengths", "check_prompts", "read_prompts"]

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from rlbits.data.stream import check_prompts
 from rlbits.distributed.checkpoint import latest_checkpoint
 from rlbits.loops.config import ConfigError, RunConfig, config_from_dict, parse_overrides, read_yaml
 from rlbits.loops.run import elastic_restart
@@ -78,6 +79,7 @@ def train(
     samples: Sequence[Any] | None = None,
     config: str | Path | dict[str, Any] | RunConfig | None = None,
     *,
+    val_prompts: Sequence[str] | None = None,
     callbacks: Sequence[Any] = (),
     resume: bool = False,
     **overrides: Any,
@@ -89,21 +91,30 @@ def train(
             reward model, or a reward-server URL (see ``rlbits.score``); None = the task's reward.
         prompts: training prompts; None = the task's train split.
         samples: offline dataset for ILQL (``(prompt, response, reward)`` triples or dicts).
+        val_prompts: held-out validation prompts; None = the config's ``val_prompts`` file, else the task's
+            test split. ``prompts`` and ``val_prompts`` are checked first (a list of non-empty strings).
         config: YAML path, dict, config object, or None for ``configs/ppo_sentiment.yaml`` (with ``loop=`` another
             loop in ``overrides``: that loop's defaults).
         callbacks: objects with ``on_metrics``/``on_samples``/``should_stop`` (e.g. a notebook dashboard).
         resume: continue ``run_dir`` from its latest checkpoint. Under ``torchrun --max-restarts`` a restarted
-            job resumes by itself.
+            job resumes by itself. The reward, prompts and samples must be those the run was started with
+            (``RUN_DIR/provenance.json``), unless ``allow_changed_inputs=True``.
         **overrides: config fields to override (``max_num_steps=20``, ``run_dir="runs/x"``).
 
     Raises:
         ConfigError: unknown or invalid config keys; ``samples`` given to an online loop.
+        PromptError: bad ``prompts`` / ``val_prompts`` (a single string, an empty list or prompt, a non-str).
+        ResumeMismatchError: ``resume`` with other inputs than the run was started with.
     """
+    prompts = check_prompts(prompts, "prompts") if prompts is not None else None  # before anything is loaded
+    val_prompts = check_prompts(val_prompts, "val_prompts") if val_prompts is not None else None
     cfg = resolve_config(config, overrides)
     module = loop_module(cfg.loop)
     if not resume and elastic_restart(cfg.run_dir) and latest_checkpoint(cfg.run_dir) is not None:
         resume = True  # torchrun --max-restarts restarted the job: continue from its last checkpoint
     kwargs: dict[str, Any] = {"callbacks": callbacks, "resume": resume, "reward": reward_fn, "prompts": prompts}
+    if val_prompts is not None:
+        kwargs["val_prompts"] = val_prompts
     if samples is not None:
         if cfg.loop != "ilql":
             raise ConfigError(f"samples= is an offline dataset for the ilql loop; loop {cfg.loop!r} samples its own")

@@ -99,6 +99,7 @@ from rlbits.loops.evaluate import evaluate_betas, steered_validate
 from rlbits.loops.evaluate import evaluate_ilql_run as evaluate_run
 from rlbits.loops.evaluate import load_ilql_final as load_final
 from rlbits.loops.optim import clip_and_step, make_optimizer
+from rlbits.loops.provenance import check_lengths, start_provenance, user_prompts
 from rlbits.loops.run import NonFiniteError, Run
 from rlbits.loops.runtime import autocast, disable_dropout, load_policy_and_tokenizer, policy_path, prepare
 from rlbits.loops.state import LoopState, optimizer_of, runtime
@@ -221,17 +222,20 @@ def _fresh_model(cfg: ILQLConfig, env: DistEnv | None = None) -> tuple[ILQLModel
     return model, tokenizer
 
 
-def init_state(cfg: ILQLConfig, env: DistEnv, *, reward: Any = None) -> State:
+def init_state(
+    cfg: ILQLConfig, env: DistEnv, *, reward: Any = None, val_prompts: Sequence[str] | None = None
+) -> State:
     """The ILQL model (the initial policy with new heads seeded by ``cfg.seed``), tokenizer and optimizer.
     The offline set is attached next (``State.attach``); a resumed run then restores the checkpoint into
-    the state (``Run.start``)."""
+    the state (``Run.start``). ``val_prompts`` replaces the task's test split in validation."""
     task = get_task(cfg.task)
     model, tokenizer = _fresh_model(cfg, env)
     model = prepare(disable_dropout(model).to(env.device).train(), cfg, env)
     return State(
         env=env, tokenizer=tokenizer, model=model,
         optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
-        reward=reward if reward is not None else task.reward, val_prompts=task.prompts("test"),
+        reward=reward if reward is not None else task.reward,
+        val_prompts=list(val_prompts) if val_prompts is not None else task.prompts("test"),
     )  # fmt: skip
 
 
@@ -368,6 +372,7 @@ def num_steps(cfg: ILQLConfig, dataset_len: int) -> int:
 def train(
     cfg: ILQLConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, reward: Any = None,
     prompts: Sequence[str] | None = None, samples: Sequence[Any] | None = None,
+    val_prompts: Sequence[str] | None = None,
 ) -> Path:  # fmt: skip
     """Train ILQL and return the run directory (``RUN_DIR/final`` holds the LM, tokenizer and heads).
 
@@ -379,15 +384,27 @@ def train(
         reward: scores the offline set when it is built, and validation; None = the task's reward.
         prompts: prompts to build the offline set from; None = the task's train split.
         samples: the offline set itself: ``(prompt, response, reward)`` triples or dicts.
+        val_prompts: validation prompts instead of the task's test split (default: ``cfg.val_prompts``, a file).
+            The reward, prompts and samples are recorded in ``RUN_DIR/provenance.json``; a resume with other
+            ones is refused unless ``cfg.allow_changed_inputs`` (a resumed call may leave ``prompts`` and
+            ``samples`` out: the offline set is read back from the run directory).
 
     Raises:
         ConfigError: an invalid config. FileNotFoundError: ``resume`` without a checkpoint.
+        PromptError: bad prompts or val_prompts (before anything is loaded or written).
+        ResumeMismatchError: ``resume`` with another reward, prompts or samples than the run was started with.
         NonFiniteError: a non-finite loss or gradient (names the step; nothing is saved).
     """
     if not isinstance(cfg, ILQLConfig):
         raise ConfigError(f"cfg must be an ILQLConfig, got {type(cfg).__name__}")
+    prompts, val_prompts = user_prompts(cfg, prompts, val_prompts)  # checked before any model is loaded
     with Run(cfg, callbacks=callbacks, resume=resume) as run:
-        state = init_state(cfg, run.env, reward=reward)
+        run.provenance = start_provenance(  # checked on resume, before any model is loaded
+            cfg, resumed=run.checkpoint is not None, reward=reward, prompts=prompts, val_prompts=val_prompts,
+            samples=samples, optional=("prompts", "samples"),
+        )  # fmt: skip
+        state = init_state(cfg, run.env, reward=reward, val_prompts=val_prompts)
+        check_lengths(state.model, state.tokenizer, cfg, prompts, val_prompts)
         with run.timer("dataset"):  # 0. the offline set: built from the base policy, or read back on resume
             data = load_or_build_dataset(cfg, state, samples=samples, reward=reward, prompts=prompts,
                                          resume=run.checkpoint is not None, write=run.env.is_main)  # fmt: skip

@@ -79,6 +79,7 @@ from rlbits.loops import phases
 from rlbits.loops.config import ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
+from rlbits.loops.provenance import check_lengths, start_provenance, user_prompts
 from rlbits.loops.run import NonFiniteError, Run, total_steps
 from rlbits.loops.runtime import (
     autocast,
@@ -227,13 +228,15 @@ def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> Value
 
 
 def init_state(
-    cfg: PPOConfig, env: DistEnv, *, reward: Any = None, prompts: Sequence[str] | None = None
+    cfg: PPOConfig, env: DistEnv, *, reward: Any = None, prompts: Sequence[str] | None = None,
+    val_prompts: Sequence[str] | None = None,
 ) -> State:
     """Load policy, reference, critic and tokenizer from the initial weights; build optimizers, generators
     and the prompt stream. A resumed run then restores the checkpoint into it (``Run.start``).
 
     Args:
         reward, prompts: override the task's reward and train prompts.
+        val_prompts: override the task's test split as validation prompts.
     """
     task = get_task(cfg.task)
     init_path = policy_path(cfg)
@@ -252,7 +255,8 @@ def init_state(
         minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
         stream=PromptStream(list(prompts) if prompts is not None else task.prompts("train"), cfg.seed),
         kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef,
-        reward=reward if reward is not None else task.reward, val_prompts=task.prompts("test"),
+        reward=reward if reward is not None else task.reward,
+        val_prompts=list(val_prompts) if val_prompts is not None else task.prompts("test"),
     )  # fmt: skip
 
 
@@ -462,7 +466,7 @@ validate = phases.validate_policy
 
 def train(
     cfg: PPOConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, reward: Any = None,
-    prompts: Sequence[str] | None = None,
+    prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> Path:  # fmt: skip
     """Train with PPO; returns the run directory (``cfg.run_dir``).
 
@@ -471,17 +475,28 @@ def train(
         callbacks: objects with ``on_metrics(step, metrics)`` / ``on_samples(step, rows)`` / ``should_stop()``.
         resume: continue from the latest checkpoint of ``cfg.run_dir``, reproducing the uninterrupted run exactly.
         reward: overrides the task's reward (a callable, reward model or server URL; see ``rlbits.score``).
-        prompts: overrides the task's train prompts.
+        prompts: overrides the task's train prompts (a list of non-empty strings, checked before any model is
+            loaded, and for length once the tokenizer is).
+        val_prompts: validation prompts instead of the task's test split (default: ``cfg.val_prompts``, a file).
+            The reward and prompts are recorded in ``RUN_DIR/provenance.json``; a resume with other ones is
+            refused unless ``cfg.allow_changed_inputs``.
 
     Raises:
         ConfigError: ``cfg`` is not a valid ``PPOConfig``.
+        PromptError: bad prompts or val_prompts (before anything is loaded or written).
+        ResumeMismatchError: ``resume`` with another reward or other prompts than the run was started with.
         FileNotFoundError: ``resume=True`` and the run has no checkpoint.
         NonFiniteError: a loss or gradient became NaN/inf (the message names step and phase).
     """
     if not isinstance(cfg, PPOConfig):
         raise ConfigError(f"cfg must be a PPOConfig, got {type(cfg).__name__}")
+    prompts, val_prompts = user_prompts(cfg, prompts, val_prompts)  # checked before any model is loaded
     with Run(cfg, callbacks=callbacks, resume=resume) as run:
-        state = init_state(cfg, run.env, reward=reward, prompts=prompts)
+        run.provenance = start_provenance(  # checked on resume, before any model is loaded
+            cfg, resumed=run.checkpoint is not None, reward=reward, prompts=prompts, val_prompts=val_prompts,
+        )  # fmt: skip
+        state = init_state(cfg, run.env, reward=reward, prompts=prompts, val_prompts=val_prompts)
+        check_lengths(state.policy, state.tokenizer, cfg, prompts, val_prompts)
         per_step = cfg.num_prompts_per_step * run.env.world_size
         run.start(state, validate=validate, total_steps=total_steps(cfg, len(state.stream), per_step))
         for _ in run.steps(state):

@@ -83,6 +83,7 @@ from rlbits.loops import phases
 from rlbits.loops.config import ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
+from rlbits.loops.provenance import check_lengths, start_provenance, user_prompts
 from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase, total_steps
 from rlbits.loops.runtime import autocast, generator, kernel, load_policy_and_tokenizer, policy_path, prepare
 from rlbits.loops.state import OnlineState, frozen, optimizer_of
@@ -198,7 +199,8 @@ class State(OnlineState):
 
 
 def init_state(
-    cfg: ReinforceConfig, env: DistEnv, *, reward: Any = None, prompts: Sequence[str] | None = None
+    cfg: ReinforceConfig, env: DistEnv, *, reward: Any = None, prompts: Sequence[str] | None = None,
+    val_prompts: Sequence[str] | None = None,
 ) -> State:
     """Load the policy and a frozen reference from the initial weights, build the optimizer, the generators
     and the prompt stream. A resumed run then restores the checkpoint into it (``Run.start``)."""
@@ -213,7 +215,8 @@ def init_state(
         sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
         minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
         stream=PromptStream(list(prompts) if prompts is not None else task.prompts("train"), cfg.seed),
-        reward=reward if reward is not None else task.reward, val_prompts=task.prompts("test"),
+        reward=reward if reward is not None else task.reward,
+        val_prompts=list(val_prompts) if val_prompts is not None else task.prompts("test"),
     )  # fmt: skip
 
 
@@ -411,7 +414,7 @@ validate = phases.validate_policy
 
 def train(
     cfg: ReinforceConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, reward: Callable | Any = None,
-    prompts: Sequence[str] | None = None,
+    prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> Path:  # fmt: skip
     """Run REINFORCE/RLOO/GRPO for ``cfg.max_num_steps`` steps and return the run directory.
 
@@ -420,16 +423,27 @@ def train(
         callbacks: objects with ``on_metrics`` / ``on_samples`` / ``should_stop`` (see ``rlbits.loops.run``).
         resume: continue from the latest checkpoint of ``cfg.run_dir``; the run then matches the uninterrupted one.
         reward: overrides the task reward (anything ``rlbits.score`` accepts).
-        prompts: overrides the task's train prompts.
+        prompts: overrides the task's train prompts (a list of non-empty strings, checked before any model is
+            loaded, and for length once the tokenizer is).
+        val_prompts: validation prompts instead of the task's test split (default: ``cfg.val_prompts``, a file).
+            The reward and prompts are recorded in ``RUN_DIR/provenance.json``; a resume with other ones is
+            refused unless ``cfg.allow_changed_inputs``.
 
     Raises:
         ConfigError: an invalid config. FileNotFoundError: ``resume`` without a checkpoint.
+        PromptError: bad prompts or val_prompts (before anything is loaded or written).
+        ResumeMismatchError: ``resume`` with another reward or other prompts than the run was started with.
         NonFiniteError: a non-finite loss or gradient (names the step and phase).
     """
     if not isinstance(cfg, ReinforceConfig):
         raise ConfigError(f"cfg must be a ReinforceConfig, got {type(cfg).__name__}")
+    prompts, val_prompts = user_prompts(cfg, prompts, val_prompts)  # checked before any model is loaded
     with Run(cfg, callbacks=callbacks, resume=resume) as run:
-        state = init_state(cfg, run.env, reward=reward, prompts=prompts)
+        run.provenance = start_provenance(  # checked on resume, before any model is loaded
+            cfg, resumed=run.checkpoint is not None, reward=reward, prompts=prompts, val_prompts=val_prompts,
+        )  # fmt: skip
+        state = init_state(cfg, run.env, reward=reward, prompts=prompts, val_prompts=val_prompts)
+        check_lengths(state.policy, state.tokenizer, cfg, prompts, val_prompts)
         per_step = cfg.num_prompts_per_step * run.env.world_size
         run.start(state, validate=validate, total_steps=total_steps(cfg, len(state.stream), per_step))
         for _ in run.steps(state):

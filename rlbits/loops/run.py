@@ -45,6 +45,7 @@ from rlbits.distributed.reduce import any_rank, global_count
 from rlbits.loops.config import RunConfig
 from rlbits.loops.logger import RunLogger, elastic_restart, read_metrics
 from rlbits.loops.metrics import StepMetrics
+from rlbits.loops.provenance import write_provenance
 from rlbits.loops.runtime import generator, setup
 from rlbits.loops.state import LoopState
 from rlbits.rollout.score import InvalidRewardError
@@ -140,6 +141,9 @@ class Run:
         self._saved_step = -1
         self._stopped = False
         self._step_number = 0
+        self.provenance: dict[str, Any] | None = None
+        """What the run is started with (``rlbits.loops.provenance.start_provenance``); ``start`` writes it to
+        ``RUN_DIR/provenance.json`` on a fresh run (rank 0)."""
 
     # --- set-up -------------------------------------------------------------------------------------
 
@@ -171,6 +175,8 @@ class Run:
             start_step=state.step,
         )  # fmt: skip
         self.logger.install_signal_handlers()
+        if self.provenance is not None and self.checkpoint is None and self.env.is_main:
+            write_provenance(self.dir, self.provenance)  # a fresh run: what it was started with
 
     # --- the step loop --------------------------------------------------------------------------------
 

@@ -1,0 +1,229 @@
+"""What a run was started with, recorded in ``RUN_DIR/provenance.json`` and checked when it is resumed.
+
+A fresh run (rank 0) writes the reward (a callable's qualified name and a sha256 of its source where
+``inspect`` can read it; a reward server's URL; a reward model's class; or the task's reward), the train and
+validation prompts (count and sha256 of their text, and where they came from) and, for ILQL, the offline
+samples. A resumed call describes its own inputs (or the task defaults it falls back to) the same way and
+``check_resume`` compares: the same -> the run goes on; different -> ``ResumeMismatchError`` naming what
+differs and how to resume, unless ``allow_changed_inputs`` (config key, or ``rlbits.train(...,
+allow_changed_inputs=True)``). docs/design.md, "The run lifecycle".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlbits.loops.config import ConfigError
+
+PROVENANCE_FILE = "provenance.json"
+
+
+class ResumeMismatchError(ConfigError):
+    """A resumed call gives other inputs (reward, prompts, offline samples) than the run was started with;
+    the one-line message names what differs and how to resume correctly. A ``ConfigError`` (so a
+    ``ValueError``): ``rlbits train --resume`` prints it as one line."""
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def describe_reward(reward: Any, task: str) -> dict[str, Any]:
+    """``{"kind", "name", "sha256"?}`` of a reward: ``task`` (None: the task's reward), ``url`` (a reward
+    server), ``callable`` (module-qualified name, sha256 of the source when it can be read) or ``model``."""
+    if reward is None:
+        return {"kind": "task", "name": task}
+    if isinstance(reward, (str, os.PathLike)):
+        text = str(reward)
+        return {"kind": "url" if text.startswith(("http://", "https://")) else "path", "name": text}
+    import torch  # a reward model: its class (weights are not hashed)
+
+    if isinstance(reward, torch.nn.Module):
+        cls = type(reward)
+        name_or_path = getattr(getattr(reward, "config", None), "_name_or_path", "") or ""
+        return {"kind": "model", "name": f"{cls.__module__}.{cls.__qualname__}", "path": str(name_or_path)}
+    target = reward if inspect.isfunction(reward) or inspect.ismethod(reward) else type(reward)
+    target = getattr(target, "__func__", target)
+    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(reward).__name__)}"
+    out: dict[str, Any] = {"kind": "callable", "name": name}
+    try:
+        out["sha256"] = _sha256(inspect.getsource(target))
+    except (OSError, TypeError):
+        pass
+    return out
+
+
+def describe_prompts(prompts: Sequence[str], source: str) -> dict[str, Any]:
+    """``{"source", "count", "sha256"}``: the sha256 covers every prompt's text and the order."""
+    return {"source": source, "count": len(prompts), "sha256": _sha256(json.dumps(list(prompts), ensure_ascii=False))}
+
+
+def describe_samples(samples: Sequence[Any]) -> dict[str, Any]:
+    """``{"count", "sha256"}`` of ILQL's offline samples (triples or dicts, hashed as JSON)."""
+    rows = [s if isinstance(s, dict) else list(s) for s in samples]
+    text = json.dumps(rows, ensure_ascii=False, sort_keys=True, default=str)
+    return {"source": "samples=", "count": len(rows), "sha256": _sha256(text)}
+
+
+def _say(entry: dict[str, Any], what: str) -> str:
+    if what == "reward":
+        return {"task": f"task {entry.get('name')}'s reward", "callable": f"reward {entry.get('name')}",
+                "url": f"reward server {entry.get('name')}", "path": f"reward {entry.get('name')}",
+                "model": f"reward model {entry.get('name')}"}.get(entry.get("kind"), "reward ?")  # fmt: skip
+    source = entry.get("source", "")
+    kind = f"{source} " if source.startswith("task") else ("custom " if what != "samples" else "")
+    noun = {"prompts": "prompts", "val_prompts": "validation prompts", "samples": "offline samples"}[what]
+    return f"{entry.get('count')} {kind.replace('task:', 'task ')}{noun}"
+
+
+def _same(a: dict[str, Any], b: dict[str, Any], what: str) -> bool:
+    if what == "reward":
+        return {k: a.get(k) for k in ("kind", "name", "sha256")} == {k: b.get(k) for k in ("kind", "name", "sha256")}
+    return (a.get("count"), a.get("sha256")) == (b.get("count"), b.get("sha256"))
+
+
+def write_provenance(run_dir: str | Path, record: dict[str, Any]) -> Path:
+    """Write ``record`` to ``RUN_DIR/provenance.json`` (atomically; call on rank 0)."""
+    path = Path(run_dir) / PROVENANCE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{PROVENANCE_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_provenance(run_dir: str | Path) -> dict[str, Any] | None:
+    """The record of ``run_dir``, or None for a run started before provenance was recorded."""
+    path = Path(run_dir) / PROVENANCE_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def check_resume(run_dir: str | Path, record: dict[str, Any], *, allow_changed: bool = False, optional: Sequence[str] = ()) -> None:
+    """Compare a resumed call's ``record`` with the one the run was started with.
+
+    Args:
+        optional: entries the resumed call may leave out (None in ``record``) and still continue (ILQL's train
+            prompts and samples: a resumed run reads its offline set back from the run directory).
+
+    Raises:
+        ResumeMismatchError: an entry differs (unless ``allow_changed``: then a warning).
+    """
+    saved = read_provenance(run_dir)
+    if saved is None:
+        warnings.warn(f"{run_dir}: no {PROVENANCE_FILE} (a run from an earlier release); its inputs are not checked", stacklevel=3)
+        return
+    differs, started, now = [], [], []
+    for what in ("reward", "prompts", "val_prompts", "samples"):
+        old, new = saved.get(what), record.get(what)
+        if old is None and new is None or (what in optional and new is None):
+            continue
+        if old is None or new is None or not _same(old, new, what):
+            differs.append(what)
+            started.append(_say(old, what) if old else f"no {what}")
+            now.append(_say(new, what) if new else f"no {what}")
+    if not differs:
+        return
+    message = (
+        f"cannot resume {str(run_dir)!r}: run was started with {' and '.join(started)}, this call gives "
+        f"{' and '.join(now)}; resume it from Python with the same "
+        + ", ".join(f"{'reward_fn' if w == 'reward' else w}=" for w in differs)
+        + " (validation prompts: val_prompts=, or the config key), or pass allow_changed_inputs=True"
+        " (config key allow_changed_inputs=true) to go on with the new inputs"
+    )
+    if allow_changed:
+        warnings.warn(message.replace("cannot resume", "resuming with changed inputs:", 1), stacklevel=3)
+        return
+    raise ResumeMismatchError(message)
+
+
+def user_prompts(cfg: Any, prompts: Any, val_prompts: Any) -> tuple[list[str] | None, list[str] | None]:
+    """Check the user's train and validation prompts before any model is loaded (``check_prompts``): the
+    ``val_prompts`` argument, else the config's ``val_prompts`` file (``read_prompts``), else None (the
+    task's test split). Returns ``(prompts, val_prompts)`` as lists or None.
+
+    Raises:
+        PromptError: a bad prompt list (names the prompt). FileNotFoundError: a missing val_prompts file.
+    """
+    from rlbits.data.stream import check_prompts, read_prompts
+
+    prompts = check_prompts(prompts, "prompts") if prompts is not None else None
+    if val_prompts is not None:
+        val_prompts = check_prompts(val_prompts, "val_prompts")
+    elif getattr(cfg, "val_prompts", None):
+        val_prompts = read_prompts(cfg.val_prompts, "val_prompts")
+    return prompts, val_prompts
+
+
+def check_lengths(model: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str] | None, val_prompts: Sequence[str] | None) -> None:
+    """Once the model and tokenizer are loaded (before the first step): every user prompt plus
+    ``cfg.max_new_tokens`` fits the model's context (``max_position_embeddings`` / ``n_positions`` /
+    ``n_ctx`` of its config, or of ``model.policy``'s). Raises PromptError naming the prompt."""
+    from rlbits.data.stream import check_prompt_lengths
+
+    config = getattr(model, "config", None) or getattr(getattr(model, "policy", None), "config", None)
+    limit = None
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            limit = value
+            break
+    for what, texts in (("prompts", prompts), ("val_prompts", val_prompts)):
+        if texts:
+            check_prompt_lengths(texts, tokenizer, max_new_tokens=cfg.max_new_tokens, max_positions=limit, what=what)
+
+
+def start_provenance(
+    cfg: Any, *, resumed: bool, reward: Any, prompts: Sequence[str] | None,
+    val_prompts: Sequence[str] | None, samples: Sequence[Any] | None = None, train_source: str = "train",
+    optional: Sequence[str] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """Describe a run's inputs (None: the task's defaults, named ``task:NAME/train`` / ``/test``) and, on a
+    resumed run, check them against ``provenance.json`` (every rank). Returns the record; a loop hands it to
+    ``run.provenance``, and ``Run.start`` writes it (rank 0) once a fresh run has opened its directory.
+
+    The task's default prompts are hashed too (they are read here; tasks load them from small files).
+    """
+    from rlbits.tasks import get_task
+
+    task = get_task(cfg.task)
+    train_prompts = list(prompts) if prompts is not None else task.prompts("train")
+    record: dict[str, Any] = {
+        "loop": cfg.loop,
+        "task": cfg.task,
+        "reward": describe_reward(reward, cfg.task),
+        "prompts": describe_prompts(train_prompts, "custom" if prompts is not None else f"task:{cfg.task}/{train_source}"),
+    }
+    if val_prompts is not None:
+        record["val_prompts"] = describe_prompts(val_prompts, getattr(cfg, "val_prompts", None) or "custom")
+    else:
+        record["val_prompts"] = describe_prompts(task.prompts("test"), f"task:{cfg.task}/test")
+    if samples is not None:
+        record["samples"] = describe_samples(samples)
+    if resumed:
+        check = dict(record)
+        if prompts is None and "prompts" in optional:
+            check.pop("prompts")
+        check_resume(cfg.run_dir, check, allow_changed=getattr(cfg, "allow_changed_inputs", False), optional=optional)
+    return record
+
+
+__all__ = [
+    "PROVENANCE_FILE",
+    "ResumeMismatchError",
+    "check_lengths",
+    "check_resume",
+    "describe_prompts",
+    "describe_reward",
+    "describe_samples",
+    "read_provenance",
+    "start_provenance",
+    "user_prompts",
+    "write_provenance",
+]
