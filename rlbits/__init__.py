@@ -7,6 +7,7 @@
 - ``rlbits.models``: HF checkpoints in and out, value and ILQL heads, tiny configs.
 - ``rlbits.tasks``: built-in tasks (``sentiment``, ``arithmetic``): prompts, rewards, pretraining corpora.
 - ``rlbits.zoo``: the tasks' base models (``rlbits.zoo.base_model("sentiment")``, built on first use).
+- ``rlbits.viz``: plots, the notebook dashboard, the rollout browser (``rlbits.viz.Dashboard()``; loaded on first use).
 
 Names from the rollout and model layers load lazily (on first use), so ``import rlbits`` stays fast for
 someone who only wants the kernels.
@@ -61,7 +62,9 @@ _LAZY = {
     # loops
     "train": "rlbits.loops.api",
 }
-_SUBMODULES = ("batch", "functional", "loops", "models", "rollout", "tasks", "zoo")
+# ``rlbits.viz`` (the side branch: plots, dashboard) is an attribute too, imported on first use only, so that
+# ``rlbits.viz.Dashboard()`` works after ``import rlbits`` while ``import rlbits`` stays free of matplotlib.
+_SUBMODULES = ("batch", "functional", "loops", "models", "rollout", "tasks", "viz", "zoo")
 
 __all__ = [*_functional_all, *_LAZY, *_SUBMODULES]
 

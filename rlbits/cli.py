@@ -2,6 +2,7 @@
 
     rlbits train [CONFIG] [key=value ...]      train (no CONFIG: configs/ppo_sentiment.yaml, the main job)
     rlbits train --resume RUN_DIR [key=value]  continue a run from its latest checkpoint
+    rlbits train --help-config [LOOP]           every config field (type, default, meaning); policy=DIR: your model
     rlbits eval RUN_DIR                         test-split reward of the final policy vs the base model
     rlbits plot RUN_DIR [RUN_DIR ...]           PNG of reward, KL, losses, entropy, throughput
     rlbits pretrain TASK                        build a task's base model
@@ -13,6 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -66,31 +71,162 @@ def _serve_reward(args: argparse.Namespace) -> int:
     return 0
 
 
+def _format_type(tp: Any) -> str:
+    """An annotation as a user reads it in YAML: ``int``, ``str | null``, ``fp32 | bf16``."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return " | ".join(str(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_format_type(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _format_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def config_help(loop: str = "ppo", width: int = 100) -> str:
+    """Every field of loop ``loop``'s config with its type, default and docstring (``field_docs``): the
+    fields every loop shares (``RunConfig``) first, then the loop's own. Raises ConfigError for an unknown loop."""
+    import dataclasses
+    import textwrap
+
+    from rlbits.loops.api import config_class
+    from rlbits.loops.config import RunConfig, field_docs
+
+    cls = config_class(loop)
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    shared = {f.name for f in dataclasses.fields(RunConfig)}
+
+    def block(fields: list) -> list[str]:
+        out = []
+        for f in fields:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out.append(f"  {f.name}: {_format_type(hints[f.name])} = {_format_value(default)}")
+            doc = docs.get(f.name, "")
+            if doc:
+                out += textwrap.wrap(doc, width, initial_indent="      ", subsequent_indent="      ")
+        return out
+
+    fields = dataclasses.fields(cls)
+    intro = (
+        f"Config fields of the {loop} loop ({cls.__name__}) with their dataclass defaults (a YAML config such as "
+        "configs/ppo_sentiment.yaml sets some of them). Set a field in a YAML config (`key: value`) or on the "
+        "command line (`key=value`)."
+    )
+    lines = [
+        *textwrap.wrap(intro, width),
+        "",
+        "Shared by every loop (RunConfig):",
+        *block([f for f in fields if f.name in shared]),
+        "",
+        f"The {loop} loop ({cls.__name__}):",
+        *block([f for f in fields if f.name not in shared]),
+    ]
+    return "\n".join(lines)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What a wrong command line or a wrong folder raises at run time: reported as one line, exit status 2.
+    Anything else is a bug and keeps its traceback."""
+    from rlbits.loops.config import ConfigError
+    from rlbits.models.load import CheckpointNotFoundError
+
+    # FileExistsError: run_dir already holds a run (RunLogger); FileNotFoundError: --resume of a run without a
+    # checkpoint (resume_checkpoint), a missing file the config names; CheckpointNotFoundError: policy= is not
+    # an HF folder; CheckpointMismatchError: the checkpoint does not fit the models the config builds;
+    # ConfigError covers provenance's ResumeMismatchError (--resume with other prompts or reward).
+    return (ConfigError, CheckpointNotFoundError, FileExistsError, FileNotFoundError, CheckpointMismatchError)
+
+
+class CheckpointMismatchError(ValueError):
+    """``--resume``: the run's checkpoint cannot be loaded into what the (overridden) config builds."""
+
+
+def _debug(args: argparse.Namespace) -> bool:
+    import os
+
+    return bool(getattr(args, "debug", False)) or os.environ.get("RLBITS_DEBUG", "") not in ("", "0")
+
+
+def _is_rank_zero() -> bool:
+    import os
+
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _train(args: argparse.Namespace) -> int:
+    if args.help_config is not None:
+        from rlbits.loops.config import ConfigError
+
+        try:
+            print(config_help(args.help_config))
+        except ConfigError as e:
+            print(f"rlbits train: {e}", file=sys.stderr)
+            return 2
+        return 0
+    try:
+        run_dir = _run_train(args)
+    except _user_errors() as e:
+        if _debug(args):
+            raise
+        print(f"rlbits train: {e}", file=sys.stderr)  # one line; --debug shows the traceback
+        return 2
+    if _is_rank_zero():  # under torchrun every rank returns here; say it once
+        from rlbits.loops.summary import summarize
+
+        print(summarize(run_dir))
+        print(run_dir)  # last line: the run directory, for scripts
+    return 0
+
+
+def _run_train(args: argparse.Namespace) -> Path:
     from rlbits.loops.api import resolve_config, train
     from rlbits.loops.config import ConfigError, read_yaml
+    from rlbits.tasks import TASKS
 
     overrides = list(args.overrides)
     config = args.config
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         overrides.insert(0, config)  # `rlbits train key=value` with no CONFIG
         config = None
+    if args.resume:
+        if config is not None:
+            raise ConfigError("give either CONFIG or --resume RUN_DIR, not both (the run's config.yaml is used)")
+        if not (Path(args.resume) / "config.yaml").is_file():
+            raise ConfigError(f"--resume {args.resume}: not a run directory (it has no config.yaml)")
+        values = read_yaml(Path(args.resume) / "config.yaml")
+        values["run_dir"] = args.resume
+        cfg = resolve_config(values, overrides)
+    else:
+        cfg = resolve_config(config, overrides)
+    if cfg.task not in TASKS:
+        raise ConfigError(f"unknown task {cfg.task!r}; valid tasks: {', '.join(map(repr, sorted(TASKS)))}")
+    if not args.resume:
+        return train(config=cfg)
     try:
-        if args.resume:
-            if config is not None:
-                raise ConfigError("give either CONFIG or --resume RUN_DIR, not both (the run's config.yaml is used)")
-            run_config = f"{args.resume}/config.yaml"
-            values = read_yaml(run_config)
-            values["run_dir"] = args.resume
-            cfg = resolve_config(values, overrides)
-        else:
-            cfg = resolve_config(config, overrides)
-    except ConfigError as e:
-        print(f"rlbits train: {e}", file=sys.stderr)
-        return 2
-    run_dir = train(config=cfg, resume=bool(args.resume))
-    print(run_dir)
-    return 0
+        return train(config=cfg, resume=True)
+    except BaseException as e:
+        # DCP's CheckpointException (a BaseException, named here rather than imported: only rlbits.distributed
+        # imports torch.distributed) when the checkpoint cannot load into the models this config builds.
+        if type(e).__name__ != "CheckpointException" or not hasattr(e, "failures"):
+            raise
+        causes = sorted({str(f[0] if isinstance(f, tuple) else f).splitlines()[0] for f in e.failures.values()})
+        raise CheckpointMismatchError(
+            f"--resume {args.resume}: its checkpoint does not fit the models this config builds "
+            f"(did an override change policy= or the model?): {'; '.join(causes)}"
+        ) from e
+    except ValueError as e:  # load_checkpoint's own wording of the same
+        if str(e).startswith("checkpoint ") and "cannot restore" in str(e):
+            raise CheckpointMismatchError(f"--resume {args.resume}: {str(e).splitlines()[0]}") from e
+        raise
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -113,6 +249,17 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+TRAIN_HELP = """Train a policy with the loop the config names (ppo, reinforce, ilql) and print a summary.
+
+  rlbits train                                   the main job: configs/ppo_sentiment.yaml -> runs/default
+  rlbits train configs/rloo_arithmetic.yaml seed=1 run_dir=runs/s1
+  rlbits train policy=/path/to/hf_model          your own local HF causal LM (a folder with config.json,
+                                                 weights and tokenizer) instead of the task's base model
+  rlbits train --resume runs/default max_num_steps=200
+  rlbits train --help-config [LOOP]              every config field: type, default, meaning
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlbits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -129,10 +276,18 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--seed", type=int, default=0)
     pre.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the task's)")
     pre.set_defaults(func=_pretrain)
-    train = sub.add_parser("train", help="train a policy (default: PPO on the sentiment task)")
+    train = sub.add_parser(
+        "train", help="train a policy (default: PPO on the sentiment task)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=TRAIN_HELP,
+    )  # fmt: skip
     train.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config (default configs/ppo_sentiment.yaml)")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (any field: --help-config)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    train.add_argument(
+        "--help-config", nargs="?", const="ppo", default=None, metavar="LOOP",
+        help="list every config field of LOOP (ppo, reinforce, ilql; default ppo): type, default, meaning",
+    )  # fmt: skip
+    train.add_argument("--debug", action="store_true", help="show the traceback of an error (also RLBITS_DEBUG=1)")
     train.set_defaults(func=_train)
     evaluate = sub.add_parser("eval", help="test-split reward of RUN_DIR/final vs the base model")
     evaluate.add_argument("run_dir", metavar="RUN_DIR")

@@ -28,7 +28,10 @@ def policy_dir(tmp_path_factory):
 def test_train_resume_eval_plot(policy_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", "configs/ppo_sentiment.yaml", f"policy={policy_dir}", f"run_dir={run_dir}", *SMALL]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1] == str(run_dir)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == str(run_dir)  # last line: the run dir, for scripts; the summary above it
+    assert f"  final policy  {run_dir / 'final'}" in out and any(line.startswith("  final KL") for line in out)
+    assert any(line.strip().startswith(f"rlbits train --resume {run_dir} max_num_steps=4") for line in out)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "rewards" in r] == [1, 2]
     # continue the same run for one more step
@@ -41,6 +44,13 @@ def test_train_resume_eval_plot(policy_dir, tmp_path, capsys):
     assert "base:" in out and "final:" in out and "val_reward=" in out
     assert main(["plot", str(run_dir)]) == 0
     assert (run_dir / "metrics.png").stat().st_size > 1000
+    # resuming with a policy of another shape: one line, exit 2 (was a DCP CheckpointException traceback)
+    other = tmp_path / "other_policy"
+    save_pretrained(tiny_causal_lm("gpt2", seed=0, hidden_size=64), tiny_tokenizer(), other)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), f"policy={other}", "max_num_steps=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint does not fit the models" in err[0] and "Size mismatch" in err[0], err
 
 
 def test_config_errors_exit_2_with_the_field_named(policy_dir, tmp_path, capsys):
@@ -50,3 +60,162 @@ def test_config_errors_exit_2_with_the_field_named(policy_dir, tmp_path, capsys)
     assert "max_new_tokens must be int" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="is not a run directory|does not exist"):
         main(["eval", str(tmp_path / "nothing")])
+
+
+# --- the first hour of a new user: help, the end-of-run summary, one-line user errors ------------------------
+
+
+def test_help_config_lists_every_field_grouped(capsys):
+    import dataclasses
+
+    from rlbits.loops.config import RunConfig, field_docs
+    from rlbits.loops.ppo import PPOConfig
+
+    assert main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    shared, own = out.split("Shared by every loop (RunConfig):")[1].split("The ppo loop (PPOConfig):")
+    for f in dataclasses.fields(PPOConfig):
+        assert f"\n  {f.name}: " in (shared if f.name in {g.name for g in dataclasses.fields(RunConfig)} else own)
+    assert "  policy: str | null = null\n" in shared
+    assert "  num_prompts_per_step: int = 32\n" in shared  # PPOConfig's default, not RunConfig's
+    assert "  precision: fp32 | bf16 = fp32\n" in shared
+    assert field_docs(PPOConfig)["clip_eps"][:40] in " ".join(own.split())
+    assert main(["train", "--help-config", "reinforce"]) == 0
+    assert "The reinforce loop (ReinforceConfig):" in capsys.readouterr().out
+    assert main(["train", "--help-config", "nope"]) == 2
+    assert "unknown loop 'nope'" in capsys.readouterr().err
+
+
+def test_train_help_mentions_help_config_and_policy(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "--help-config" in out and "policy=" in out and "--debug" in out
+
+
+def _fake_run(run_dir, steps=3):
+    """A finished run's files, enough for the summary: metrics.jsonl, config.yaml, final/."""
+    from rlbits.loops.config import save_config
+    from rlbits.loops.ppo import PPOConfig
+
+    run_dir.mkdir(parents=True)
+    save_config(PPOConfig(run_dir=str(run_dir), max_num_steps=steps), run_dir / "config.yaml")
+    rows = [{"step": 0, "time_s": 0.5, "val_reward": 0.1}]
+    rows += [
+        {"step": s, "time_s": 0.5 + s, "rewards": 0.5, "init_policy_kl": 0.25 * s, "time/step": 1.0,
+         "tokens_per_s": 200.0}
+        for s in range(1, steps + 1)
+    ]  # fmt: skip
+    rows[-1]["val_reward"] = 0.75
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "final").mkdir()
+    return run_dir
+
+
+def test_summary_from_the_run_directory(tmp_path):
+    from rlbits.loops.summary import summarize
+
+    run_dir = _fake_run(tmp_path / "run")
+    text = summarize(run_dir)
+    assert "steps         3 of 3" in text
+    assert "0.1000 (step 0) -> 0.7500 (step 3)" in text
+    assert "final KL      0.7500" in text
+    assert "tokens/s      200" in text
+    assert "wall time     3.5 s" in text
+    assert f"final policy  {run_dir / 'final'}" in text
+    for command in (f"rlbits eval {run_dir}", f"rlbits plot {run_dir}", f"rlbits train --resume {run_dir} max_num_steps=6"):
+        assert command in text
+    # a resumed run: time_s restarts at each session; wall time adds the sessions up
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "time_s": 2.0, "time/step": 1.0, "tokens_per_s": 100.0}) + "\n")
+    text = summarize(run_dir)
+    assert "wall time     5.5 s" in text and "tokens/s      175" in text
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_train_prints_summary_then_run_dir_on_rank_0_only(tmp_path, monkeypatch, capsys, rank):
+    import rlbits.cli
+
+    run_dir = _fake_run(tmp_path / "run")
+    monkeypatch.setattr(rlbits.cli, "_run_train", lambda args: run_dir)
+    monkeypatch.setenv("RANK", rank)
+    assert main(["train"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    if rank == "1":
+        assert lines == []
+    else:
+        assert lines[-1] == str(run_dir) and lines.count(str(run_dir)) == 1  # last line: the run dir, for scripts
+        assert any(line.startswith("  val_reward") for line in lines)
+
+
+def _user_error_cases(tmp_path, policy_dir):
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "metrics.jsonl").write_text('{"step": 0}\n')
+    no_checkpoint = tmp_path / "no_checkpoint"
+    (no_checkpoint / "checkpoints" / "step_1").mkdir(parents=True)  # torn: no manifest
+    from rlbits.loops.config import save_config
+    from rlbits.loops.ppo import PPOConfig
+
+    save_config(PPOConfig(run_dir=str(no_checkpoint), policy=policy_dir), no_checkpoint / "config.yaml")
+    small = [f"policy={policy_dir}", *SMALL]
+    return {
+        "missing policy folder": (["train", f"run_dir={tmp_path / 'a'}", *small, f"policy={tmp_path / 'nope'}"],
+                                  "policy folder .* does not exist"),
+        "policy folder without config.json": (["train", f"run_dir={tmp_path / 'b'}", *small, f"policy={tmp_path}"],
+                                              "has no config.json"),
+        "unknown task": (["train", f"run_dir={tmp_path / 'c'}", "task=sentimnt", *small], "unknown task 'sentimnt'"),
+        "occupied run_dir": (["train", f"run_dir={occupied}", *small], "already holds a run"),
+        "resume without checkpoint": (["train", "--resume", str(no_checkpoint)], "has no checkpoint to resume from"),
+        "resume of a folder that is not a run": (["train", "--resume", str(tmp_path / "nothing")], "not a run directory"),
+    }  # fmt: skip
+
+
+_REACHES_THE_LOOP = pytest.mark.slow  # fails inside the loop's train(), which the non-slow guard forbids
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param("missing policy folder", marks=_REACHES_THE_LOOP),
+     pytest.param("policy folder without config.json", marks=_REACHES_THE_LOOP),
+     "unknown task",
+     pytest.param("occupied run_dir", marks=_REACHES_THE_LOOP),
+     pytest.param("resume without checkpoint", marks=_REACHES_THE_LOOP),
+     "resume of a folder that is not a run"],
+)  # fmt: skip
+def test_user_errors_exit_2_with_one_line(policy_dir, tmp_path, capsys, monkeypatch, case):
+    import re
+
+    monkeypatch.delenv("RLBITS_DEBUG", raising=False)
+    argv, pattern = _user_error_cases(tmp_path, policy_dir)[case]
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlbits train:")]
+    assert len(err) == 1 and re.search(pattern, err[0]), err
+    # --debug (or RLBITS_DEBUG=1) lets the exception through, with its traceback
+    with pytest.raises((ValueError, OSError)):
+        main([*argv[:1], "--debug", *argv[1:]])
+    monkeypatch.setenv("RLBITS_DEBUG", "1")
+    with pytest.raises((ValueError, OSError)):
+        main(argv)
+
+
+def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
+    import rlbits.cli
+
+    def buggy(args):
+        raise ZeroDivisionError("a real bug")
+
+    monkeypatch.setattr(rlbits.cli, "_run_train", buggy)
+    with pytest.raises(ZeroDivisionError):
+        main(["train"])
+
+
+def test_rlbits_viz_is_a_lazy_attribute():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rlbits; assert 'rlbits.viz' not in sys.modules and 'matplotlib' not in sys.modules; "
+        "assert rlbits.viz.Dashboard.__name__ == 'Dashboard'; assert 'viz' in dir(rlbits)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
