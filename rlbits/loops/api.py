@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.resources
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -41,12 +42,13 @@ def config_class(name: str) -> type[RunConfig]:
 
 
 def default_config_path() -> Path | None:
-    """``configs/ppo_sentiment.yaml`` in the working directory, else next to the installed package."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        path = root / "configs" / DEFAULT_CONFIG
-        if path.is_file():
-            return path
-    return None
+    """``configs/ppo_sentiment.yaml`` in the working directory (a checkout, or a user's edited copy), else the
+    copy shipped inside the package (``rlbits/configs/``, package data: also there in a wheel install)."""
+    path = Path.cwd() / "configs" / DEFAULT_CONFIG
+    if path.is_file():
+        return path
+    packaged = importlib.resources.files("rlbits") / "configs" / DEFAULT_CONFIG
+    return Path(str(packaged)) if packaged.is_file() else None
 
 
 def resolve_config(
