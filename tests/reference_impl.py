@@ -193,7 +193,7 @@ def awac_per_token(logits, actions, mask, advantages=None, beta=0.0):
     for b in range(B):
         row = []
         for t in range(R):
-            w = 1.0 if advantages is None else math.exp(beta * float(advantages[b, t]))
+            w = 1.0 if advantages is None else math.exp(beta * float(advantages[b, t].detach()))
             row.append(w * nll[b, t] if mask[b, t] else torch.zeros((), dtype=torch.float64))
         rows.append(torch.stack(row))
     return torch.stack(rows)

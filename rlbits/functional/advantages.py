@@ -290,8 +290,8 @@ def group_normalize(
 
     ``std="leave_one_out"``: NeMo-RL's GRPO advantage with ``use_leave_one_out_baseline: true`` (its
     default; ``calculate_baseline_and_std_per_prompt`` and ``GRPOAdvantageEstimator`` in
-    ``nemo_rl/algorithms/``, read at NVIDIA-NeMo/RL commit 7ea279ab, v0.7.0 + 1338 commits): both the
-    mean and the std come from the *other* K - 1 samples of the group,
+    ``nemo_rl/algorithms/``, read at NVIDIA-NeMo/RL main, commit 7ea279ab of 2026-08-22, the same in its
+    v0.7.0 tag): both the mean and the std come from the *other* K - 1 samples of the group,
     ``A_i = (r_i - mean_{-i}) / (std_{-i} + eps)``, ``std_{-i}`` the unbiased std of those K - 1 rewards
     (NeMo-RL's ``(E[r^2] - E[r]^2) (n / (n - 1))``, ``n = K - 1``). As in NeMo-RL, where the other K - 1
     rewards are all equal (std 0) the advantage is not divided: ``A_i = r_i - mean_{-i}`` (e.g. 0/1

@@ -179,9 +179,9 @@ def awac_loss(
 
     Per action token ``w_t * -log pi(a_t | s_t)`` with ``w_t = exp(beta * advantages_t)``, where
     ``advantages_t = Q_target(s_t, a_t) - V(s_t)``. As in trlx's ``ILQLConfig.loss``
-    (``trlx/models/modeling_ilql.py`` at CarperAI/trlx commit 3340c2f, v0.7.0 + 70 commits): the weight is
-    computed without gradient (``advantages`` are detached here), is not clipped, and multiplies each
-    token's cross-entropy before the masked mean; trlx uses the min over its target Q heads of the taken
+    (``trlx/models/modeling_ilql.py`` at CarperAI/trlx main, commit 3340c2f, the same in v0.7.0): the
+    weight is computed without gradient (``advantages`` are detached here), is not clipped, and multiplies
+    each token's cross-entropy before the masked mean; trlx uses the min over its target Q heads of the taken
     token for ``Q_target`` and its V head for ``V``, and its default ``beta`` is 0 (plain NLL).
     ``beta=0`` (default) is weight 1: the plain NLL, with ``advantages`` not needed. Large
     ``beta * advantages`` overflow ``exp``; the caller picks beta (trlx documents (0, 1)).
