@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -36,6 +37,10 @@ def reward(prompts, responses):
 
 def other_reward(prompts, responses):
     return [0.5 for _ in prompts]
+
+
+def scaled(prompts, responses, k=1.0):
+    return [k for _ in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +136,10 @@ def test_describe_reward():
             return [0.0] * len(prompts)
 
     assert describe_reward(Scorer(), "x")["name"].endswith("test_describe_reward.<locals>.Scorer")
+    half, third = functools.partial(scaled, k=0.5), functools.partial(scaled, k=0.3)
+    assert describe_reward(half, "x")["name"] == f"functools.partial({__name__}.scaled, ...)"
+    assert describe_reward(half, "x") != describe_reward(third, "x")
+    assert describe_reward(half, "x") == describe_reward(functools.partial(scaled, k=0.5), "x")
 
 
 def test_check_resume(tmp_path):

@@ -76,7 +76,7 @@ class RunConfig:
     val_at_end: bool = True
     """Validate after the last step."""
     max_val_samples: int = 64
-    """Test-split prompts used by validation."""
+    """Prompts used by validation: the first this many of the test split (or of ``val_prompts``)."""
     val_greedy: bool = False
     """Validate with greedy decoding (True) or sampling at ``temperature`` (False)."""
     val_prompts: str | None = None

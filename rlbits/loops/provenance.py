@@ -11,6 +11,7 @@ allow_changed_inputs=True)``). docs/design.md, "The run lifecycle".
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -49,6 +50,10 @@ def describe_reward(reward: Any, task: str) -> dict[str, Any]:
         cls = type(reward)
         name_or_path = getattr(getattr(reward, "config", None), "_name_or_path", "") or ""
         return {"kind": "model", "name": f"{cls.__module__}.{cls.__qualname__}", "path": str(name_or_path)}
+    if isinstance(reward, functools.partial):  # the wrapped function, and its bound arguments
+        inner = describe_reward(reward.func, task)
+        bound = repr((reward.args, sorted(reward.keywords.items())))
+        return {**inner, "name": f"functools.partial({inner['name']}, ...)", "sha256": _sha256(inner.get("sha256", "") + bound)}
     target = reward if inspect.isfunction(reward) or inspect.ismethod(reward) else type(reward)
     target = getattr(target, "__func__", target)
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(reward).__name__)}"
