@@ -182,7 +182,10 @@ def _train(args: argparse.Namespace) -> int:
     if _is_rank_zero():  # under torchrun every rank returns here; say it once
         from rlbits.loops.summary import summarize
 
-        print(summarize(run_dir))
+        try:
+            print(summarize(run_dir))
+        except FileNotFoundError:  # nothing logged (a run stopped before its first step): no summary
+            pass
         print(run_dir)  # last line: the run directory, for scripts
     return 0
 
@@ -213,6 +216,10 @@ def _run_train(args: argparse.Namespace) -> Path:
         return train(config=cfg)
     try:
         return train(config=cfg, resume=True)
+    except ValueError as e:  # load_checkpoint's own wording of the same
+        if str(e).startswith("checkpoint ") and "cannot restore" in str(e):
+            raise CheckpointMismatchError(f"--resume {args.resume}: {str(e).splitlines()[0]}") from e
+        raise
     except BaseException as e:
         # DCP's CheckpointException (a BaseException, named here rather than imported: only rlbits.distributed
         # imports torch.distributed) when the checkpoint cannot load into the models this config builds.
@@ -223,10 +230,6 @@ def _run_train(args: argparse.Namespace) -> Path:
             f"--resume {args.resume}: its checkpoint does not fit the models this config builds "
             f"(did an override change policy= or the model?): {'; '.join(causes)}"
         ) from e
-    except ValueError as e:  # load_checkpoint's own wording of the same
-        if str(e).startswith("checkpoint ") and "cannot restore" in str(e):
-            raise CheckpointMismatchError(f"--resume {args.resume}: {str(e).splitlines()[0]}") from e
-        raise
 
 
 def _eval(args: argparse.Namespace) -> int:
