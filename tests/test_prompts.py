@@ -66,7 +66,7 @@ def make_cfg(tiny_path, run_dir, **overrides):
 
 BAD = [
     ("The movie was", "prompts is a single string .*pass a list of prompts"),
-    (["ok", 3, "fine"], "prompt 2 of your prompts is a int"),
+    (["ok", 3, "fine"], r"prompt 2 of your prompts is not a string: 3 \(int\)"),
     (["the plot", "a film", ""], "prompt 3 of your prompts is empty"),
     (["the plot", "   "], r"prompt 2 of your prompts is empty \(whitespace only\)"),
     ([], "prompts is an empty list"),

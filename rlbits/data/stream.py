@@ -98,8 +98,8 @@ def check_prompts(prompts: Any, what: str = "prompts") -> list[str]:
     for i, prompt in enumerate(out, start=1):
         if not isinstance(prompt, str):
             raise PromptError(
-                f"prompt {i} of your {what} is a {type(prompt).__name__} ({prompt!r:.60}), not a str; "
-                "every prompt must be a string"
+                f"prompt {i} of your {what} is not a string: {prompt!r:.60} ({type(prompt).__name__}); "
+                "every prompt must be a str"
             )
         if not prompt.strip():
             raise PromptError(f"prompt {i} of your {what} is empty{' (whitespace only)' if prompt else ''}")

@@ -32,6 +32,10 @@ class ResumeMismatchError(ConfigError):
     ``ValueError``): ``rlbits train --resume`` prints it as one line."""
 
 
+HINTS = {"reward": "reward_fn=", "prompts": "prompts=", "val_prompts": "val_prompts= (or config key)", "samples": "samples="}
+"""How a resumed call gives each input again (``rlbits.train``'s argument names)."""
+
+
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -138,9 +142,8 @@ def check_resume(run_dir: str | Path, record: dict[str, Any], *, allow_changed: 
     message = (
         f"cannot resume {str(run_dir)!r}: run was started with {' and '.join(started)}, this call gives "
         f"{' and '.join(now)}; resume it from Python with the same "
-        + ", ".join(f"{'reward_fn' if w == 'reward' else w}=" for w in differs)
-        + " (validation prompts: val_prompts=, or the config key), or pass allow_changed_inputs=True"
-        " (config key allow_changed_inputs=true) to go on with the new inputs"
+        + ", ".join(HINTS[w] for w in differs)
+        + ", or pass allow_changed_inputs=True (config key allow_changed_inputs=true) to go on with the new inputs"
     )
     if allow_changed:
         warnings.warn(message.replace("cannot resume", "resuming with changed inputs:", 1), stacklevel=3)
