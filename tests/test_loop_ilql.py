@@ -459,3 +459,27 @@ def test_yaml_config_loads():
     path = Path(__file__).resolve().parents[1] / "configs" / "ilql_sentiment.yaml"
     cfg = load_config(ilql.ILQLConfig, path)
     assert cfg.loop == "ilql" and cfg.task == "sentiment"
+
+
+def test_awac_beta_weights_the_behaviour_cloning_term_as_trlx():
+    """``awac_beta`` reaches ``awac_loss``: the LM's NLL of each dataset token weighted by exp(beta (target Q - V)),
+    detached; 0 (the default) is the plain NLL."""
+    from rlbits.functional import awac_loss
+
+    data = trim_padding(_dataset())
+    model = ILQLModel(tiny_causal_lm(vocab_size=64, seed=0), head_layers=1, seed=0)
+    with torch.no_grad():  # move the heads off their init so Q - V is not ~0
+        for p in [*model.target_q1.parameters(), *model.v.parameters()]:
+            p.add_(0.3 * torch.randn_like(p))
+    out = model(data["input_ids"], data["attention_mask"], position_ids_from_mask(data["attention_mask"]))
+    n = data["action_mask"].sum()
+    plain = ilql.ilql_loss(out, data, ilql.ILQLConfig(), n)[1]["loss_awac"]
+    weighted = ilql.ilql_loss(out, data, ilql.ILQLConfig(awac_beta=2.0), n)[1]["loss_awac"]
+    P, R = data["prompts"].shape[1], data["responses"].shape[1]
+    at = slice(P - 1, P - 1 + R)
+    idx = data["responses"].unsqueeze(-1)
+    target_q = torch.stack([out[k][:, at].gather(-1, idx).squeeze(-1) for k in ("target_q1", "target_q2")]).amin(0)
+    expected, _ = awac_loss(out["logits"][:, at], data["responses"], data["action_mask"], n,
+                            advantages=(target_q - out["v"][:, at]).detach(), beta=2.0)  # fmt: skip
+    torch.testing.assert_close(weighted, expected.detach())
+    assert not torch.allclose(weighted, plain)

@@ -164,6 +164,10 @@ def test_token_rewards_hold_kl_in_reward_only(policy_dir, tmp_path):
     advantages(state, batch, no_kl)
     torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"])
 
+    clamped = dataclasses.replace(cfg, kl_clamp=0.1)  # the config's clamp reaches the kernel: 0.25 -> 0.1
+    advantages(state, batch, clamped)
+    torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"] - 0.5 * 0.1 * lengths)
+
 
 def test_kl_in_loss_changes_the_policy_update(policy_dir, tmp_path):
     cfg = make_cfg(policy_dir, tmp_path / "run", kl_in_reward=False, kl_estimator="k3", kl_loss_coef=1.0)

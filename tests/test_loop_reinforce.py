@@ -130,6 +130,9 @@ def test_kl_in_reward_is_subtracted_before_the_baseline():
     assert m["rewards_with_kl"].item() == pytest.approx(shaped.mean().item())
     assert m["init_policy_kl"].item() == pytest.approx(1.5)
     torch.testing.assert_close(batch["advantages"][:, 0], torch.tensor([0.1, -0.1]))
+    # the config's clamp reaches the kernel: KL 0.5 per token clamped to 0.2 -> sequence KL 0.4 and 0.8
+    m = advantages(batch, dataclasses.replace(cfg, kl_clamp=0.2))
+    assert m["rewards_with_kl"].item() == pytest.approx((1.0 - 0.04 + 1.0 - 0.08) / 2)
 
 
 def test_overlong_filtering_masks_truncated_rows_out_of_the_loss():

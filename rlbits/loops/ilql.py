@@ -137,6 +137,8 @@ class ILQLConfig(RunConfig):
     """Weight of the conservative (CQL) term, summed over the Q heads."""
     awac_scale: float = 1.0
     """Weight of the LM's negative log-likelihood of the dataset tokens (keeps the trunk a language model)."""
+    awac_beta: float = 0.0
+    """trlx's AWAC weight: each dataset token's NLL is weighted by ``exp(awac_beta * (target Q - V))`` (detached); 0 = plain behaviour cloning (trlx's default)."""
     alpha: float = 0.1
     """Target-head update ``target = alpha * online + (1 - alpha) * target`` (1 = hard copy)."""
     steps_for_target_q_sync: int = 1
@@ -172,7 +174,7 @@ class ILQLConfig(RunConfig):
             raise ConfigError(f"tau must be in (0, 1), got {self.tau} ({docs['tau']})")
         if not 0 <= self.alpha <= 1:
             raise ConfigError(f"alpha must be in [0, 1] (1 = hard copy), got {self.alpha} ({docs['alpha']})")
-        for name in ("cql_scale", "awac_scale", "beta"):
+        for name in ("cql_scale", "awac_scale", "awac_beta", "beta"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value} ({docs[name]})")
@@ -277,7 +279,10 @@ def ilql_loss(
     loss_q = sum(q_loss(q, targets, mask, num_tokens)[0] for q in q_taken)
     loss_v, _ = expectile_loss(v, target_q, mask, cfg.tau, num_tokens)
     loss_cql = sum(cql_loss(q, actions, mask, num_tokens)[0] for q in qs)
-    loss_awac, _ = awac_loss(logits, actions, mask, num_tokens)
+    if cfg.awac_beta:
+        loss_awac, _ = awac_loss(logits, actions, mask, num_tokens, advantages=(target_q - v).detach(), beta=cfg.awac_beta)
+    else:
+        loss_awac, _ = awac_loss(logits, actions, mask, num_tokens)
     loss = loss_q + loss_v + cfg.cql_scale * loss_cql + cfg.awac_scale * loss_awac
 
     def share(x: torch.Tensor) -> torch.Tensor:  # token sum / num_tokens: adds up over microbatches

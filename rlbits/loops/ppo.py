@@ -127,8 +127,10 @@ class PPOConfig(RunConfig):
     # --- KL to the reference policy
     kl_coef: float = 0.05
     """beta of the KL penalty in the reward (``kl_in_reward``): ``r_t -= kl_coef * KL_t`` on every token; the initial value when ``adaptive_kl``."""
-    kl_estimator: Literal["k1", "abs", "k2", "k3"] = "k1"
-    """Per-token KL estimator of ``rlbits.kl_penalty`` used in the reward or the loss (k1 = logp - ref_logp)."""
+    kl_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k1"
+    """Per-token KL estimator of ``rlbits.kl_penalty`` used in the reward or the loss (k1 = logp - ref_logp; ``k1+``/``k3+``: k1/k3's value with k2's gradient, verl's straight-through variants)."""
+    kl_clamp: float | None = None
+    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None = no clamp."""
     kl_in_reward: bool = True
     """True: KL penalty in the reward (Ziegler/Ouyang, trlx). False: KL term ``kl_loss_coef * KL`` in the policy loss (NeMo-RL, GRPO), no KL in the reward."""
     kl_loss_coef: float = 0.01
@@ -179,7 +181,7 @@ class PPOConfig(RunConfig):
             self, at_least_one=("ppo_epochs", "num_minibatches"),
             non_negative=("clip_eps", "entropy_coef", "kl_coef", "kl_loss_coef", "policy_training_start_step"),
             positive=("kl_target", "kl_horizon", "vf_coef"), unit_interval=("gamma", "lam", "critic_lam"),
-            positive_or_none=("clip_eps_high", "reward_clip", "value_clip_eps", "critic_learning_rate"),
+            positive_or_none=("clip_eps_high", "reward_clip", "value_clip_eps", "critic_learning_rate", "kl_clamp"),
         )  # fmt: skip
         if self.num_minibatches > self.num_prompts_per_step:
             raise ConfigError(
@@ -338,7 +340,7 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
     """
     mask, env, m = batch["action_mask"], state.env, state.metrics
     gae_fn = kernel(gae, cfg)
-    kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator) if cfg.kl_in_reward else None
+    kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp) if cfg.kl_in_reward else None
     scores = scale_rewards(batch, cfg, env)
     batch["token_rewards"] = kernel(token_rewards, cfg)(scores, mask, kl, state.kl_coef if cfg.kl_in_reward else 0.0)
     adv, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.lam)
@@ -404,7 +406,7 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
                     if cfg.entropy_coef > 0:
                         total = total - cfg.entropy_coef * aggregate_loss(entropy, mask, **agg)
                     if not cfg.kl_in_reward and state.kl_coef > 0:
-                        kl = aggregate_loss(kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator), mask, **agg)
+                        kl = aggregate_loss(kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp), mask, **agg)
                         total = total + state.kl_coef * kl
                         losses["kl_loss"] = losses.get("kl_loss", 0.0) + kl.detach()
                     losses["actor_loss"] = losses.get("actor_loss", 0.0) + actor.detach()

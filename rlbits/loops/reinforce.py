@@ -116,12 +116,14 @@ class ReinforceConfig(RunConfig):
     """Subtract ``kl_coef * sum_t KL_t`` from each sequence reward before the baseline (NeMo-Aligner RLOO)."""
     kl_coef: float = 0.0
     """KL coefficient of the reward penalty; must be > 0 with ``kl_in_reward`` and 0 without it."""
-    kl_estimator: Literal["k1", "abs", "k2", "k3"] = "k1"
+    kl_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k1"
     """Per-token KL estimator of the reward penalty (``rlbits.kl_penalty``)."""
     kl_loss_coef: float = 0.0
     """Weight of a KL(pi_theta || pi_ref) term added to the loss (GRPO: 0.04 with k3); 0 disables it."""
-    kl_loss_estimator: Literal["k1", "abs", "k2", "k3"] = "k3"
+    kl_loss_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k3"
     """Per-token KL estimator of the loss term (GRPO uses ``k3``)."""
+    kl_clamp: float | None = None
+    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None = no clamp."""
     num_iterations: int = 1
     """Passes over each rollout batch (TRL's ``num_iterations``, mu in the GRPO paper); > 1 (or num_minibatches > 1) switches to the clipped PPO loss."""
     num_minibatches: int = 1
@@ -159,7 +161,7 @@ class ReinforceConfig(RunConfig):
             )
         check_ranges(
             self, at_least_one=("num_iterations", "num_minibatches", "dynamic_sampling_max_gen_batches"),
-            non_negative=("kl_coef", "kl_loss_coef", "clip_eps", "grpo_eps"), positive_or_none=("clip_eps_high",),
+            non_negative=("kl_coef", "kl_loss_coef", "clip_eps", "grpo_eps"), positive_or_none=("clip_eps_high", "kl_clamp"),
         )  # fmt: skip
         if self.kl_in_reward and self.kl_coef == 0:
             raise ConfigError(
@@ -317,7 +319,7 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
     k, rows = cfg.num_generations_per_prompt, batch.batch_size[0]
     shaped = rewards
     if cfg.kl_in_reward:
-        kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator)
+        kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
         shaped = rewards - cfg.kl_coef * torch.where(action_mask, kl, 0.0).sum(-1)
     if cfg.baseline == "rloo":
         baseline = rloo_baseline(shaped, k)
@@ -386,7 +388,7 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorD
                 loss, stats = policy_gradient_loss(logprobs, micro, cfg, num_tokens, num_seqs)
                 kl_loss = torch.zeros(())
                 if cfg.kl_loss_coef > 0:
-                    kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator)
+                    kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
                     kl_loss = aggregate_loss(kl, mask, cfg.loss_agg, num_tokens, num_seqs)
                     loss = loss + cfg.kl_loss_coef * kl_loss
                 if any_rank(~torch.isfinite(loss.detach()), env):  # every rank raises together
