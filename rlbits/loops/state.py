@@ -128,7 +128,7 @@ class OnlineState(LoopState):
     reward: Any = runtime(default=None)
     """The reward (anything ``rlbits.score`` accepts)."""
     val_prompts: list[str] = runtime(default_factory=list)
-    """The validation prompts (the task's test split)."""
+    """The validation prompts (``val_prompts``, else the task's test split)."""
 
     @property
     def epoch(self) -> int:
