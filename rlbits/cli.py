@@ -136,14 +136,16 @@ def config_help(loop: str = "ppo", width: int = 100) -> str:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """What a wrong command line or a wrong folder raises at run time: reported as one line, exit status 2.
     Anything else is a bug and keeps its traceback."""
+    from rlbits.data.stream import PromptError
     from rlbits.loops.config import ConfigError
     from rlbits.models.load import CheckpointNotFoundError
 
     # FileExistsError: run_dir already holds a run (RunLogger); FileNotFoundError: --resume of a run without a
     # checkpoint (resume_checkpoint), a missing file the config names; CheckpointNotFoundError: policy= is not
     # an HF folder; CheckpointMismatchError: the checkpoint does not fit the models the config builds;
-    # ConfigError covers provenance's ResumeMismatchError (--resume with other prompts or reward).
-    return (ConfigError, CheckpointNotFoundError, FileExistsError, FileNotFoundError, CheckpointMismatchError)
+    # ConfigError covers provenance's ResumeMismatchError (--resume with other prompts or reward); PromptError:
+    # a val_prompts file with an empty or too long prompt.
+    return (ConfigError, CheckpointNotFoundError, FileExistsError, FileNotFoundError, CheckpointMismatchError, PromptError)
 
 
 class CheckpointMismatchError(ValueError):
@@ -218,18 +220,12 @@ def _run_train(args: argparse.Namespace) -> Path:
         return train(config=cfg, resume=True)
     except ValueError as e:  # load_checkpoint's own wording of the same
         if str(e).startswith("checkpoint ") and "cannot restore" in str(e):
-            raise CheckpointMismatchError(f"--resume {args.resume}: {str(e).splitlines()[0]}") from e
+            raise CheckpointMismatchError(
+                f"--resume {args.resume}: its checkpoint does not fit the models this config builds (did an override "
+                f"change policy= or the model?): {str(e).splitlines()[0]}"
+            ) from e
         raise
-    except BaseException as e:
-        # DCP's CheckpointException (a BaseException, named here rather than imported: only rlbits.distributed
-        # imports torch.distributed) when the checkpoint cannot load into the models this config builds.
-        if type(e).__name__ != "CheckpointException" or not hasattr(e, "failures"):
-            raise
-        causes = sorted({str(f[0] if isinstance(f, tuple) else f).splitlines()[0] for f in e.failures.values()})
-        raise CheckpointMismatchError(
-            f"--resume {args.resume}: its checkpoint does not fit the models this config builds "
-            f"(did an override change policy= or the model?): {'; '.join(causes)}"
-        ) from e
+
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -360,9 +361,12 @@ def load_checkpoint(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(payload, checkpoint_id=path / "dcp", no_dist=env.world_size == 1)
-        except Exception as e:  # DCP names the missing key deep in its planner; say what was asked for
+        except (Exception, CheckpointException) as e:  # DCP names the missing key deep in its planner (its
+            # CheckpointException is a BaseException); say what was asked for
+            failures = getattr(e, "failures", None)  # CheckpointException: per-rank exceptions
+            why = "; ".join(sorted({str(f[0] if isinstance(f, tuple) else f).splitlines()[0] for f in failures.values()})) if failures else str(e)
             raise ValueError(
-                f"checkpoint {str(path)!r} cannot restore models {in_dcp} / optimizers {sorted(optimizers or {})}: {e}"
+                f"checkpoint {str(path)!r} cannot restore models {in_dcp} / optimizers {sorted(optimizers or {})}: {why}"
             ) from e
         for name in in_dcp:
             set_model_state_dict(models[name], payload["models"][name])

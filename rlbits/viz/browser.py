@@ -1,6 +1,6 @@
 """A rollout browser for Jupyter (ipywidgets): page through ``samples.jsonl`` of a run, or a batch.
 
-    RolloutBrowser("runs/ppo_sentiment")            # a run dir, or a samples.jsonl path, or a list of dicts
+    RolloutBrowser("runs/default")            # a run dir, or a samples.jsonl path, or a list of dicts
     RolloutBrowser(batch, tokenizer=tok, key="advantages")   # a batch: tokens coloured by a per-token key
 
 Controls: a step slider (rows logged at that step; run files only), a text filter (substring of prompt or
