@@ -215,7 +215,7 @@ def _run_train(args: argparse.Namespace) -> Path:
     if cfg.task not in TASKS:
         raise ConfigError(f"unknown task {cfg.task!r}; valid tasks: {', '.join(map(repr, sorted(TASKS)))}")
     if not args.resume:
-        return train(config=cfg)
+        return train(config=cfg, resume=False)
     try:
         return train(config=cfg, resume=True)
     except ValueError as e:  # load_checkpoint's own wording of the same
