@@ -12,24 +12,25 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_folder(path: str | os.PathLike, *, marker: str = "config.json") -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces ``path``, on error it is removed.
 
     A reader never sees a half-written ``path``: the new folder is renamed into place (the old one, if any,
-    is moved aside first and deleted after). An existing ``path`` is only replaced if it is empty or looks
-    like a checkpoint (has ``config.json``), so a typo cannot wipe an unrelated folder.
+    is moved aside first and deleted after). An existing ``path`` is only replaced if it is empty or holds
+    ``marker`` (``config.json``: a checkpoint; ``meta.json``: a memory-mapped TensorDict), so a typo cannot wipe
+    an unrelated folder.
 
     Raises:
-        ValueError: ``path`` is a file, or a non-empty folder without ``config.json``.
+        ValueError: ``path`` is a file, or a non-empty folder without ``marker``.
     """
     dst = Path(path).expanduser()
     if dst.exists():
         if not dst.is_dir():
             raise ValueError(f"cannot save to {str(path)!r}: it is a file")
-        if any(dst.iterdir()) and not (dst / "config.json").is_file():
+        if any(dst.iterdir()) and not (dst / marker).is_file():
             raise ValueError(
-                f"refusing to overwrite {str(path)!r}: it is a non-empty folder without config.json "
-                "(not a checkpoint); choose a new or empty folder"
+                f"refusing to overwrite {str(path)!r}: it is a non-empty folder without {marker} "
+                "(not what is saved there); choose a new or empty folder"
             )
     dst.parent.mkdir(parents=True, exist_ok=True)
     # mkdir (not mkdtemp, which makes it 0700) so the final folder gets the usual umask permissions.

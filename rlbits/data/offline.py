@@ -22,10 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +31,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import ReplayBuffer, TensorStorage
 from torchrl.data.replay_buffers import Sampler
 
+from rlbits._io import atomic_folder
 from rlbits._seeds import derive_seed
 from rlbits.batch import build_batch, make_prompts, pad_right, trim_padding
 from rlbits.data.stream import PromptStream
@@ -258,19 +255,8 @@ def save_tensors(data: TensorDictBase, path: str | Path) -> TensorDict:
     """
     dst = Path(path)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
+    with atomic_folder(dst, marker="meta.json") as tmp:
         data.detach().to("cpu").memmap(tmp)
-        old = None
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.replace(dst, old / "x")
-        os.replace(tmp, dst)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return load_tensors(dst)
 
 

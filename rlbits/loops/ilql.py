@@ -99,7 +99,6 @@ from rlbits.loops.evaluate import evaluate_betas, steered_validate
 from rlbits.loops.evaluate import evaluate_ilql_run as evaluate_run
 from rlbits.loops.evaluate import load_ilql_final as load_final
 from rlbits.loops.optim import clip_and_step, make_optimizer
-from rlbits.loops.provenance import check_lengths, start_provenance, user_prompts
 from rlbits.loops.run import NonFiniteError, Run
 from rlbits.loops.runtime import autocast, disable_dropout, load_policy_and_tokenizer, policy_path, prepare
 from rlbits.loops.state import LoopState, optimizer_of, runtime
@@ -402,14 +401,12 @@ def train(
     """
     if not isinstance(cfg, ILQLConfig):
         raise ConfigError(f"cfg must be an ILQLConfig, got {type(cfg).__name__}")
-    prompts, val_prompts = user_prompts(cfg, prompts, val_prompts)  # checked before any model is loaded
     with Run(cfg, callbacks=callbacks, resume=resume) as run:
-        run.provenance = start_provenance(  # checked on resume, before any model is loaded
-            cfg, resumed=run.checkpoint is not None, reward=reward, prompts=prompts, val_prompts=val_prompts,
-            samples=samples, optional=("prompts", "samples"),
+        prompts, val_prompts = run.check_inputs(
+            reward=reward, prompts=prompts, val_prompts=val_prompts, samples=samples, optional=("prompts", "samples")
         )  # fmt: skip
         state = init_state(cfg, run.env, reward=reward, val_prompts=val_prompts)
-        check_lengths(state.model, state.tokenizer, cfg, prompts, val_prompts)
+        run.check_lengths(state)
         with run.timer("dataset"):  # 0. the offline set: built from the base policy, or read back on resume
             data = load_or_build_dataset(cfg, state, samples=samples, reward=reward, prompts=prompts,
                                          resume=run.checkpoint is not None, write=run.env.is_main)  # fmt: skip

@@ -79,7 +79,6 @@ from rlbits.loops import phases
 from rlbits.loops.config import ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
-from rlbits.loops.provenance import check_lengths, start_provenance, user_prompts
 from rlbits.loops.run import NonFiniteError, Run, total_steps
 from rlbits.loops.runtime import (
     autocast,
@@ -492,15 +491,10 @@ def train(
     """
     if not isinstance(cfg, PPOConfig):
         raise ConfigError(f"cfg must be a PPOConfig, got {type(cfg).__name__}")
-    prompts, val_prompts = user_prompts(cfg, prompts, val_prompts)  # checked before any model is loaded
     with Run(cfg, callbacks=callbacks, resume=resume) as run:
-        run.provenance = start_provenance(  # checked on resume, before any model is loaded
-            cfg, resumed=run.checkpoint is not None, reward=reward, prompts=prompts, val_prompts=val_prompts,
-        )  # fmt: skip
+        prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
         state = init_state(cfg, run.env, reward=reward, prompts=prompts, val_prompts=val_prompts)
-        check_lengths(state.policy, state.tokenizer, cfg, prompts, val_prompts)
-        per_step = cfg.num_prompts_per_step * run.env.world_size
-        run.start(state, validate=validate, total_steps=total_steps(cfg, len(state.stream), per_step))
+        run.start(state, validate=validate)  # restores a checkpoint into the state; opens the logs
         for _ in run.steps(state):
             with run.step(state):
                 with run.phase("rollout"):  # 1. sample responses

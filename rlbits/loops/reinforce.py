@@ -83,8 +83,7 @@ from rlbits.loops import phases
 from rlbits.loops.config import ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
-from rlbits.loops.provenance import check_lengths, start_provenance, user_prompts
-from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase, total_steps
+from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase
 from rlbits.loops.runtime import autocast, generator, kernel, load_policy_and_tokenizer, policy_path, prepare
 from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.models.forward import policy_logprobs
@@ -439,15 +438,10 @@ def train(
     """
     if not isinstance(cfg, ReinforceConfig):
         raise ConfigError(f"cfg must be a ReinforceConfig, got {type(cfg).__name__}")
-    prompts, val_prompts = user_prompts(cfg, prompts, val_prompts)  # checked before any model is loaded
     with Run(cfg, callbacks=callbacks, resume=resume) as run:
-        run.provenance = start_provenance(  # checked on resume, before any model is loaded
-            cfg, resumed=run.checkpoint is not None, reward=reward, prompts=prompts, val_prompts=val_prompts,
-        )  # fmt: skip
+        prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
         state = init_state(cfg, run.env, reward=reward, prompts=prompts, val_prompts=val_prompts)
-        check_lengths(state.policy, state.tokenizer, cfg, prompts, val_prompts)
-        per_step = cfg.num_prompts_per_step * run.env.world_size
-        run.start(state, validate=validate, total_steps=total_steps(cfg, len(state.stream), per_step))
+        run.start(state, validate=validate)  # restores a checkpoint into the state; opens the logs
         for _ in run.steps(state):
             with run.step(state):
                 with run.phase("rollout"):  # 1. K responses per prompt

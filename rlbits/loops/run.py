@@ -45,7 +45,7 @@ from rlbits.distributed.reduce import any_rank, global_count
 from rlbits.loops.config import RunConfig
 from rlbits.loops.logger import RunLogger, elastic_restart, read_metrics
 from rlbits.loops.metrics import StepMetrics
-from rlbits.loops.provenance import write_provenance
+from rlbits.loops.provenance import check_lengths, start_provenance, user_prompts, write_provenance
 from rlbits.loops.runtime import generator, setup
 from rlbits.loops.state import LoopState
 from rlbits.rollout.score import InvalidRewardError
@@ -112,6 +112,9 @@ def total_steps(cfg: RunConfig, num_samples: int, samples_per_step: int) -> int:
     return max(1, min(cfg.max_num_steps, cfg.max_num_epochs * num_samples // samples_per_step))
 
 
+_total_steps = total_steps  # ``Run.start`` has an argument of that name
+
+
 class Run:
     """One training run: the process set-up, its directory and logs, and the step bookkeeping of every loop.
 
@@ -141,6 +144,8 @@ class Run:
         self._saved_step = -1
         self._stopped = False
         self._step_number = 0
+        self._prompts: tuple[list[str] | None, list[str] | None] | None = None
+        self._lengths_checked = False
         self.provenance: dict[str, Any] | None = None
         """What the run is started with (``rlbits.loops.provenance.start_provenance``); ``start`` writes it to
         ``RUN_DIR/provenance.json`` on a fresh run (rank 0)."""
@@ -152,6 +157,35 @@ class Run:
         ``device``; default the run's device). A resumed run restores its state from the checkpoint."""
         return generator(self.cfg.seed, self.env.rank, stream, self.env.device if device is None else device)
 
+    def check_inputs(
+        self, *, reward: Any, prompts: Sequence[str] | None, val_prompts: Sequence[str] | None,
+        samples: Sequence[Any] | None = None, optional: Sequence[str] = (),
+    ) -> tuple[list[str] | None, list[str] | None]:  # fmt: skip
+        """The user's inputs, checked before any model is loaded: the prompts and validation prompts (the
+        ``val_prompts`` argument, else the config's file; ``check_prompts`` names a bad one) and, on a resumed
+        run, that the reward, prompts (and ILQL's samples) are the ones it was started with
+        (``provenance.json``; ``optional``: inputs a resume may leave out). Returns ``(prompts, val_prompts)``
+        as lists, or None for the task's.
+
+        Raises:
+            PromptError: a bad prompt. ResumeMismatchError: a resume with other inputs.
+        """
+        prompts, val_prompts = user_prompts(self.cfg, prompts, val_prompts)
+        self.provenance = start_provenance(
+            self.cfg, resumed=self.checkpoint is not None, reward=reward, prompts=prompts, val_prompts=val_prompts,
+            samples=samples, optional=optional,
+        )  # fmt: skip
+        self._prompts = (prompts, val_prompts)
+        return prompts, val_prompts
+
+    def check_lengths(self, state: LoopState) -> None:
+        """Every user prompt plus ``max_new_tokens`` fits the context of the state's model (``policy`` or
+        ``model``), once it is loaded and before the first step (``start`` calls it if the loop has not)."""
+        if self._prompts is not None and not self._lengths_checked:
+            model = getattr(state, "policy", None) or getattr(state, "model", None)
+            check_lengths(model, state.tokenizer, self.cfg, *self._prompts)
+        self._lengths_checked = True
+
     def start(self, state: LoopState, *, validate: Callable, total_steps: int | None = None) -> None:
         """Restore ``state`` from the resume checkpoint (if any), open the run directory's logs at its step
         and install the SIGINT/SIGTERM handlers.
@@ -159,9 +193,14 @@ class Run:
         Args:
             state: the loop's freshly built state.
             validate: the loop's validation phase ``validate(state, batch, cfg) -> batch``.
-            total_steps: the run's length (``total_steps(cfg, ...)``); default ``max_num_steps``.
+            total_steps: the run's length; default ``total_steps(cfg, len(state.stream), num_prompts_per_step *
+                world_size)`` for a state with a prompt stream, else ``max_num_steps``.
         """
+        self.check_lengths(state)
         self._validate = validate
+        if total_steps is None and hasattr(state, "stream"):
+            per_step = self.cfg.num_prompts_per_step * self.env.world_size
+            total_steps = _total_steps(self.cfg, len(state.stream), per_step)
         self.total = total_steps if total_steps is not None else self.cfg.max_num_steps
         if self.checkpoint is not None:
             saved = load_checkpoint(
