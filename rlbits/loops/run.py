@@ -3,11 +3,12 @@
 A loop's ``train()`` keeps its algorithm visible and hands the rest to a ``Run``::
 
     with Run(cfg, callbacks=callbacks, resume=resume) as run:    # process group, seeds, resume checkpoint
-        state = init_state(cfg, run, ...)                         # models, optimizers, run.generator(...)
-        run.start(state, validate=validate, total_steps=...)      # restore a checkpoint; open the logs
+        prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
+        state = init_state(cfg, run.env, ...)                     # models, optimizers, generators
+        run.start(state, validate=validate)                       # restore a checkpoint; open the logs
         for step in run.steps(state):                             # validates at step 0; stops on signal etc.
             with run.step(state):                                 # times phases; on_nonfinite="skip"
-                batch = rollout(state, run.prompts(state), cfg)
+                batch = rollout(state, state.stream.next_batch(n, run.env), cfg)
                 with run.phase("score"):
                     batch = score(state, batch, cfg)
                 ...
