@@ -18,6 +18,13 @@ from rlbits._seeds import derive_seed
 from rlbits.distributed.env import DistEnv
 
 
+def prompt_batch(prompts: Sequence[str]) -> TensorDict:
+    """A batch of prompt strings, ``prompt_text`` [n]: the input of a loop's ``rollout`` phase."""
+    if isinstance(prompts, str):
+        raise ValueError("prompts must be a list of strings, got a single str (wrap it in a list)")
+    return TensorDict({"prompt_text": NonTensorStack.from_list(list(prompts))}, batch_size=[len(prompts)])
+
+
 class PromptStream:
     """Yields prompts in a fresh permutation each epoch, the permutation a function of ``(seed, epoch)``
     (``derive_seed(seed, 0, "prompts/epoch{e}")``: the same on every rank).
@@ -61,8 +68,7 @@ class PromptStream:
         """This rank's ``n`` prompts of the next ``n * world_size`` (every rank draws the same, keeps its
         slice) as a batch with ``prompt_text`` [n], the input of a loop's ``rollout`` phase."""
         env = env or DistEnv()
-        prompts = self.next(n * env.world_size)[env.rank * n : (env.rank + 1) * n]
-        return TensorDict({"prompt_text": NonTensorStack.from_list(list(prompts))}, batch_size=[len(prompts)])
+        return prompt_batch(self.next(n * env.world_size)[env.rank * n : (env.rank + 1) * n])
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}

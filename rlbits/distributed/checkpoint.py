@@ -7,7 +7,8 @@ One format at every world size (docs/design.md, "Checkpoints"). Layout of ``RUN_
                        group (a notebook)
     tokenizer/         the policy's tokenizer
     rng/rank_R.pt      each rank's python, numpy, torch (CPU and CUDA) RNG states and the loop's generators
-    state.json         counters: consumed_samples, current_step, current_epoch, ..., world_size
+    state.json         the loop state's counters and data positions (step, total_valid_tokens,
+                       stream/sampler: consumed_samples, ...), total_steps, world_size
     manifest.json      every file's size, and the sha256 of the small ones (state, RNG, metadata,
                        tokenizer); of every file with ``checksums="all"``; written last
     policy/ value/ ... HF folders (``from_pretrained``), only on request (``hf_folders=True``, world size 1);

@@ -10,8 +10,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from tensordict import NonTensorStack, TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
+from rlbits.data.stream import prompt_batch
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_sum
@@ -22,13 +23,6 @@ from rlbits.loops.runtime import autocast, generator
 from rlbits.models.forward import policy_logprobs
 from rlbits.rollout.generate import generate_texts
 from rlbits.rollout.score import score
-
-
-def prompt_batch(prompts: Sequence[str]) -> TensorDict:
-    """A batch of prompt strings, ``prompt_text`` [n]: the input of a ``rollout`` phase."""
-    if isinstance(prompts, str):
-        raise ValueError("prompts must be a list of strings, got a single str (wrap it in a list)")
-    return TensorDict({"prompt_text": NonTensorStack.from_list(list(prompts))}, batch_size=[len(prompts)])
 
 
 def prompt_texts(batch: TensorDictBase | Sequence[str]) -> list[str]:

@@ -17,7 +17,8 @@ A loop's ``train()`` keeps its algorithm visible and hands the rest to a ``Run``
 
 What the run decides, identically for every loop (docs/design.md, "Run lifecycle"):
 
-- seeds: every random stream is ``run.generator(name)``, seeded by ``derive_seed(seed, rank, name)``;
+- seeds: every random stream is ``rlbits.loops.runtime.generator(seed, rank, name)``, seeded by
+  ``derive_seed(seed, rank, name)``;
 - total steps: ``max_num_steps``, or fewer when ``max_num_epochs`` passes over the data end first;
 - validation at step 0 (``val_at_start``), every ``val_period`` steps and after the last step (``val_at_end``);
 - a checkpoint every ``save_period`` steps, after the last step and when a stop is requested (SIGINT/SIGTERM,
@@ -47,7 +48,7 @@ from rlbits.loops.config import RunConfig
 from rlbits.loops.logger import RunLogger, elastic_restart, read_metrics
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.provenance import check_lengths, start_provenance, user_prompts, write_provenance
-from rlbits.loops.runtime import generator, setup
+from rlbits.loops.runtime import setup
 from rlbits.loops.state import LoopState
 from rlbits.rollout.score import InvalidRewardError
 
@@ -153,11 +154,6 @@ class Run:
 
     # --- set-up -------------------------------------------------------------------------------------
 
-    def generator(self, stream: str, device: torch.device | str | None = None) -> torch.Generator:
-        """The random stream ``stream`` of this rank, seeded by ``derive_seed(cfg.seed, rank, stream)`` (on
-        ``device``; default the run's device). A resumed run restores its state from the checkpoint."""
-        return generator(self.cfg.seed, self.env.rank, stream, self.env.device if device is None else device)
-
     def check_inputs(
         self, *, reward: Any, prompts: Sequence[str] | None, val_prompts: Sequence[str] | None,
         samples: Sequence[Any] | None = None, optional: Sequence[str] = (),
@@ -240,7 +236,7 @@ class Run:
             if values:
                 state.val_reward = values.get("val_reward", state.val_reward)
                 self.logger.log(0, values)
-                self.logger.log_samples(0, [{"split": "test", **row} for row in sample_rows(val_batch, self.cfg.log_samples)])
+                self.logger.log_samples(0, sample_rows(val_batch, self.cfg.log_samples, split="test"))
         stop = self.should_stop
         while not self.done(state) and not stop:
             yield state.step + 1
@@ -292,7 +288,7 @@ class Run:
         logged.update(self.timer.metrics())
         logged["tokens_per_s"] = num_tokens / max(logged["time/step"], 1e-9)
         self.logger.log(state.step, logged)
-        test_rows = [{"split": "test", **row} for row in sample_rows(val_batch, self.cfg.log_samples)]
+        test_rows = sample_rows(val_batch, self.cfg.log_samples, split="test")
         self.logger.log_samples(state.step, sample_rows(batch, self.cfg.log_samples) + test_rows)
         self.logger.progress(state.step, **{k: logged[k] for k in ("rewards", "init_policy_kl", "loss") if k in logged})
         self._stopped = self.should_stop  # a stop asked while logging (a dashboard's button) saves too
@@ -336,13 +332,15 @@ class Run:
         self.close()
 
 
-def sample_rows(batch: TensorDictBase, n: int) -> list[dict[str, Any]]:
-    """The first ``n`` rows of a batch as dicts (prompt, response, reward) for ``samples.jsonl``."""
+def sample_rows(batch: TensorDictBase | None, n: int, split: str | None = None) -> list[dict[str, Any]]:
+    """The first ``n`` rows of a batch as dicts (prompt, response, reward) for ``samples.jsonl``, each tagged
+    ``split`` when given (``"test"``: a validation batch)."""
     if batch is None or "prompt_text" not in batch.keys() or "response_text" not in batch.keys():
         return []
     rows = []
     for i in range(min(n, batch.batch_size[0])):
-        row = {"prompt": batch["prompt_text"][i], "response": batch["response_text"][i]}
+        row = {"split": split} if split is not None else {}
+        row.update(prompt=batch["prompt_text"][i], response=batch["response_text"][i])
         if "rewards" in batch.keys():
             row["reward"] = float(batch["rewards"][i])
         rows.append(row)

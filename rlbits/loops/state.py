@@ -33,8 +33,8 @@ def runtime(**kwargs: Any) -> Any:
 
 
 def frozen(**kwargs: Any) -> Any:
-    """A model field that is not saved (a frozen reference, rebuilt from the initial weights)."""
-    return dataclasses.field(metadata={_ROLE: "runtime"}, **kwargs)
+    """A model field that is not saved (a frozen reference, rebuilt from the initial weights): ``runtime``."""
+    return runtime(**kwargs)
 
 
 def optimizer_of(model: str, **kwargs: Any) -> Any:
