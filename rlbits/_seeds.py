@@ -1,13 +1,16 @@
-"""Seeds: one derivation for every random stream of a run (stdlib only, so any layer can use it).
+"""Seeds: one derivation for every random stream of a run (stdlib and torch only, so any layer can use it).
 
 ``derive_seed(seed, rank, stream)`` names each stream (sampling, minibatch shuffles, validation, prompt order,
 initialisation), so no two streams share a seed by accident (as ``seed + 1000 * rank`` once did for seed 1000
-on rank 0 and seed 0 on rank 1). ``rlbits.loops.runtime`` re-exports it with the generators built on it.
+on rank 0 and seed 0 on rank 1). ``generator`` is a ``torch.Generator`` seeded by it; ``rlbits.loops.runtime``
+re-exports both.
 """
 
 from __future__ import annotations
 
 import hashlib
+
+import torch
 
 
 def derive_seed(seed: int, rank: int, stream: str) -> int:
@@ -25,4 +28,9 @@ def derive_seed(seed: int, rank: int, stream: str) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-__all__ = ["derive_seed"]
+def generator(seed: int, rank: int, stream: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``derive_seed(seed, rank, stream)``."""
+    return torch.Generator(device=device).manual_seed(derive_seed(seed, rank, stream))
+
+
+__all__ = ["derive_seed", "generator"]

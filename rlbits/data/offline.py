@@ -32,7 +32,7 @@ from torchrl.data import ReplayBuffer, TensorStorage
 from torchrl.data.replay_buffers import Sampler
 
 from rlbits._io import atomic_folder
-from rlbits._seeds import derive_seed
+from rlbits._seeds import generator
 from rlbits.batch import build_batch, make_prompts, pad_right, trim_padding
 from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
@@ -149,7 +149,7 @@ def build_offline_dataset(
     reward = get_task(task_or_reward).reward if isinstance(task_or_reward, str) else task_or_reward
     stream = PromptStream(list(prompts), seed)
     device = next(policy.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(derive_seed(seed, 0, "offline_dataset"))
+    gen = generator(seed, 0, "offline_dataset", device)
     rows: list[dict[str, Any]] = []
     while len(rows) < n:
         chunk = stream.next(min(batch_size, n - len(rows)))
@@ -159,7 +159,7 @@ def build_offline_dataset(
             chunk,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
-            generator=generator,
+            generator=gen,
         )
         rewards = score(batch, reward).to(torch.float32).tolist()
         p_mask, a_mask = batch["prompt_mask"].tolist(), batch["action_mask"].tolist()

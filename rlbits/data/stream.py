@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from rlbits._seeds import derive_seed
+from rlbits._seeds import generator
 from rlbits.distributed.env import DistEnv
 
 
@@ -42,7 +42,7 @@ class PromptStream:
         self.consumed_samples = consumed_samples
 
     def _order(self, epoch: int) -> list[int]:
-        gen = torch.Generator().manual_seed(derive_seed(self.seed, 0, f"prompts/epoch{epoch}"))
+        gen = generator(self.seed, 0, f"prompts/epoch{epoch}")
         return torch.randperm(len(self.prompts), generator=gen).tolist()
 
     def __len__(self) -> int:

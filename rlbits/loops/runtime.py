@@ -16,16 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlbits._seeds import derive_seed  # defined below the loops: rlbits.data's PromptStream uses it
+from rlbits._seeds import derive_seed, generator  # defined below the loops: rlbits.data uses them too
 from rlbits.distributed.env import DistEnv, init
 from rlbits.distributed.parallelize import is_sharded, shard
 from rlbits.loops.config import RunConfig
 from rlbits.models.load import load_pretrained
-
-
-def generator(seed: int, rank: int, stream: str, device: torch.device | str = "cpu") -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` seeded with ``derive_seed(seed, rank, stream)``."""
-    return torch.Generator(device=device).manual_seed(derive_seed(seed, rank, stream))
 
 
 def seed_everything(seed: int) -> None:
