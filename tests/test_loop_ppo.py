@@ -336,7 +336,27 @@ def test_adaptive_kl_and_skip_reference_in_a_run(policy_dir, tmp_path):
     skip = make_cfg(policy_dir, tmp_path / "b", skip_reference_policy_logprobs=True)
     train(skip, reward=reward, prompts=PROMPTS)
     rows = read_metrics(tmp_path / "b")
-    assert all(r["init_policy_kl"] == 0 for r in rows)
+    assert rows and not any("init_policy_kl" in r for r in rows)  # no reference pass: no KL to report
+
+
+@pytest.mark.slow
+def test_reference_skipped_when_no_term_uses_it(policy_dir, tmp_path):
+    """kl_coef = 0: no reference model is loaded or run, and training is the same as with the reference kept
+    for monitoring (which logs init_policy_kl and nothing else changes)."""
+    base = dict(kl_coef=0.0, max_num_steps=2)
+    assert not make_cfg(policy_dir, tmp_path / "x", **base).uses_ref_logprobs
+    assert make_cfg(policy_dir, tmp_path / "x", **base, monitor_init_policy_kl=True).uses_ref_logprobs
+    assert make_cfg(policy_dir, tmp_path / "x", kl_in_reward=False, kl_loss_coef=0.01).uses_ref_logprobs
+    assert not make_cfg(policy_dir, tmp_path / "x", kl_in_reward=False, kl_loss_coef=0.0).uses_ref_logprobs
+    assert init_state(make_cfg(policy_dir, tmp_path / "x", **base), DistEnv(), reward=reward, prompts=PROMPTS).reference is None
+    train(make_cfg(policy_dir, tmp_path / "skip", **base), reward=reward, prompts=PROMPTS)
+    train(make_cfg(policy_dir, tmp_path / "mon", **base, monitor_init_policy_kl=True), reward=reward, prompts=PROMPTS)
+    skip, mon = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "mon")
+    assert not any("init_policy_kl" in r for r in skip) and all("init_policy_kl" in r for r in mon if r["step"] > 0)
+    for a, b in zip(skip, mon, strict=True):
+        for key in ("rewards", "actor_loss", "critic_loss", "val_reward"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
 
 
 @pytest.mark.slow

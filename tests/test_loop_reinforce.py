@@ -353,3 +353,23 @@ def test_stop_request_ends_after_the_step_with_a_checkpoint(tiny_path, tmp_path)
     # the stop flag is read after step 1 is logged (as in every loop): no step 2; checkpoint + final/
     assert [r["step"] for r in read_metrics(run_dir)] == [1]
     assert (run_dir / "checkpoints" / "step_1").is_dir() and (run_dir / "final" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_reference_skipped_when_no_term_uses_it(tiny_path, tmp_path):
+    """GRPO without KL terms (TRL's beta = 0): no reference model, no init_policy_kl, the same training as
+    with the reference kept for monitoring."""
+    base = dict(baseline="grpo", kl_loss_coef=0.0)
+    assert not make_cfg(tiny_path, tmp_path / "x", **base).uses_ref_logprobs
+    assert make_cfg(tiny_path, tmp_path / "x", baseline="grpo", kl_loss_coef=0.05).uses_ref_logprobs
+    assert make_cfg(tiny_path, tmp_path / "x", kl_in_reward=True, kl_coef=0.1).uses_ref_logprobs
+    state = reinforce.init_state(make_cfg(tiny_path, tmp_path / "x", **base), DistEnv(), reward=length_reward)
+    assert state.reference is None
+    skip = train(make_cfg(tiny_path, tmp_path / "skip", **base), reward=length_reward)
+    mon = train(make_cfg(tiny_path, tmp_path / "mon", **base, monitor_init_policy_kl=True), reward=length_reward)
+    a, b = read_metrics(skip), read_metrics(mon)
+    assert not any("init_policy_kl" in r for r in a) and all("init_policy_kl" in r for r in b if r["step"] > 0)
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("rewards", "actor_loss", "val_reward"):
+            if key in ra:
+                assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-7), key

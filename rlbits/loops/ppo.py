@@ -141,7 +141,9 @@ class PPOConfig(RunConfig):
     kl_horizon: float = 10000.0
     """Horizon of the adaptive controller in samples: larger = slower changes of the coefficient."""
     skip_reference_policy_logprobs: bool = False
-    """No reference forward pass: ref_logprobs = logprobs, so the KL is 0 (a quicker start; no KL control at all)."""
+    """No reference forward pass even with a KL term configured: every KL is 0 (a quicker start; no KL control at all)."""
+    monitor_init_policy_kl: bool = False
+    """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs`` (``kl_coef`` 0 in the reward, ``kl_loss_coef`` 0 in the loss, no ``adaptive_kl``); without it the reference model is then neither loaded nor run."""
 
     # --- Reward scaling (applied in this order: subtract reference, whiten, clip)
     reward_subtract_reference: bool = False
@@ -197,6 +199,16 @@ class PPOConfig(RunConfig):
         if not self.critic_init:
             raise ConfigError("critic_init must be 'policy' or a folder, got an empty string")
 
+    @property
+    def uses_ref_logprobs(self) -> bool:
+        """Whether the reference forward runs: a KL term in the reward or the loss (or ``adaptive_kl``) uses
+        ``ref_logprobs``, or ``monitor_init_policy_kl`` asks for the metric; never with
+        ``skip_reference_policy_logprobs``."""
+        if self.skip_reference_policy_logprobs:
+            return False
+        kl_term = self.adaptive_kl or (self.kl_coef > 0 if self.kl_in_reward else self.kl_loss_coef > 0)
+        return kl_term or self.monitor_init_policy_kl
+
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -243,7 +255,7 @@ def init_state(
     init_path = policy_path(cfg)
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None
-    if not cfg.skip_reference_policy_logprobs or cfg.reward_subtract_reference:
+    if cfg.uses_ref_logprobs or cfg.reward_subtract_reference:
         reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
     value_model = prepare(_load_critic(cfg, policy, env), cfg, env)
     policy = prepare(policy.train(), cfg, env)
@@ -296,13 +308,13 @@ def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase
 
 
 def reference(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
-    """Phase 3: ``ref_logprobs`` [B, R] under the frozen reference (a copy of ``logprobs`` when
-    ``skip_reference_policy_logprobs``, so every KL is 0)."""
-    if cfg.skip_reference_policy_logprobs:
-        batch["ref_logprobs"] = batch["logprobs"].clone()
+    """Phase 3: ``ref_logprobs`` [B, R] under the frozen reference. Nothing when no term uses them
+    (``cfg.uses_ref_logprobs`` is False): the batch then has no ``ref_logprobs``, every KL is 0 and
+    ``init_policy_kl`` is not logged."""
+    if not cfg.uses_ref_logprobs:
         return batch
     if state.reference is None:
-        raise ValueError("reference: state.reference is None but skip_reference_policy_logprobs is False")
+        raise ValueError("reference: state.reference is None but the config uses ref_logprobs")
     with unsharded(state.reference), autocast(state.reference, cfg):
         phases.reference_logprobs(state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size)
     return batch
@@ -339,7 +351,9 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
     """
     mask, env, m = batch["action_mask"], state.env, state.metrics
     gae_fn = kernel(gae, cfg)
-    kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp) if cfg.kl_in_reward else None
+    kl = None
+    if cfg.kl_in_reward and "ref_logprobs" in batch.keys():
+        kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
     scores = scale_rewards(batch, cfg, env)
     batch["token_rewards"] = kernel(token_rewards, cfg)(scores, mask, kl, state.kl_coef if cfg.kl_in_reward else 0.0)
     adv, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.lam)
@@ -404,7 +418,7 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
                     total = actor
                     if cfg.entropy_coef > 0:
                         total = total - cfg.entropy_coef * aggregate_loss(entropy, mask, **agg)
-                    if not cfg.kl_in_reward and state.kl_coef > 0:
+                    if not cfg.kl_in_reward and state.kl_coef > 0 and "ref_logprobs" in micro.keys():
                         kl = aggregate_loss(kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp), mask, **agg)
                         total = total + state.kl_coef * kl
                         losses["kl_loss"] = losses.get("kl_loss", 0.0) + kl.detach()

@@ -141,6 +141,8 @@ class ReinforceConfig(RunConfig):
     """Most generation batches (of num_prompts_per_step prompts each) one step may use with dynamic_sampling."""
     overlong_filtering: bool = False
     """Mask responses that hit max_new_tokens without EOS out of the loss (DAPO overlong filtering)."""
+    monitor_init_policy_kl: bool = False
+    """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs`` (no ``kl_in_reward``, ``kl_loss_coef`` 0); without it the reference model is then neither loaded nor run (as TRL's GRPO with ``beta=0``)."""
 
     def check(self) -> None:
         """Shared checks plus the REINFORCE ones. Raises ConfigError naming the field."""
@@ -178,6 +180,12 @@ class ReinforceConfig(RunConfig):
             )
 
     @property
+    def uses_ref_logprobs(self) -> bool:
+        """Whether the reference model is loaded and run: a KL term in the reward or the loss uses
+        ``ref_logprobs``, or ``monitor_init_policy_kl`` asks for the metric."""
+        return self.kl_in_reward or self.kl_loss_coef > 0 or self.monitor_init_policy_kl
+
+    @property
     def ppo_epochs(self) -> int:
         """Earlier name of ``num_iterations`` (read-only; as a config key it is still read, renamed)."""
         return self.num_iterations
@@ -195,7 +203,7 @@ class State(OnlineState):
 
     policy: torch.nn.Module
     reference: torch.nn.Module | None = frozen(default=None)
-    """Frozen initial policy (``init_policy_kl``, the KL terms)."""
+    """Frozen initial policy (``init_policy_kl``, the KL terms); None when no term uses it (``cfg.uses_ref_logprobs``)."""
     optimizer: torch.optim.Optimizer = optimizer_of("policy")
 
 
@@ -208,7 +216,9 @@ def init_state(
     task = get_task(cfg.task)
     init_path = policy_path(cfg)
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
-    reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
+    reference = None
+    if cfg.uses_ref_logprobs:
+        reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
     policy = prepare(policy.train(), cfg, env)
     return State(
         env=env, tokenizer=tokenizer, policy=policy, reference=reference,
@@ -298,7 +308,10 @@ def dynamic_sampling(state: State, batch: TensorDictBase, cfg: ReinforceConfig) 
 
 
 def reference(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
-    """Phase 3: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen initial policy."""
+    """Phase 3: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen initial policy; nothing when
+    no term uses them (``cfg.uses_ref_logprobs`` is False: no reference model, no ``init_policy_kl``)."""
+    if not cfg.uses_ref_logprobs:
+        return batch
     with unsharded(state.reference), autocast(state.reference, cfg):
         phases.reference_logprobs(state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size)
     return batch
