@@ -103,3 +103,16 @@ def rlbits_reward(prompts, responses, **columns) -> list[float]:
 def trl_reward(prompts, completions, **kwargs) -> list[float]:
     """The reward as a TRL reward function."""
     return [reward_from_text(c) for c in completions]
+
+
+def smollm2_config(positions: int = 8192):
+    """SmolLM2-135M's exact architecture (Llama: 30 layers, width 576, 9 heads / 3 KV heads, MLP 1536,
+    vocabulary 49,152, tied embeddings; 134.5M parameters) for a random-init stand-in of the real model
+    (``rlbits model get smollm2-135m`` gives the real weights)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=positions, rope_theta=100000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=PAD_ID,
+    )  # fmt: skip

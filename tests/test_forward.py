@@ -10,7 +10,13 @@ import rlbits.functional.logprobs as logprobs_mod
 import rlbits.models.forward as forward_mod
 from rlbits.batch import build_batch
 from rlbits.functional.logprobs import logprobs_from_hidden
-from rlbits.models.forward import critic_values, policy_logprobs, position_ids_from_mask, split_head
+from rlbits.models.forward import (
+    choose_head,
+    critic_values,
+    policy_logprobs,
+    position_ids_from_mask,
+    split_head,
+)
 from rlbits.models.heads import ValueModel
 from rlbits.models.tiny import tiny_causal_lm
 
@@ -160,20 +166,21 @@ def test_padding_columns_cost_nothing_and_change_nothing(models, monkeypatch, fu
     model = models["gpt2"]
     if not fused:
         monkeypatch.setattr(forward_mod, "split_head", lambda m: None)
+    head = "fused" if fused else "auto"
     batch = _batch()
     padded, (P, R) = _pad_columns(batch, left=3, right=4)
     seen = []
     handle = model.transformer.register_forward_hook(lambda m, inp, out: seen.append(out[0].shape[1]))
     try:
-        lp, ent = policy_logprobs(model, batch, return_entropy=True)
-        lp2, ent2 = policy_logprobs(model, padded, return_entropy=True)
+        lp, ent = policy_logprobs(model, batch, return_entropy=True, head=head)
+        lp2, ent2 = policy_logprobs(model, padded, return_entropy=True, head=head)
     finally:
         handle.remove()
     assert seen == [P + R, P + R]  # the extra columns never reach the model
     assert lp2.shape == (3, R + 4) and (lp2[:, R:] == 0).all() and (ent2[:, R:] == 0).all()
     assert torch.allclose(lp2[:, :R], lp, atol=1e-6) and torch.allclose(ent2[:, :R], ent, atol=1e-6)
     # one microbatch per row: each cut to its own length, same result
-    lp3 = policy_logprobs(model, padded, microbatch_size=1)
+    lp3 = policy_logprobs(model, padded, microbatch_size=1, head=head)
     assert torch.allclose(lp3, lp2, atol=1e-5)
     # gradients are those of the untrimmed batch
     params = [p for p in model.parameters() if p.requires_grad]
@@ -265,13 +272,20 @@ def test_logprobs_from_hidden_errors():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_head_equals_logits_path(models, arch, monkeypatch):
+@pytest.mark.parametrize("head", ["fused", "unfused", "auto"])
+def test_head_paths_equal_logits_path(models, arch, monkeypatch, head):
+    """Each output-layer path of a split-head model gives the model's own logits path's values and
+    gradients (the fused one never holds the logits; ``auto`` picks one by size)."""
     model = models[arch]
     batch = _batch()
     assert split_head(model) is not None
     params = [p for p in model.parameters() if p.requires_grad]
     weights = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(1))
-    lp, ent = policy_logprobs(model, batch, temperature=0.8, return_entropy=True)
+    used = []
+    real = logprobs_mod.logprobs_from_hidden
+    monkeypatch.setattr(forward_mod, "logprobs_from_hidden", lambda *a, **k: used.append(1) or real(*a, **k))
+    lp, ent = policy_logprobs(model, batch, temperature=0.8, return_entropy=True, head=head)
+    assert bool(used) == (head == "fused")  # auto: these tiny logits fit the default budget
     fused = torch.autograd.grad((lp * weights).sum() + ent.sum(), params)
     monkeypatch.setattr(forward_mod, "split_head", lambda m: None)
     lp2, ent2 = policy_logprobs(model, batch, temperature=0.8, return_entropy=True)
@@ -279,6 +293,21 @@ def test_fused_head_equals_logits_path(models, arch, monkeypatch):
     assert torch.allclose(lp, lp2, atol=1e-5) and torch.allclose(ent, ent2, atol=1e-5)
     for x, y in zip(fused, plain, strict=True):
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_choose_head_by_memory_budget(models):
+    # 3 copies of float32 logits: 3 * 4 * rows * R * V bytes against the budget in MiB.
+    assert choose_head("auto", 4, 8, 1024, budget_mb=3 * 4 * 4 * 8 * 1024 / 2**20) == "unfused"
+    assert choose_head("auto", 4, 8, 1024, budget_mb=3 * 4 * 4 * 8 * 1024 / 2**20 - 1e-3) == "fused"
+    assert choose_head("fused", 1, 1, 2, budget_mb=1e9) == "fused"
+    assert choose_head("unfused", 10**4, 10**4, 10**5, budget_mb=0) == "unfused"
+    # policy_logprobs with a zero budget takes the fused path, with a large one the unfused: same values
+    batch = _batch()
+    small = policy_logprobs(models["llama"], batch, head="auto", head_memory_budget_mb=0)
+    large = policy_logprobs(models["llama"], batch, head="auto", head_memory_budget_mb=1e6)
+    assert torch.allclose(small, large, atol=1e-5)
+    with pytest.raises(ValueError, match="head must be one of auto, fused, unfused; got 'chunked'"):
+        policy_logprobs(models["llama"], batch, head="chunked")
 
 
 def test_split_head_only_for_plain_bias_free_heads(models):

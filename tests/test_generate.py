@@ -585,3 +585,64 @@ def test_generate_texts_is_generate_on_tokenized_prompts_then_decode():
                        pad_token_id=tok.pad_token_id, num_samples=2, generator=torch.Generator().manual_seed(3))
     assert torch.equal(out["responses"], ref["responses"]) and torch.equal(out["logprobs"], ref["logprobs"])
     assert list(out["response_text"]) == list(decode(ref, tok)["response_text"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_prefill_equals_repeated_prompts(models, arch):
+    """K samples per prompt prefill each prompt once and repeat its cache rows: the same tokens and
+    logprobs as K copies of the prompt decoded as separate rows."""
+    td = _prompts([3, 6, 1], seed=4)
+    K = 3
+    shared = generate(
+        models[arch], td, max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, num_samples=K, generator=_gen(5)
+    )
+    repeated = TensorDict(
+        prompts=td["prompts"].repeat_interleave(K, 0), prompt_mask=td["prompt_mask"].repeat_interleave(K, 0),
+        batch_size=[td.batch_size[0] * K],
+    )  # fmt: skip
+    rows = generate(models[arch], repeated, max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, generator=_gen(5))
+    assert torch.equal(shared["responses"], rows["responses"])
+    assert torch.equal(shared["prompts"], rows["prompts"])
+    torch.testing.assert_close(shared["logprobs"], rows["logprobs"], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_autocast_generate_matches_autocast_forward(models, arch):
+    """Under bf16 autocast (``precision: bf16``) decoding works for GPT-2, Llama and Qwen2 (RoPE models
+    used to fail: fp32 keys and bf16 values in one static cache) and its logprobs are those of the
+    autocast teacher-forced forward the trainer computes, to bf16 rounding: the step-1 KL is bounded."""
+    td = _prompts([4, 7, 2, 5], seed=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate(
+            models[arch], td, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, num_samples=2, generator=_gen(7)
+        )
+        with torch.no_grad():
+            tf = policy_logprobs(models[arch], out)
+    mask = out["action_mask"]
+    diff = (out["logprobs"] - tf)[mask]
+    assert out["logprobs"].dtype == torch.float32 and mask.any()
+    assert diff.abs().max().item() < 0.05  # bf16 rounding of cached vs recomputed activations
+    # the k1 KL estimate between sampler and trainer per sequence, what init_policy_kl shows at step 1
+    assert abs((diff.sum() / out.batch_size[0]).item()) < 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_decode_step_equals_eager(models, arch):
+    """``compile=True`` (the decode step under torch.compile, static cache rounded up to a bucket)
+    samples the same tokens with the same logprobs as eager decoding, and a second call with another
+    prompt length reuses the compiled step."""
+    td = _prompts([3, 6, 2], seed=8)
+    kw = dict(max_new_tokens=7, temperature=0.7, eos_token_id=EOS, pad_token_id=PAD, num_samples=2)
+    eager = generate(models[arch], td, **kw, generator=_gen(9))
+    compiled = generate(models[arch], td, **kw, generator=_gen(9), compile=True)
+    assert torch.equal(eager["responses"], compiled["responses"])
+    torch.testing.assert_close(eager["logprobs"], compiled["logprobs"], atol=1e-5, rtol=0)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    td2 = _prompts([5, 9, 4], seed=10)  # another P, the same cache bucket and batch size
+    eager2 = generate(models[arch], td2, **kw, generator=_gen(11))
+    compiled2 = generate(models[arch], td2, **kw, generator=_gen(11), compile=True)
+    assert torch.equal(eager2["responses"], compiled2["responses"])
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation

@@ -106,6 +106,12 @@ class RunConfig:
     """``bf16``: bfloat16 matmuls with fp32 master weights and optimizer states (``torch.autocast`` on one process; FSDP2 ``MixedPrecisionPolicy``, bf16 parameters and fp32 gradient reduction, under torchrun). Works on CPU and GPU."""
     compile: bool = False
     """``torch.compile`` the loss and advantage kernels (dynamic shapes: one compilation per kernel, not one per response length) and, on GPU, each transformer block. Compiled code is cached under ``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_$USER``), so later runs start faster."""
+    compile_generate: bool = False
+    """``torch.compile`` the rollout's decode step (``generate(compile=True)``: static KV cache, gpt-fast style) for GPT-2/Llama/Mistral/Qwen models without ``bf16`` autocast; the first rollout compiles (about a minute for SmolLM2-135M on 2 CPU cores, less with a warm inductor cache). Pays off for many steps of a model whose decoding is overhead-bound (``benchmarks/bench_decode.py``)."""
+    logprob_head: Literal["auto", "fused", "unfused"] = "auto"
+    """How the training and reference forwards apply the output layer (``rlbits.models.forward.policy_logprobs``): ``fused`` never holds a microbatch's [b, R, V] logits (chunked, one more matmul), ``unfused`` uses ``F.linear`` (faster where the logits fit), ``auto`` picks ``unfused`` when 3 copies of a microbatch's float32 logits fit ``head_memory_budget_mb``."""
+    head_memory_budget_mb: float = 1024.0
+    """MiB the unfused output layer may use per microbatch under ``logprob_head: auto``."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf reward, loss or gradient: ``stop`` raises (naming step, phase and samples; the last checkpoint stays the newest); ``skip`` drops the rest of that step's update (logging ``skipped_step``) and goes on. Rewards that raise or come back with the wrong count always stop."""
     checkpoint_checksums: Literal["small", "all"] = "small"

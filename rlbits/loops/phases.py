@@ -20,7 +20,7 @@ from rlbits.functional import kl_penalty, masked_sum
 from rlbits.loops.config import RunConfig
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.runtime import autocast, generator
-from rlbits.models.forward import policy_logprobs
+from rlbits.models.forward import HEAD_MEMORY_BUDGET_MB, policy_logprobs
 from rlbits.rollout.generate import generate_texts
 from rlbits.rollout.score import score
 
@@ -43,9 +43,10 @@ def rollout(
     num_samples: int = 1,
     generator: torch.Generator | None = None,
     logits_processor: Callable | None = None,
+    compile: bool = False,
 ) -> TensorDictBase:
     """``generate_texts`` (tokenize, sample ``num_samples`` responses each, decode) with a sharded policy
-    gathered for the whole call.
+    gathered for the whole call; ``compile``: a compiled decode step (``generate(compile=True)``).
 
     Returns the batch of docs/batch.md (``prompts`` ... ``logprobs``, ``group``, ``prompt_text``,
     ``response_text``) with behaviour logprobs at ``temperature`` (greedy when ``temperature == 0``).
@@ -53,7 +54,7 @@ def rollout(
     with unsharded(policy):  # a sharded policy is gathered once for the whole rollout
         return generate_texts(
             policy, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-            num_samples=num_samples, generator=generator, logits_processor=logits_processor,
+            num_samples=num_samples, generator=generator, logits_processor=logits_processor, compile=compile,
         )  # fmt: skip
 
 
@@ -63,10 +64,17 @@ def score_rollout(batch: TensorDictBase, reward: Any) -> torch.Tensor:
     return batch["rewards"]
 
 
-def reference_logprobs(ref_policy: torch.nn.Module, batch: TensorDictBase, *, temperature: float, microbatch_size: int) -> torch.Tensor:
-    """Write ``ref_logprobs`` [B, R]: the frozen reference policy's logprobs of the sampled tokens."""
+def reference_logprobs(
+    ref_policy: torch.nn.Module, batch: TensorDictBase, *, temperature: float, microbatch_size: int,
+    head: str = "auto", head_memory_budget_mb: float = HEAD_MEMORY_BUDGET_MB,
+) -> torch.Tensor:
+    """Write ``ref_logprobs`` [B, R]: the frozen reference policy's logprobs of the sampled tokens
+    (``head``, ``head_memory_budget_mb``: the output layer's path, see ``policy_logprobs``)."""
     with torch.no_grad():
-        batch["ref_logprobs"] = policy_logprobs(ref_policy, batch, temperature=temperature, microbatch_size=microbatch_size)
+        batch["ref_logprobs"] = policy_logprobs(
+            ref_policy, batch, temperature=temperature, microbatch_size=microbatch_size, head=head,
+            head_memory_budget_mb=head_memory_budget_mb,
+        )  # fmt: skip
     return batch["ref_logprobs"]
 
 

@@ -84,6 +84,7 @@ from rlbits.loops.runtime import (
     autocast,
     disable_dropout,
     generator,
+    head_args,
     kernel,
     load_policy_and_tokenizer,
     policy_path,
@@ -290,7 +291,7 @@ def rollout(state: State, batch: TensorDictBase, cfg: PPOConfig, *, policy: torc
     with autocast(policy, cfg):
         return phases.rollout(
             policy, state.tokenizer, phases.prompt_texts(batch), max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt,
+            temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt, compile=cfg.compile_generate,
             generator=state.sampling_generator,
         )  # fmt: skip
 
@@ -316,7 +317,7 @@ def reference(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDict
     if state.reference is None:
         raise ValueError("reference: state.reference is None but the config uses ref_logprobs")
     with unsharded(state.reference), autocast(state.reference, cfg):
-        phases.reference_logprobs(state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size)
+        phases.reference_logprobs(state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg))
     return batch
 
 
@@ -409,7 +410,7 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
                 total = 0.0
                 if train_policy:
                     with autocast(state.policy, cfg):
-                        logprobs, entropy = policy_logprobs(state.policy, micro, temperature=cfg.temperature, return_entropy=True)
+                        logprobs, entropy = policy_logprobs(state.policy, micro, temperature=cfg.temperature, return_entropy=True, **head_args(cfg))
                     logprobs, entropy = logprobs.float(), entropy.float()
                     actor, stats = ppo_loss_fn(
                         logprobs, micro["logprobs"], micro["advantages"], mask,

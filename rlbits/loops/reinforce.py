@@ -84,7 +84,15 @@ from rlbits.loops.config import ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
 from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase
-from rlbits.loops.runtime import autocast, generator, kernel, load_policy_and_tokenizer, policy_path, prepare
+from rlbits.loops.runtime import (
+    autocast,
+    generator,
+    head_args,
+    kernel,
+    load_policy_and_tokenizer,
+    policy_path,
+    prepare,
+)
 from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.models.forward import policy_logprobs
 from rlbits.models.load import freeze, load_pretrained
@@ -240,7 +248,7 @@ def rollout(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Tensor
     with autocast(state.policy, cfg):
         return phases.rollout(
             state.policy, state.tokenizer, phases.prompt_texts(batch), max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt,
+            temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt, compile=cfg.compile_generate,
             generator=state.sampling_generator,
         )  # fmt: skip
 
@@ -313,7 +321,7 @@ def reference(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Tens
     if not cfg.uses_ref_logprobs:
         return batch
     with unsharded(state.reference), autocast(state.reference, cfg):
-        phases.reference_logprobs(state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size)
+        phases.reference_logprobs(state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg))
     return batch
 
 
@@ -395,7 +403,7 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorD
             for micro in pad_microbatches(list(split_microbatches(minibatch, cfg.microbatch_size)), env):
                 mask = micro["loss_mask"]
                 with autocast(policy, cfg):
-                    logprobs, entropy = policy_logprobs(policy, micro, temperature=cfg.temperature, return_entropy=True)
+                    logprobs, entropy = policy_logprobs(policy, micro, temperature=cfg.temperature, return_entropy=True, **head_args(cfg))
                 logprobs, entropy = logprobs.float(), entropy.float()
                 loss, stats = policy_gradient_loss(logprobs, micro, cfg, num_tokens, num_seqs)
                 kl_loss = torch.zeros(())

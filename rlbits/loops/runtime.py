@@ -76,6 +76,11 @@ def kernel(fn: Callable, cfg: RunConfig) -> Callable:
     return _compiled(fn) if cfg.compile else fn
 
 
+def head_args(cfg: RunConfig) -> dict:
+    """The output-layer keywords of ``policy_logprobs`` from a config (``logprob_head``, ``head_memory_budget_mb``)."""
+    return {"head": cfg.logprob_head, "head_memory_budget_mb": cfg.head_memory_budget_mb}
+
+
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Set every dropout probability to 0: RL needs the sampling and training forward passes to agree."""
     for module in model.modules():
@@ -104,6 +109,7 @@ __all__ = [
     "derive_seed",
     "disable_dropout",
     "generator",
+    "head_args",
     "kernel",
     "load_policy_and_tokenizer",
     "policy_path",

@@ -136,6 +136,21 @@ def _pad_right(x: torch.Tensor, length: int) -> torch.Tensor:
     return x if x.shape[1] == length else torch.nn.functional.pad(x, (0, length - x.shape[1]))
 
 
+HEADS = ("auto", "fused", "unfused")
+# Default MiB the unfused output layer may use per microbatch under ``head="auto"`` (``choose_head``).
+HEAD_MEMORY_BUDGET_MB = 1024.0
+
+
+def choose_head(head: str, rows: int, response_len: int, vocab: int, budget_mb: float) -> str:
+    """``"fused"`` or ``"unfused"``: ``head`` itself unless it is ``"auto"``; then ``"unfused"`` when
+    3 x rows x response_len x vocab float32 values (the logits, their log-softmax and their gradient) fit
+    ``budget_mb`` MiB. The unfused path is faster where it fits (one matmul fewer in backward; at the
+    standard benchmark's size the fused head cost 1.3x, benchmarks/RESULTS.md)."""
+    if head != "auto":
+        return head
+    return "unfused" if 3 * rows * response_len * vocab * 4 <= budget_mb * 2**20 else "fused"
+
+
 def response_logits(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int
 ) -> torch.Tensor:
@@ -189,6 +204,8 @@ def policy_logprobs(
     temperature: float = 1.0,
     microbatch_size: int | None = None,
     return_entropy: bool = False,
+    head: str = "auto",
+    head_memory_budget_mb: float = HEAD_MEMORY_BUDGET_MB,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each response token under ``model`` at ``temperature``, teacher-forced.
 
@@ -197,11 +214,15 @@ def policy_logprobs(
     ``generate`` decodes with). Use it for the current policy in the update (differentiable), the old
     policy, or the reference policy (under ``torch.no_grad()``). Dropout follows ``model.training``.
 
-    For GPT-2 / Llama / Mistral / Qwen2 / Qwen3 models (``split_head``) the output layer is applied by
-    ``logprobs_from_hidden``: chunk by chunk, so the [B, R, V] logits never exist (forward or backward).
-    It costs one more matmul (the logits are recomputed in backward): 1.3x the time of ``F.linear`` +
-    ``logprobs_from_logits`` at B = 2, R = 1024, V = 32k on 2 CPU threads (benchmarks/RESULTS.md), for a
-    fraction of the memory. Other models go through their own forward and ``logprobs_from_logits``.
+    The output layer, for GPT-2 / Llama / Mistral / Qwen2 / Qwen3 models (``split_head``), by ``head``:
+    ``"fused"`` applies it with ``logprobs_from_hidden``, chunk by chunk, so the [b, R, V] logits of a
+    microbatch never exist (forward or backward), for one more matmul (the logits are recomputed in
+    backward: 1.3x the time of the unfused path at B = 2, R = 1024, V = 32k on 2 CPU threads);
+    ``"unfused"`` computes the logits with ``F.linear`` and takes ``logprobs_from_logits``; ``"auto"``
+    (default) picks the unfused path when a microbatch's logits, counted three times (logits, their
+    log-softmax, their gradient) in float32, fit ``head_memory_budget_mb``, else the fused one
+    (``choose_head``). Both give the same values and gradients to float rounding. Other models go
+    through their own forward and ``logprobs_from_logits``.
 
     Each microbatch is cut to its own real columns first (``_trim``): prompt columns that are padding in
     all its rows and response columns past its longest response cost nothing. Sort rows by length
@@ -218,17 +239,22 @@ def policy_logprobs(
         temperature: > 0; the temperature the responses were sampled at (1.0 for greedy decoding).
         microbatch_size: rows per forward pass; None for one pass.
         return_entropy: also return the entropy of ``softmax(logits / T)`` at each response position.
+        head: ``"auto"``, ``"fused"`` or ``"unfused"`` (see above).
+        head_memory_budget_mb: MiB the unfused head may use per microbatch under ``"auto"``.
 
     Returns:
         logprobs [B, R] float32, 0 where ``action_mask`` is False; with ``return_entropy``,
         ``(logprobs, entropy)``, entropy [B, R] float32 and 0 where ``action_mask`` is False.
 
     Raises:
-        ValueError: a key is missing, shapes disagree, ``temperature <= 0`` or a bad ``microbatch_size``.
+        ValueError: a key is missing, shapes disagree, ``temperature <= 0``, a bad ``microbatch_size`` or
+            an unknown ``head``.
     """
     input_ids, attention_mask, responses, action_mask = _read_batch(batch)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {', '.join(HEADS)}; got {head!r}")
     r = responses.shape[1]
     mask = action_mask.bool()
     split = split_head(model)
@@ -237,10 +263,15 @@ def policy_logprobs(
         cols, kept = _trim(input_ids[mb], attention_mask[mb], r)
         ids, att, resp = input_ids[mb, cols], attention_mask[mb, cols], responses[mb, :kept]
         if split is not None:
-            # Fused output layer: the [B, R, V] logits never exist (see ``logprobs_from_hidden``).
-            backbone, head = split
+            backbone, lm_head = split
             hidden = response_hidden(backbone, ids, att, kept)
-            lp, ent = logprobs_from_hidden(hidden, head.weight, resp, temperature, return_entropy=True)
+            if choose_head(head, hidden.shape[0], kept, lm_head.weight.shape[0], head_memory_budget_mb) == "fused":
+                # The [b, R, V] logits never exist (see ``logprobs_from_hidden``).
+                lp, ent = logprobs_from_hidden(hidden, lm_head.weight, resp, temperature, return_entropy=True)
+            else:
+                logits = torch.nn.functional.linear(hidden, lm_head.weight)
+                lp = logprobs_from_logits(logits, resp, temperature)
+                ent = entropy_from_logits(logits, temperature) if return_entropy else None
         else:
             logits = response_logits(model, ids, att, kept)
             lp = logprobs_from_logits(logits, resp, temperature)

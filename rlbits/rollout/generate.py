@@ -49,6 +49,9 @@ _EOS_CHECK_EVERY_CPU = 1
 _SAMPLE_BLOCK = 256
 # Most rows for which the decode step applies the LM head as ``(W @ h.T).T`` (see ``_small_batch_head``).
 _SMALL_BATCH_HEAD_ROWS = 64
+# With ``compile=True`` the static cache's length is rounded up to a multiple of this, so prompt batches of
+# different lengths reuse one compiled decode step.
+_COMPILE_CACHE_BUCKET = 64
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -170,16 +173,40 @@ def _next_token(
 
 
 def _make_cache(policy: torch.nn.Module, max_len: int):
-    """A StaticCache for ``max_len`` positions, or None (the model then builds a DynamicCache)."""
+    """A StaticCache for ``max_len`` positions, or None (the model then builds a DynamicCache).
+
+    None under autocast: a static layer allocates keys and values in the dtype of the first keys it sees,
+    and a RoPE model's keys come out of autocast in float32 while its values are bfloat16, so the values'
+    in-place copy would fail; the dynamic cache stores each as it comes.
+    """
     from transformers import StaticCache
 
     config = getattr(policy, "config", None)
     if config is None or not getattr(policy, "_can_compile_fullgraph", False):
         return None
+    device = next(policy.parameters()).device
+    if torch.is_autocast_enabled(device.type):
+        return None
     try:
         return StaticCache(config=config, max_cache_len=max_len)
     except Exception:  # a config the static layers do not understand: use the dynamic cache
         return None
+
+
+def _repeat_rows(cache, k: int) -> None:
+    """Repeat every row of a prefilled KV cache ``k`` times in place (row i -> rows i*k .. i*k+k-1), so
+    the K samples of a prompt share one prefill."""
+    from transformers.cache_utils import StaticLayer
+
+    for layer in cache.layers:
+        if isinstance(layer, StaticLayer):
+            layer.keys = layer.keys.repeat_interleave(k, dim=0)
+            layer.values = layer.values.repeat_interleave(k, dim=0)
+            layer.batch_size = layer.keys.shape[0]
+            torch._dynamo.mark_static_address(layer.keys)  # the compiled step updates them in place
+            torch._dynamo.mark_static_address(layer.values)
+        else:
+            layer.batch_repeat_interleave(k)
 
 
 def _small_batch_head(policy: torch.nn.Module, batch_size: int, device: torch.device):
@@ -213,13 +240,39 @@ def _forward_last(policy, split, input_ids, attention_mask, position_ids, cache,
     if split is not None:
         backbone, head = split
         out = backbone(**kwargs)
-        hidden = out.last_hidden_state[:, -1]
-        logits = (head.weight @ hidden.T).T
-        if head.bias is not None:
-            logits = logits + head.bias
-        return logits.float(), out.past_key_values
+        return _head_last(head.weight, out.last_hidden_state), out.past_key_values
     out = policy(**kwargs, logits_to_keep=1) if keep_last else policy(**kwargs)
     return out.logits[:, -1].float(), out.past_key_values
+
+
+def _head_last(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """[B, V] float32 logits of the last position from [B, T, H] hidden states, as ``(W @ h.T).T`` made
+    contiguous (the sampler's row reductions on the transposed view run several times slower)."""
+    return (weight @ hidden[:, -1].T).T.float().contiguous()
+
+
+def _decode_step(backbone, weight, input_ids, attention_mask, position_ids, cache):
+    """One decode step for ``torch.compile``: the backbone on [B, 1] new tokens with the static cache,
+    then the head on the last position. Returns [B, V] float32 logits."""
+    out = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=cache, use_cache=True,
+    )  # fmt: skip
+    return _head_last(weight, out.last_hidden_state)
+
+
+_compiled_decode_step = None
+
+
+def compiled_decode_step():
+    """``_decode_step`` under ``torch.compile(dynamic=False)``, built once per process. Parameters are
+    graph inputs (not constants), so optimizer steps need no recompilation; a new batch size or cache
+    length does (``generate`` rounds the cache length up to a multiple of ``_COMPILE_CACHE_BUCKET``).
+    Inductor's on-disk cache makes later processes compile faster."""
+    global _compiled_decode_step
+    if _compiled_decode_step is None:
+        _compiled_decode_step = torch.compile(_decode_step, dynamic=False)
+    return _compiled_decode_step
 
 
 # --- generate -------------------------------------------------------------------------------------------
@@ -286,6 +339,7 @@ def generate(
     generator: torch.Generator | None = None,
     stop_token_ids: list[int] | tuple[int, ...] | None = None,
     return_entropy: bool = False,
+    compile: bool = False,
 ) -> TensorDict:
     """Sample ``num_samples`` responses per prompt with a KV cache.
 
@@ -318,6 +372,11 @@ def generate(
             ``torch.rand(B, 1)`` draw per step, on the policy's device).
         stop_token_ids: more ids that end a response like ``eos_token_id``.
         return_entropy: also return ``entropy`` [B, R]: entropy of ``softmax(raw_logits / T)`` per step.
+        compile: run each decode step through ``torch.compile`` (``compiled_decode_step``; gpt-fast's
+            approach: static shapes, static KV cache). Only where the static cache and the split head apply
+            (GPT-2/Llama/Mistral/Qwen2/Qwen3 families, no autocast, at most ``_SMALL_BATCH_HEAD_ROWS`` rows on
+            CPU); else ignored. The first call per batch size and cache length compiles (tens of seconds on
+            CPU); the samples equal the eager ones up to float rounding of the logits.
 
     Returns:
         TensorDict with batch size [B * K]:
@@ -363,38 +422,46 @@ def generate(
     stop_ids += list(stop_token_ids or [])
 
     device = prompts.device
-    if num_samples > 1:
-        prompts = prompts.repeat_interleave(num_samples, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
-    B = prompts.shape[0]
+    B0, K = prompts.shape[0], num_samples
+    B = B0 * K
     total = P + max_new_tokens
+    # Rows i*K .. i*K+K-1 sample prompt i; the prompts are prefilled once and the cache rows repeated.
+    prompt_rows = prompts.repeat_interleave(K, dim=0) if K > 1 else prompts
+    mask_rows = prompt_mask.repeat_interleave(K, dim=0) if K > 1 else prompt_mask
     input_ids = torch.full((B, total), pad_token_id, dtype=torch.long, device=device)
-    input_ids[:, :P] = prompts
-    attention_mask = torch.zeros((B, total), dtype=torch.bool, device=device)
-    attention_mask[:, :P] = prompt_mask
+    input_ids[:, :P] = prompt_rows
     logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
     entropy = torch.zeros_like(logprobs) if return_entropy else None
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    position = prompt_mask.long().sum(dim=1, keepdim=True)  # position of the first response token
+    position = mask_rows.long().sum(dim=1, keepdim=True)  # position of the first response token
 
     was_training = policy.training
     policy.eval()
     try:
-        cache = _make_cache(policy, total)
-        static = cache is not None
-        keep_last = accepts_logits_to_keep(policy)
         split = _small_batch_head(policy, B, device)
+        step_fn = None
+        cache_len = total
+        if compile and split is not None and _make_cache(policy, total) is not None:
+            cache_len = -(-total // _COMPILE_CACHE_BUCKET) * _COMPILE_CACHE_BUCKET
+            limit = _max_positions(policy)
+            cache_len = min(cache_len, limit[1]) if limit is not None else cache_len
+            step_fn = compiled_decode_step()
+        cache = _make_cache(policy, cache_len)
+        static = cache is not None
+        # The attention mask spans the whole static cache (future columns 0), or grows with the dynamic one.
+        attention_mask = torch.zeros((B, cache_len), dtype=torch.bool, device=device)
+        attention_mask[:, :P] = mask_rows
+        prefill_mask = torch.zeros((B0, cache_len if static else P), dtype=torch.bool, device=device)
+        prefill_mask[:, :P] = prompt_mask
+        keep_last = accepts_logits_to_keep(policy)
         check_every = _EOS_CHECK_EVERY_CPU if device.type == "cpu" else _EOS_CHECK_EVERY
         logits, cache = _forward_last(
-            policy,
-            split,
-            prompts,
-            attention_mask if static else attention_mask[:, :P],
-            position_ids_from_mask(prompt_mask),
-            cache,
-            keep_last,
+            policy, split, prompts, prefill_mask, position_ids_from_mask(prompt_mask), cache, keep_last
         )
+        if K > 1:
+            logits = logits.repeat_interleave(K, dim=0)
+            _repeat_rows(cache, K)
         steps = 0
         for t in range(max_new_tokens):
             tokens, lp = _next_token(
@@ -421,10 +488,15 @@ def generate(
             ):
                 break
             # Finished rows keep decoding (their outputs are discarded); their new token is masked out.
+            new_ids = input_ids[:, P + t : P + t + 1]
+            if step_fn is not None:
+                # contiguous: the slice's stride is P + max_new_tokens, a new graph for every prompt length
+                logits = step_fn(split[0], split[1].weight, new_ids.contiguous(), attention_mask, position + t, cache)
+                continue
             logits, cache = _forward_last(
                 policy,
                 split,
-                input_ids[:, P + t : P + t + 1],
+                new_ids,
                 attention_mask if static else attention_mask[:, : P + t + 1],
                 position + t,
                 cache,
@@ -443,7 +515,7 @@ def generate(
     }
     if entropy is not None:
         columns["entropy"] = entropy[:, :R].contiguous()
-    return build_batch(prompts, prompt_mask, input_ids[:, P : P + R].contiguous(), action_mask, **columns)
+    return build_batch(prompt_rows, mask_rows, input_ids[:, P : P + R].contiguous(), action_mask, **columns)
 
 
 def generate_texts(
@@ -456,6 +528,7 @@ def generate_texts(
     num_samples: int = 1,
     generator: torch.Generator | None = None,
     logits_processor: Callable | None = None,
+    compile: bool = False,
 ) -> TensorDict:
     """``generate`` from prompt strings: tokenize them (``tokenize_prompts``), sample ``num_samples``
     responses each with the policy in eval mode and no gradient, decode the texts (``decode``).
@@ -480,6 +553,7 @@ def generate_texts(
                 num_samples=num_samples,
                 generator=generator,
                 logits_processor=logits_processor,
+                compile=compile,
             )
     finally:
         policy.train(was_training)
