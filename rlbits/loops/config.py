@@ -42,9 +42,11 @@ class RunConfig:
     loop: str = "ppo"
     """Which loop runs this config: ``ppo``, ``reinforce`` or ``ilql``."""
     task: str = "sentiment"
-    """Built-in task giving prompts, reward and base model: ``sentiment`` or ``arithmetic``."""
+    """Built-in task giving prompts, reward and base model: ``sentiment``, ``arithmetic``, ``imdb`` or ``math`` (the last two need the ``real`` extra)."""
     policy: str | None = None
-    """Local HF folder of the initial policy (and reference); None = the task's base model (built if missing)."""
+    """Initial policy (and reference): a local HF folder or a zoo model name (``smollm2-135m``: fetched and converted on first use, docs/real_models.md); None = the task's base model (built or fetched if missing)."""
+    chat_template: bool | None = None
+    """Format every prompt (train and validation) as one user turn with the tokenizer's chat template (``apply_chat_template(..., add_generation_prompt=True)``) before tokenizing; None = what the task asks for (its ``CHAT`` flag: ``math`` yes, the others no)."""
     run_dir: str = "runs/default"
     """Where the run is written: config.yaml, metrics.jsonl, samples.jsonl, TensorBoard events, checkpoints/, final/."""
     seed: int = 0

@@ -182,8 +182,11 @@ def check_lengths(model: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str] |
         if isinstance(value, int) and not isinstance(value, bool):
             limit = value
             break
+    from rlbits.loops.runtime import loop_prompts
+
     for what, texts in (("prompts", prompts), ("val_prompts", val_prompts)):
         if texts:
+            texts = loop_prompts(cfg, tokenizer, texts, "test")  # as the loop will tokenize them (chat or not)
             check_prompt_lengths(texts, tokenizer, max_new_tokens=cfg.max_new_tokens, max_positions=limit, what=what)
 
 

@@ -84,7 +84,15 @@ from rlbits.loops.config import ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
 from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase
-from rlbits.loops.runtime import autocast, generator, kernel, load_policy_and_tokenizer, policy_path, prepare
+from rlbits.loops.runtime import (
+    autocast,
+    generator,
+    kernel,
+    load_policy_and_tokenizer,
+    loop_prompts,
+    policy_path,
+    prepare,
+)
 from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.models.forward import policy_logprobs
 from rlbits.models.load import freeze, load_pretrained
@@ -215,9 +223,9 @@ def init_state(
         optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
         sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
         minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
-        stream=PromptStream(list(prompts) if prompts is not None else task.prompts("train"), cfg.seed),
+        stream=PromptStream(loop_prompts(cfg, tokenizer, prompts, "train"), cfg.seed),
         reward=reward if reward is not None else task.reward,
-        val_prompts=list(val_prompts) if val_prompts is not None else task.prompts("test"),
+        val_prompts=loop_prompts(cfg, tokenizer, val_prompts, "test"),
     )  # fmt: skip
 
 

@@ -162,6 +162,12 @@ def _recipe(task: str) -> dict:
     module = get_task(task)  # ValueError naming the valid tasks
     if task in RECIPES:
         return RECIPES[task]
+    zoo_name = getattr(module, "BASE_MODEL", None)
+    if zoo_name is not None:
+        raise ValueError(
+            f"task {task!r} has no corpus to pretrain a model on: its base model is the real model {zoo_name!r} "
+            f"(`rlbits model get {zoo_name}`; rlbits.zoo.base_model({task!r}) returns it)"
+        )
     recipe = getattr(module, "PRETRAIN", None)
     if not isinstance(recipe, dict):
         raise ValueError(
