@@ -281,6 +281,8 @@ TRAIN_HELP = """Train a policy with the loop the config names (ppo, reinforce, i
   rlbits train configs/rloo_arithmetic.yaml seed=1 run_dir=runs/s1
   rlbits train policy=/path/to/hf_model          your own local HF causal LM (a folder with config.json,
                                                  weights and tokenizer) instead of the task's base model
+  rlbits train loop=reinforce task=math          a real model and real data (the real extra): the task's
+                                                 base model is smollm2-135m; policy=smollm2-135m works too
   rlbits train --resume runs/default max_num_steps=200
   rlbits train --help-config [LOOP]              every config field: type, default, meaning
 """
