@@ -157,3 +157,22 @@ def test_loops_format_prompts_as_the_config_and_task_say():
     assert task_prompts == chat_prompts(tok, get_task("sentiment").prompts("test"))
     with pytest.raises(ValueError, match="no chat template"):
         loop_prompts(PPOConfig(chat_template=True), tiny_tokenizer(), ["ab"], "train")
+
+
+def test_val_prompts_can_name_a_split_of_the_task():
+    from rlbits.loops.config import ConfigError
+    from rlbits.loops.ppo import PPOConfig
+    from rlbits.loops.provenance import user_prompts
+
+    cfg = PPOConfig(val_prompts="split:train")
+    assert user_prompts(cfg, None, None) == (None, get_task("sentiment").prompts("train"))
+    with pytest.raises(ConfigError, match="val_prompts=split:ood: split must be one of 'train', 'test'"):
+        user_prompts(PPOConfig(val_prompts="split:ood"), None, None)
+
+
+@needs_reviews
+def test_imdb_ood_split_as_validation_prompts():
+    from rlbits.loops.ppo import PPOConfig
+    from rlbits.loops.provenance import user_prompts
+
+    assert user_prompts(PPOConfig(task="imdb", val_prompts="split:ood"), None, None)[1] == imdb.prompts("ood")

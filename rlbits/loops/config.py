@@ -82,7 +82,7 @@ class RunConfig:
     val_greedy: bool = False
     """Validate with greedy decoding (True) or sampling at ``temperature`` (False)."""
     val_prompts: str | None = None
-    """Held-out validation prompts instead of the task's test split: a path to a text file with one prompt per line, or to a ``.jsonl`` file of ``{"prompt": ...}`` objects (``rlbits.train(val_prompts=[...])`` and a loop's ``train(cfg, val_prompts=...)`` take a list and win over this key). Checked before any model is loaded; recorded in ``provenance.json``."""
+    """Held-out validation prompts instead of the task's test split: ``split:NAME`` for another split of the task (``split:ood``: imdb's Rotten Tomatoes openings), or a path to a text file with one prompt per line, or to a ``.jsonl`` file of ``{"prompt": ...}`` objects (``rlbits.train(val_prompts=[...])`` and a loop's ``train(cfg, val_prompts=...)`` take a list and win over this key). Checked before any model is loaded; recorded in ``provenance.json``."""
     allow_changed_inputs: bool = False
     """Resume even when the reward, prompts, validation prompts or offline samples differ from those the run was started with (recorded in ``RUN_DIR/provenance.json``); without it such a resume is refused (``ResumeMismatchError``)."""
     save_period: int = 50
