@@ -176,3 +176,18 @@ def test_imdb_ood_split_as_validation_prompts():
     from rlbits.loops.provenance import user_prompts
 
     assert user_prompts(PPOConfig(task="imdb", val_prompts="split:ood"), None, None)[1] == imdb.prompts("ood")
+
+
+@needs_gym
+def test_zoo_evaluate_formats_a_chat_task_and_needs_no_recipe(tmp_path):
+    from rlbits.models.tiny import tiny_causal_lm
+    from rlbits.zoo import evaluate
+
+    tok = _chat_tokenizer()
+    tiny_causal_lm(vocab_size=len(tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    out = evaluate(tmp_path, "math", n=3, max_new_tokens=2)
+    assert (
+        out["n"] == 3 and out["samples"][0][0] == math_task.prompts("test")[0]
+    )  # the reward gets the question
+    assert evaluate(tmp_path, "math", n=1)["n"] == 1  # default length: REAL_TASK_MAX_NEW_TOKENS
