@@ -191,3 +191,12 @@ def test_zoo_evaluate_formats_a_chat_task_and_needs_no_recipe(tmp_path):
         out["n"] == 3 and out["samples"][0][0] == math_task.prompts("test")[0]
     )  # the reward gets the question
     assert evaluate(tmp_path, "math", n=1)["n"] == 1  # default length: REAL_TASK_MAX_NEW_TOKENS
+
+
+def test_ilql_refuses_chat_formatting():
+    from rlbits.distributed.env import DistEnv
+    from rlbits.loops.config import ConfigError
+    from rlbits.loops.ilql import ILQLConfig, init_state
+
+    with pytest.raises(ConfigError, match="the ilql loop does not format prompts as a chat"):
+        init_state(ILQLConfig(task="math"), DistEnv())
