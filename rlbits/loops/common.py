@@ -46,13 +46,16 @@ def validate(
     logits_processor: Callable | None = None,
     env: DistEnv | None = None,
 ) -> tuple[dict[str, float], TensorDictBase]:
-    """``rlbits.loops.phases.validate`` with the task's test prompts and reward as defaults."""
+    """``rlbits.loops.phases.validate`` with the task's test prompts (chat-formatted when ``uses_chat(cfg)``,
+    as the loops validate; given ``prompts`` are used as they are) and reward as defaults."""
+    from rlbits.loops.runtime import loop_prompts
     from rlbits.tasks import get_task
 
     task = get_task(cfg.task)
     return phases.validate(
         policy, tokenizer, cfg, reward=reward if reward is not None else task.reward,
-        prompts=prompts if prompts is not None else task.prompts("test"), logits_processor=logits_processor, env=env,
+        prompts=prompts if prompts is not None else loop_prompts(cfg, tokenizer, None, "test"),
+        logits_processor=logits_processor, env=env,
     )  # fmt: skip
 
 

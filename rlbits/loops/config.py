@@ -42,9 +42,11 @@ class RunConfig:
     loop: str = "ppo"
     """Which loop runs this config: ``ppo``, ``reinforce`` or ``ilql``."""
     task: str = "sentiment"
-    """Built-in task giving prompts, reward and base model: ``sentiment`` or ``arithmetic``."""
+    """Built-in task giving prompts, reward and base model: ``sentiment``, ``arithmetic``, ``imdb`` or ``math`` (the last two need the ``real`` extra)."""
     policy: str | None = None
-    """Local HF folder of the initial policy (and reference); None = the task's base model (built if missing)."""
+    """Initial policy (and reference): a local HF folder or a zoo model name (``smollm2-135m``: fetched and converted on first use, docs/real_models.md); None = the task's base model (built or fetched if missing)."""
+    chat_template: bool | None = None
+    """Format every prompt (train and validation) as one user turn with the tokenizer's chat template (``apply_chat_template(..., add_generation_prompt=True)``) before tokenizing; None = what the task asks for (its ``CHAT`` flag: ``math`` yes, the others no)."""
     run_dir: str = "runs/default"
     """Where the run is written: config.yaml, metrics.jsonl, samples.jsonl, TensorBoard events, checkpoints/, final/."""
     seed: int = 0
@@ -80,7 +82,7 @@ class RunConfig:
     val_greedy: bool = False
     """Validate with greedy decoding (True) or sampling at ``temperature`` (False)."""
     val_prompts: str | None = None
-    """Held-out validation prompts instead of the task's test split: a path to a text file with one prompt per line, or to a ``.jsonl`` file of ``{"prompt": ...}`` objects (``rlbits.train(val_prompts=[...])`` and a loop's ``train(cfg, val_prompts=...)`` take a list and win over this key). Checked before any model is loaded; recorded in ``provenance.json``."""
+    """Held-out validation prompts instead of the task's test split: ``split:NAME`` for another split of the task (``split:ood``: imdb's Rotten Tomatoes openings), or a path to a text file with one prompt per line, or to a ``.jsonl`` file of ``{"prompt": ...}`` objects (``rlbits.train(val_prompts=[...])`` and a loop's ``train(cfg, val_prompts=...)`` take a list and win over this key). Checked before any model is loaded; recorded in ``provenance.json``."""
     allow_changed_inputs: bool = False
     """Resume even when the reward, prompts, validation prompts or offline samples differ from those the run was started with (recorded in ``RUN_DIR/provenance.json``); without it such a resume is refused (``ResumeMismatchError``)."""
     save_period: int = 50

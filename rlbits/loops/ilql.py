@@ -100,7 +100,14 @@ from rlbits.loops.evaluate import evaluate_ilql_run as evaluate_run
 from rlbits.loops.evaluate import load_ilql_final as load_final
 from rlbits.loops.optim import clip_and_step, make_optimizer
 from rlbits.loops.run import NonFiniteError, Run
-from rlbits.loops.runtime import autocast, disable_dropout, load_policy_and_tokenizer, policy_path, prepare
+from rlbits.loops.runtime import (
+    autocast,
+    disable_dropout,
+    load_policy_and_tokenizer,
+    policy_path,
+    prepare,
+    uses_chat,
+)
 from rlbits.loops.state import LoopState, optimizer_of, runtime
 from rlbits.models.forward import position_ids_from_mask
 from rlbits.models.heads import ILQLModel
@@ -230,6 +237,10 @@ def init_state(
     The offline set is attached next (``State.attach``); a resumed run then restores the checkpoint into
     the state (``Run.start``). ``val_prompts`` replaces the task's test split in validation."""
     task = get_task(cfg.task)
+    if uses_chat(cfg):  # its offline rows are tokenized as given: chat-formatted validation alone would not match
+        raise ConfigError(
+            f"the ilql loop does not format prompts as a chat; run task {cfg.task!r} with chat_template=false"
+        )
     model, tokenizer = _fresh_model(cfg, env)
     model = prepare(disable_dropout(model).to(env.device).train(), cfg, env)
     return State(

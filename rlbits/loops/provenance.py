@@ -153,8 +153,8 @@ def check_resume(run_dir: str | Path, record: dict[str, Any], *, allow_changed: 
 
 def user_prompts(cfg: Any, prompts: Any, val_prompts: Any) -> tuple[list[str] | None, list[str] | None]:
     """Check the user's train and validation prompts before any model is loaded (``check_prompts``): the
-    ``val_prompts`` argument, else the config's ``val_prompts`` file (``read_prompts``), else None (the
-    task's test split). Returns ``(prompts, val_prompts)`` as lists or None.
+    ``val_prompts`` argument, else the config's ``val_prompts`` (a file, ``read_prompts``, or ``split:NAME``, a
+    split of the task, ``task_split``), else None (the task's test split). Returns ``(prompts, val_prompts)`` as lists or None.
 
     Raises:
         PromptError: a bad prompt list (names the prompt). FileNotFoundError: a missing val_prompts file.
@@ -164,9 +164,26 @@ def user_prompts(cfg: Any, prompts: Any, val_prompts: Any) -> tuple[list[str] | 
     prompts = check_prompts(prompts, "prompts") if prompts is not None else None
     if val_prompts is not None:
         val_prompts = check_prompts(val_prompts, "val_prompts")
+    elif getattr(cfg, "val_prompts", None) and cfg.val_prompts.startswith(SPLIT_PREFIX):
+        val_prompts = task_split(cfg.task, cfg.val_prompts[len(SPLIT_PREFIX) :])
     elif getattr(cfg, "val_prompts", None):
         val_prompts = read_prompts(cfg.val_prompts, "val_prompts")
     return prompts, val_prompts
+
+
+SPLIT_PREFIX = "split:"
+"""``val_prompts: split:NAME`` names a split of the run's task (``split:ood``: imdb's Rotten Tomatoes prompts)."""
+
+
+def task_split(task: str, split: str) -> list[str]:
+    """The prompts of ``task``'s ``split``, for ``val_prompts: split:NAME``. Raises ConfigError for an unknown split."""
+    from rlbits.loops.config import ConfigError
+    from rlbits.tasks import get_task
+
+    try:
+        return get_task(task).prompts(split)
+    except ValueError as e:
+        raise ConfigError(f"val_prompts=split:{split}: {e}") from None
 
 
 def check_lengths(model: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str] | None, val_prompts: Sequence[str] | None) -> None:
@@ -182,8 +199,11 @@ def check_lengths(model: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str] |
         if isinstance(value, int) and not isinstance(value, bool):
             limit = value
             break
+    from rlbits.loops.runtime import loop_prompts
+
     for what, texts in (("prompts", prompts), ("val_prompts", val_prompts)):
         if texts:
+            texts = loop_prompts(cfg, tokenizer, texts, "test")  # as the loop will tokenize them (chat or not)
             check_prompt_lengths(texts, tokenizer, max_new_tokens=cfg.max_new_tokens, max_positions=limit, what=what)
 
 
@@ -232,6 +252,7 @@ __all__ = [
     "describe_samples",
     "read_provenance",
     "start_provenance",
+    "task_split",
     "user_prompts",
     "write_provenance",
 ]

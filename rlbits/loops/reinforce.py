@@ -90,6 +90,7 @@ from rlbits.loops.runtime import (
     head_args,
     kernel,
     load_policy_and_tokenizer,
+    loop_prompts,
     policy_path,
     prepare,
 )
@@ -233,9 +234,9 @@ def init_state(
         optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
         sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
         minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
-        stream=PromptStream(list(prompts) if prompts is not None else task.prompts("train"), cfg.seed),
+        stream=PromptStream(loop_prompts(cfg, tokenizer, prompts, "train"), cfg.seed),
         reward=reward if reward is not None else task.reward,
-        val_prompts=list(val_prompts) if val_prompts is not None else task.prompts("test"),
+        val_prompts=loop_prompts(cfg, tokenizer, val_prompts, "test"),
     )  # fmt: skip
 
 

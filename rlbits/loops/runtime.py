@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from rlbits._seeds import derive_seed, generator  # defined below the loops: rlbits.data uses them too
+from rlbits.batch import chat_prompts
 from rlbits.distributed.env import DistEnv, init
 from rlbits.distributed.parallelize import is_sharded, shard
 from rlbits.loops.config import RunConfig
@@ -90,12 +91,45 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def policy_path(cfg: RunConfig) -> str:
-    """``cfg.policy``, or the task's base model (built on first use)."""
+    """The folder of the initial policy: ``cfg.policy`` if it is a folder, the zoo model it names
+    (``smollm2-135m``: fetched and converted on first use), or, when ``cfg.policy`` is None, the task's base
+    model (``rlbits.zoo.base_model``: built on first use, or the zoo model a real-data task names).
+
+    Raises:
+        CheckpointNotFoundError (a FileNotFoundError): ``cfg.policy`` is neither a folder nor a zoo name;
+            the message lists the zoo names.
+    """
     if cfg.policy is not None:
-        return cfg.policy
+        from rlbits.zoo import resolve_model
+
+        return resolve_model(cfg.policy)
     from rlbits.zoo import base_model
 
     return base_model(cfg.task)
+
+
+def uses_chat(cfg: RunConfig) -> bool:
+    """Whether prompts are formatted with the chat template: ``cfg.chat_template``, or when it is None
+    (the default) the task's ``CHAT`` flag (False for a task without one)."""
+    if cfg.chat_template is not None:
+        return cfg.chat_template
+    from rlbits.tasks import get_task
+
+    return bool(getattr(get_task(cfg.task), "CHAT", False))
+
+
+def loop_prompts(cfg: RunConfig, tokenizer: Any, prompts: Sequence[str] | None, split: str) -> list[str]:
+    """The prompts a loop feeds its stream or its validation: ``prompts``, or the task's ``split`` when
+    None, each formatted as one user turn with the tokenizer's chat template when ``uses_chat(cfg)``
+    (``rlbits.batch.chat_prompts``). The reward then sees the decoded formatted prompt.
+
+    Raises:
+        ValueError: chat formatting is on and the tokenizer has no chat template.
+    """
+    from rlbits.tasks import get_task
+
+    texts = list(prompts) if prompts is not None else get_task(cfg.task).prompts(split)
+    return chat_prompts(tokenizer, texts) if uses_chat(cfg) else texts
 
 
 def load_policy_and_tokenizer(path: str, env: DistEnv) -> tuple[torch.nn.Module, Any]:
@@ -112,8 +146,10 @@ __all__ = [
     "head_args",
     "kernel",
     "load_policy_and_tokenizer",
+    "loop_prompts",
     "policy_path",
     "prepare",
     "seed_everything",
     "setup",
+    "uses_chat",
 ]

