@@ -84,10 +84,19 @@ from rlbits.loops.config import ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
 from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase
-from rlbits.loops.runtime import autocast, generator, kernel, load_policy_and_tokenizer, policy_path, prepare
+from rlbits.loops.runtime import (
+    autocast,
+    build_policy,
+    generator,
+    kernel,
+    load_policy_and_tokenizer,
+    policy_path,
+    prepare,
+    with_lora,
+)
 from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.models.forward import policy_logprobs
-from rlbits.models.load import freeze, load_pretrained
+from rlbits.models.load import freeze
 from rlbits.tasks import get_task
 
 BASELINES = ("rloo", "grpo", "dr_grpo", "grpo_unscaled", "none")
@@ -195,21 +204,24 @@ class State(OnlineState):
 
     policy: torch.nn.Module
     reference: torch.nn.Module | None = frozen(default=None)
-    """Frozen initial policy (``init_policy_kl``, the KL terms)."""
+    """Frozen initial policy (``init_policy_kl``, the KL terms); None with LoRA, whose reference is the policy
+    with its adapters disabled (``phases.reference_policy``)."""
     optimizer: torch.optim.Optimizer = optimizer_of("policy")
+    """AdamW over the parameters that train: all of the policy's, or only its LoRA adapters."""
 
 
 def init_state(
     cfg: ReinforceConfig, env: DistEnv, *, reward: Any = None, prompts: Sequence[str] | None = None,
     val_prompts: Sequence[str] | None = None,
 ) -> State:
-    """Load the policy and a frozen reference from the initial weights, build the optimizer, the generators
-    and the prompt stream. A resumed run then restores the checkpoint into it (``Run.start``)."""
+    """Load the policy and a frozen reference from the initial weights (with ``lora_rank > 0``: LoRA
+    adapters on the policy and no reference copy), build the optimizer, the generators and the prompt stream.
+    A resumed run then restores the checkpoint into it (``Run.start``)."""
     task = get_task(cfg.task)
     init_path = policy_path(cfg)
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
-    reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
-    policy = prepare(policy.train(), cfg, env)
+    reference = None if cfg.lora else prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
+    policy = prepare(with_lora(policy, cfg).train(), cfg, env)
     return State(
         env=env, tokenizer=tokenizer, policy=policy, reference=reference,
         optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
@@ -298,9 +310,10 @@ def dynamic_sampling(state: State, batch: TensorDictBase, cfg: ReinforceConfig) 
 
 
 def reference(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
-    """Phase 3: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen initial policy."""
-    with unsharded(state.reference), autocast(state.reference, cfg):
-        phases.reference_logprobs(state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size)
+    """Phase 3: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen initial policy (with LoRA: the
+    policy with its adapters disabled)."""
+    with phases.reference_policy(state) as ref, unsharded(ref), autocast(ref, cfg):
+        phases.reference_logprobs(ref, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size)
     return batch
 
 
@@ -457,7 +470,7 @@ def train(
                 with run.phase("update"):  # 5. policy-gradient (or clipped) steps
                     batch = update(state, batch, cfg)
                 run.end_step(state, batch)  # 6. log; validate and save when due
-        return run.finish(state, build=lambda: load_pretrained(policy_path(cfg))[0])
+        return run.finish(state, build=lambda: build_policy(cfg))
 
 
 __all__ = [
