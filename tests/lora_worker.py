@@ -51,7 +51,7 @@ def main(out: str) -> None:
         stream=PromptStream(["unused"], seed=0),
     )  # fmt: skip
     local = batch[rows]
-    with phases.reference_policy(state) as ref, unsharded(ref), torch.no_grad():
+    with phases.reference_model(state) as ref, unsharded(ref), torch.no_grad():
         ref_logprobs = policy_logprobs(ref, local)
     for phase in (reinforce.advantages, reinforce.update):
         local = phase(state, local, cfg)

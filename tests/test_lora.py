@@ -19,7 +19,7 @@ from rlbits.data.stream import prompt_batch
 from rlbits.distributed.checkpoint import export_model, latest_checkpoint, load_checkpoint
 from rlbits.loops import ilql, ppo, reinforce
 from rlbits.loops.config import ConfigError, config_from_dict, load_config
-from rlbits.loops.phases import reference_policy
+from rlbits.loops.phases import reference_model
 from rlbits.loops.run import read_metrics
 from rlbits.loops.runtime import build_policy, setup
 from rlbits.models.forward import policy_logprobs
@@ -228,7 +228,7 @@ def test_reference_is_the_policy_with_adapters_disabled_and_no_second_copy(loop,
     assert torch.allclose(batch["ref_logprobs"], want, atol=1e-6)
     with torch.no_grad():
         assert (policy_logprobs(state.policy, batch) - want).abs().max() > 1e-3  # adapters on again
-    with reference_policy(state) as ref:
+    with reference_model(state) as ref:
         assert ref is state.policy
 
 

@@ -66,7 +66,7 @@ def score_rollout(batch: TensorDictBase, reward: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def reference_policy(state: Any) -> Iterator[torch.nn.Module]:
+def reference_model(state: Any) -> Iterator[torch.nn.Module]:
     """The frozen reference policy of an online loop's state: ``state.reference`` when it holds one, else
     (a LoRA run, ``lora_rank > 0``) ``state.policy`` with its adapters disabled for the block, which is the
     initial policy without a second copy of its weights (``rlbits.models.lora.adapters_disabled``).
@@ -178,7 +178,7 @@ __all__ = [
     "prompt_batch",
     "prompt_texts",
     "reference_logprobs",
-    "reference_policy",
+    "reference_model",
     "rollout",
     "score_rollout",
     "validate",

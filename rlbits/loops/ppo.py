@@ -214,7 +214,7 @@ class State(OnlineState):
     value_model: ValueModel
     reference: torch.nn.Module | None = frozen(default=None)
     """Frozen initial policy (None when neither reference logprobs nor reference rewards are needed, and with
-    LoRA, whose reference is the policy with its adapters disabled: ``phases.reference_policy``)."""
+    LoRA, whose reference is the policy with its adapters disabled: ``phases.reference_model``)."""
     policy_optimizer: torch.optim.Optimizer = optimizer_of("policy")
     """AdamW over the policy's trainable parameters (all, or its LoRA adapters)."""
     value_optimizer: torch.optim.Optimizer = optimizer_of("value_model")
@@ -298,7 +298,7 @@ def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase
     phases.score_rollout(batch, state.reward)
     if cfg.reward_subtract_reference:
         prompts = phases.prompt_batch(list(batch["prompt_text"])[:: cfg.num_generations_per_prompt])
-        with phases.reference_policy(state) as ref:
+        with phases.reference_model(state) as ref:
             ref_batch = rollout(state, prompts, cfg, policy=ref)
         batch["reference_rewards"] = phases.score_rollout(ref_batch, state.reward).to(batch["rewards"].device)
     return batch
@@ -310,7 +310,7 @@ def reference(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDict
     if cfg.skip_reference_policy_logprobs:
         batch["ref_logprobs"] = batch["logprobs"].clone()
         return batch
-    with phases.reference_policy(state) as ref, unsharded(ref), autocast(ref, cfg):
+    with phases.reference_model(state) as ref, unsharded(ref), autocast(ref, cfg):
         phases.reference_logprobs(ref, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size)
     return batch
 

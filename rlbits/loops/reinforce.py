@@ -205,7 +205,7 @@ class State(OnlineState):
     policy: torch.nn.Module
     reference: torch.nn.Module | None = frozen(default=None)
     """Frozen initial policy (``init_policy_kl``, the KL terms); None with LoRA, whose reference is the policy
-    with its adapters disabled (``phases.reference_policy``)."""
+    with its adapters disabled (``phases.reference_model``)."""
     optimizer: torch.optim.Optimizer = optimizer_of("policy")
     """AdamW over the parameters that train: all of the policy's, or only its LoRA adapters."""
 
@@ -312,7 +312,7 @@ def dynamic_sampling(state: State, batch: TensorDictBase, cfg: ReinforceConfig) 
 def reference(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
     """Phase 3: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen initial policy (with LoRA: the
     policy with its adapters disabled)."""
-    with phases.reference_policy(state) as ref, unsharded(ref), autocast(ref, cfg):
+    with phases.reference_model(state) as ref, unsharded(ref), autocast(ref, cfg):
         phases.reference_logprobs(ref, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size)
     return batch
 
