@@ -274,7 +274,9 @@ def _checkpoint_model(loop, cfg, run_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("loop", list(LOOPS))
 def test_each_loop_trains_adapters_and_exports_them_merged(loop, tiny_path, tmp_path):
-    cfg = make_cfg(loop, tiny_path, tmp_path / "run", activation_checkpointing=loop == "ppo")
+    # PPO also samples from the reference (reward_subtract_reference) and recomputes activations
+    extra = dict(activation_checkpointing=True, reward_subtract_reference=True) if loop == "ppo" else {}
+    cfg = make_cfg(loop, tiny_path, tmp_path / "run", **extra)
     kw = {"prompts": PROMPTS} if loop != "ilql" else {}
     run_dir = LOOPS_MODULES[loop].train(cfg, reward=length_reward, **kw)
     rows = read_metrics(run_dir)
