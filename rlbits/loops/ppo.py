@@ -95,6 +95,7 @@ from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
 from rlbits.models.load import freeze
+from rlbits.models.lora import share_frozen_parameters
 from rlbits.tasks import get_task
 
 
@@ -253,8 +254,12 @@ def init_state(
     needs_reference = not cfg.skip_reference_policy_logprobs or cfg.reward_subtract_reference
     if needs_reference and not cfg.lora:  # with LoRA the reference is the policy with its adapters disabled
         reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
-    value_model = prepare(_load_critic(cfg, policy, env), cfg, env)  # from the policy before its adapters
-    policy = prepare(with_lora(policy, cfg).train(), cfg, env)
+    critic = _load_critic(cfg, policy, env)  # from the policy before its adapters: its own adapters
+    policy = with_lora(policy, cfg)
+    if cfg.lora and env.world_size == 1:  # the critic's frozen base is the policy's: one copy (unsharded only)
+        share_frozen_parameters(critic.backbone, policy.base_model)
+    value_model = prepare(critic, cfg, env)
+    policy = prepare(policy.train(), cfg, env)
     critic_lr = cfg.critic_learning_rate if cfg.critic_learning_rate is not None else cfg.learning_rate
     return State(
         env=env, tokenizer=tokenizer, policy=policy, value_model=value_model, reference=reference,

@@ -12,7 +12,8 @@ plain model; the peft wrapper object is not kept.
   with no second copy of the weights), as ``PeftModel.disable_adapter()``;
 - ``merge_lora(model)``: fold ``(alpha / r) B A`` into ``W`` and put the plain layers back (as
   ``PeftModel.merge_and_unload()``): the result saves as an ordinary HF folder;
-- ``is_lora(model)``: whether ``model`` holds LoRA layers.
+- ``is_lora(model)``: whether ``model`` holds LoRA layers;
+- ``share_frozen_parameters(model, source)``: two adapted copies of one base hold its frozen weights once.
 """
 
 from __future__ import annotations
@@ -156,4 +157,39 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["DEFAULT_TARGETS", "adapters_disabled", "apply_lora", "is_lora", "merge_lora"]
+def share_frozen_parameters(model: nn.Module, source: nn.Module) -> int:
+    """Make every frozen parameter of ``model`` the very parameter of the same name in ``source``, where that
+    one is frozen too and holds equal values (same shape, dtype and device); in place. For two adapted copies
+    of one base (the policy's and the PPO critic's backbone): their frozen base weights then exist once.
+
+    Sharded (FSDP2) models must not share: call it before ``shard``, at world size 1.
+
+    Returns:
+        The number of parameter elements ``model`` no longer holds itself.
+    """
+    theirs = dict(source.named_parameters(remove_duplicate=False))
+    shared = 0
+    for name, mine in list(model.named_parameters(remove_duplicate=False)):
+        other = theirs.get(name)
+        if other is None or other is mine or mine.requires_grad or other.requires_grad:
+            continue
+        if (mine.shape, mine.dtype, mine.device) != (
+            other.shape,
+            other.dtype,
+            other.device,
+        ) or not torch.equal(mine, other):
+            continue
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, attr, other)
+        shared += mine.numel()
+    return shared
+
+
+__all__ = [
+    "DEFAULT_TARGETS",
+    "adapters_disabled",
+    "apply_lora",
+    "is_lora",
+    "merge_lora",
+    "share_frozen_parameters",
+]
