@@ -174,6 +174,21 @@ def test_the_seed_fixes_the_adapters():
     assert any(not torch.equal(a[k], c[k]) for k in a if "lora_A" in k)
 
 
+def test_share_frozen_parameters_ties_only_equal_frozen_weights():
+    from rlbits.models.lora import share_frozen_parameters
+
+    a = apply_lora(tiny_causal_lm("llama", V, seed=0), rank=2, seed=1)
+    b = apply_lora(tiny_causal_lm("llama", V, seed=0), rank=2, seed=2)
+    with torch.no_grad():
+        b.model.norm.weight.add_(1.0)  # a frozen weight that differs: kept
+    frozen = {n for n, p in b.named_parameters() if not p.requires_grad and n != "model.norm.weight"}
+    assert share_frozen_parameters(b, a) == numel(p for n, p in b.named_parameters() if n in frozen)
+    mine, theirs = dict(b.named_parameters()), dict(a.named_parameters())
+    assert all(mine[n] is theirs[n] for n in frozen)
+    assert mine["model.norm.weight"] is not theirs["model.norm.weight"]
+    assert all(mine[n] is not theirs[n] for n in mine if "lora_" in n)  # adapters stay their own
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_export_merges_the_adapters_into_a_plain_folder(arch, tmp_path):
     model = apply_lora(tiny_causal_lm(arch, V, seed=0), rank=4, alpha=16.0)

@@ -168,7 +168,7 @@ def share_frozen_parameters(model: nn.Module, source: nn.Module) -> int:
         The number of parameter elements ``model`` no longer holds itself.
     """
     theirs = dict(source.named_parameters(remove_duplicate=False))
-    shared = 0
+    shared: dict[int, int] = {}  # id -> numel: a tied parameter (embedding = output layer) counts once
     for name, mine in list(model.named_parameters(remove_duplicate=False)):
         other = theirs.get(name)
         if other is None or other is mine or mine.requires_grad or other.requires_grad:
@@ -181,8 +181,8 @@ def share_frozen_parameters(model: nn.Module, source: nn.Module) -> int:
             continue
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, attr, other)
-        shared += mine.numel()
-    return shared
+        shared[id(mine)] = mine.numel()
+    return sum(shared.values())
 
 
 __all__ = [
