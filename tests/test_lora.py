@@ -315,19 +315,18 @@ LOOPS_MODULES = {"reinforce": reinforce, "ppo": ppo, "ilql": ilql}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop", ["reinforce", "ppo"])
+@pytest.mark.parametrize("loop", list(LOOPS))
 def test_lora_resume_reproduces_the_uninterrupted_run(loop, tiny_path, tmp_path):
     module = LOOPS_MODULES[loop]
     opts = dict(save_period=2, val_at_start=False, val_period=0, val_at_end=False)
+    kw = {"prompts": PROMPTS} if loop != "ilql" else {}
     full = module.train(
-        make_cfg(loop, tiny_path, tmp_path / "a", max_num_steps=4, **opts),
-        reward=length_reward,
-        prompts=PROMPTS,
+        make_cfg(loop, tiny_path, tmp_path / "a", max_num_steps=4, **opts), reward=length_reward, **kw
     )
     part = make_cfg(loop, tiny_path, tmp_path / "b", **opts)
-    module.train(part, reward=length_reward, prompts=PROMPTS)
+    module.train(part, reward=length_reward, **kw)
     resumed = module.train(
-        dataclasses.replace(part, max_num_steps=4), reward=length_reward, prompts=PROMPTS, resume=True
+        dataclasses.replace(part, max_num_steps=4), reward=length_reward, resume=True, **kw
     )
 
     def comparable(rows):
