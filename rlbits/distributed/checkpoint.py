@@ -25,6 +25,7 @@ Checkpoints of rlbits before this format (weights in HF folders at world size 1)
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import random
@@ -53,6 +54,7 @@ from rlbits.distributed.env import DistEnv, barrier
 from rlbits.distributed.parallelize import is_sharded
 from rlbits.distributed.reduce import any_rank
 from rlbits.models.load import save_pretrained
+from rlbits.models.lora import is_lora, merge_lora
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -93,7 +95,11 @@ def _set_rng_state(state: Mapping[str, Any], generators: Mapping[str, torch.Gene
         g.set_state(state["generators"][name])
 
 
-def _save_model(model: nn.Module, path: Path, tokenizer: Any = None) -> None:
+def _save_model(model: nn.Module, path: Path, tokenizer: Any = None, *, owned: bool = False) -> None:
+    """Write ``model`` as an HF folder; LoRA adapters are merged first, into a copy unless ``owned`` (the
+    caller's throwaway replica), so the folder loads with plain ``from_pretrained``."""
+    if is_lora(model):
+        model = merge_lora(model if owned else copy.deepcopy(model))
     if isinstance(model, PreTrainedModel):
         save_pretrained(model, tokenizer, path)
     elif hasattr(model, "save_pretrained"):
@@ -413,6 +419,9 @@ def export_model(
 ) -> Path | None:
     """Save ``model`` as an HF folder at ``path`` from rank 0 (collective at world size > 1).
 
+    A model with LoRA adapters (``rlbits.models.lora``) is saved with them merged into its weights (a copy
+    is merged; ``model`` keeps its adapters), so the folder is an ordinary HF folder.
+
     A sharded model's full weights are gathered to rank 0's CPU (``get_model_state_dict(full_state_dict,
     cpu_offload)``) and loaded into ``build()``, an unsharded model of the same architecture on CPU, whose
     ``save_pretrained`` writes the folder.
@@ -432,7 +441,7 @@ def export_model(
         if env.is_main:
             replica = build()
             replica.load_state_dict(full)
-            _save_model(replica, path, tokenizer)
+            _save_model(replica, path, tokenizer, owned=True)
         barrier(env)
         return path if env.is_main else None
     if env.is_main:

@@ -123,6 +123,15 @@ class RunConfig:
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of storing them (less memory, ~1/3 more compute)."""
 
+    lora_rank: int = 0
+    """LoRA rank r (``rlbits.models.lora``, peft): > 0 trains low-rank adapters on the policy (and on the PPO critic's backbone; the value and ILQL heads stay fully trained) with every other weight frozen; the reference policy is the policy with its adapters disabled, so it costs no second model; ``final/`` has the adapters merged (a plain HF folder). 0 = full fine-tuning."""
+    lora_alpha: float | None = None
+    """LoRA scale numerator: adapters add ``(lora_alpha / lora_rank) B A x``. None = ``2 * lora_rank``, a scale of 2 at every rank (the common r = 8 / alpha = 16 pair), so changing the rank does not also change the adapters' effective learning rate."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input during the update, in [0, 1) (sampling runs without it, so > 0 makes the first ratio differ from 1)."""
+    lora_target_modules: list[str] | str | None = None
+    """Layers that get adapters: a list of module names (``[q_proj, v_proj]``; GPT-2: ``c_attn``, ``c_proj``, ``c_fc``, its ``Conv1D`` layers handled with peft's ``fan_in_fan_out``), a regex over module paths, or None = ``all-linear`` (every linear layer of the attention and MLP blocks, not the output layer)."""
+
     def check(self) -> None:
         """Range checks shared by all loops; loops extend this. Raises ConfigError.
 
@@ -154,8 +163,33 @@ class RunConfig:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.loop not in ("ppo", "reinforce", "ilql"):
             raise ConfigError(f"loop must be one of ppo, reinforce, ilql; got {self.loop!r}")
+        self._check_lora()
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+
+    def _check_lora(self) -> None:
+        docs = field_docs(type(self))
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ConfigError(f"lora_alpha must be > 0 or null (2 * lora_rank), got {self.lora_alpha} ({docs['lora_alpha']})")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        targets = self.lora_target_modules
+        if isinstance(targets, str):
+            if not targets.strip():
+                raise ConfigError("lora_target_modules must be a module name, a list of names, a regex or null; got ''")
+        elif targets is not None:
+            if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t.strip() for t in targets):
+                raise ConfigError(
+                    f"lora_target_modules must be a non-empty list of module names (strings), a regex or null; "
+                    f"got {targets!r} ({docs['lora_target_modules']})"
+                )
+
+    @property
+    def lora(self) -> bool:
+        """Whether the run trains LoRA adapters (``lora_rank > 0``) instead of every weight."""
+        return self.lora_rank > 0
 
     def validate(self) -> None:
         """Deprecated name of ``check``."""

@@ -107,6 +107,7 @@ from rlbits.loops.runtime import (
     policy_path,
     prepare,
     uses_chat,
+    with_lora,
 )
 from rlbits.loops.state import LoopState, optimizer_of, runtime
 from rlbits.models.forward import position_ids_from_mask
@@ -222,8 +223,10 @@ class State(LoopState):
 
 
 def _fresh_model(cfg: ILQLConfig, env: DistEnv | None = None) -> tuple[ILQLModel, Any]:
-    """The initial policy with new Q/V heads (seeded by ``cfg.seed``) and its tokenizer."""
+    """The initial policy (with LoRA adapters when ``lora_rank > 0``) with new, fully trained Q/V heads
+    (seeded by ``cfg.seed``) and its tokenizer."""
     policy, tokenizer = load_policy_and_tokenizer(policy_path(cfg), env or DistEnv())
+    policy = with_lora(policy, cfg)  # before the heads: they are not adapted, they train whole
     model = ILQLModel(
         policy, two_qs=cfg.two_qs, head_layers=cfg.head_layers, shared_trunk=cfg.shared_trunk, seed=cfg.seed
     )

@@ -6,7 +6,8 @@ The loops' own phases (``rlbits.loops.ppo.rollout`` etc.) have the uniform signa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from rlbits.loops.config import RunConfig
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.runtime import autocast, generator
 from rlbits.models.forward import HEAD_MEMORY_BUDGET_MB, policy_logprobs
+from rlbits.models.lora import adapters_disabled, is_lora
 from rlbits.rollout.generate import generate_texts
 from rlbits.rollout.score import score
 
@@ -62,6 +64,24 @@ def score_rollout(batch: TensorDictBase, reward: Any) -> torch.Tensor:
     """Write ``rewards`` [B] from ``reward`` (callable, reward model or server URL; see ``rlbits.score``)."""
     batch["rewards"] = score(batch, reward).to(torch.float32)
     return batch["rewards"]
+
+
+@contextlib.contextmanager
+def reference_model(state: Any) -> Iterator[torch.nn.Module]:
+    """The frozen reference policy of an online loop's state: ``state.reference`` when it holds one, else
+    (a LoRA run, ``lora_rank > 0``) ``state.policy`` with its adapters disabled for the block, which is the
+    initial policy without a second copy of its weights (``rlbits.models.lora.adapters_disabled``).
+
+    Raises:
+        ValueError: the state has no reference and its policy no adapters.
+    """
+    if getattr(state, "reference", None) is not None:
+        yield state.reference
+    elif is_lora(state.policy):
+        with adapters_disabled(state.policy):
+            yield state.policy
+    else:
+        raise ValueError("the state has no reference policy (state.reference is None) and its policy no LoRA adapters")
 
 
 def reference_logprobs(
@@ -166,6 +186,7 @@ __all__ = [
     "prompt_batch",
     "prompt_texts",
     "reference_logprobs",
+    "reference_model",
     "rollout",
     "score_rollout",
     "validate",

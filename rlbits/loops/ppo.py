@@ -82,6 +82,7 @@ from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
 from rlbits.loops.run import NonFiniteError, Run, total_steps
 from rlbits.loops.runtime import (
     autocast,
+    build_policy,
     disable_dropout,
     generator,
     head_args,
@@ -90,11 +91,13 @@ from rlbits.loops.runtime import (
     loop_prompts,
     policy_path,
     prepare,
+    with_lora,
 )
 from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
-from rlbits.models.load import freeze, load_pretrained
+from rlbits.models.load import freeze
+from rlbits.models.lora import share_frozen_parameters
 from rlbits.tasks import get_task
 
 
@@ -225,9 +228,12 @@ class State(OnlineState):
     policy: torch.nn.Module
     value_model: ValueModel
     reference: torch.nn.Module | None = frozen(default=None)
-    """Frozen initial policy (None when neither reference logprobs nor reference rewards are needed)."""
+    """Frozen initial policy (None when neither reference logprobs nor reference rewards are needed, and with
+    LoRA, whose reference is the policy with its adapters disabled: ``phases.reference_model``)."""
     policy_optimizer: torch.optim.Optimizer = optimizer_of("policy")
+    """AdamW over the policy's trainable parameters (all, or its LoRA adapters)."""
     value_optimizer: torch.optim.Optimizer = optimizer_of("value_model")
+    """AdamW over the critic's trainable parameters (all, or its backbone's LoRA adapters and the value head)."""
     kl_coef: float
     """Current coefficient of the active KL term (changes only with ``adaptive_kl``)."""
 
@@ -239,7 +245,9 @@ def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> Value
         if not Path(cfg.critic_init).is_dir():
             raise ConfigError(f"critic_init must be 'policy' or an existing folder; {cfg.critic_init!r} is neither")
         critic = ValueModel.from_pretrained(cfg.critic_init, seed=cfg.seed)
-    return disable_dropout(critic).to(env.device).train()
+    critic = disable_dropout(critic)
+    with_lora(critic.backbone, cfg, "critic")  # in place; the value head stays fully trained
+    return critic.to(env.device).train()
 
 
 def init_state(
@@ -257,9 +265,14 @@ def init_state(
     init_path = policy_path(cfg)
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None
-    if cfg.uses_ref_logprobs or cfg.reward_subtract_reference:
+    needs_reference = cfg.uses_ref_logprobs or cfg.reward_subtract_reference
+    if needs_reference and not cfg.lora:  # with LoRA the reference is the policy with its adapters disabled
         reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
-    value_model = prepare(_load_critic(cfg, policy, env), cfg, env)
+    critic = _load_critic(cfg, policy, env)  # from the policy before its adapters: its own adapters
+    policy = with_lora(policy, cfg)
+    if cfg.lora and env.world_size == 1:  # the critic's frozen base is the policy's: one copy (unsharded only)
+        share_frozen_parameters(critic.backbone, policy.base_model)
+    value_model = prepare(critic, cfg, env)
     policy = prepare(policy.train(), cfg, env)
     critic_lr = cfg.critic_learning_rate if cfg.critic_learning_rate is not None else cfg.learning_rate
     return State(
@@ -304,7 +317,8 @@ def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase
     phases.score_rollout(batch, state.reward)
     if cfg.reward_subtract_reference:
         prompts = phases.prompt_batch(list(batch["prompt_text"])[:: cfg.num_generations_per_prompt])
-        ref_batch = rollout(state, prompts, cfg, policy=state.reference)
+        with phases.reference_model(state) as ref:
+            ref_batch = rollout(state, prompts, cfg, policy=ref)
         batch["reference_rewards"] = phases.score_rollout(ref_batch, state.reward).to(batch["rewards"].device)
     return batch
 
@@ -315,10 +329,8 @@ def reference(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDict
     ``init_policy_kl`` is not logged."""
     if not cfg.uses_ref_logprobs:
         return batch
-    if state.reference is None:
-        raise ValueError("reference: state.reference is None but the config uses ref_logprobs")
-    with unsharded(state.reference), autocast(state.reference, cfg):
-        phases.reference_logprobs(state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg))
+    with phases.reference_model(state) as ref, unsharded(ref), autocast(ref, cfg):
+        phases.reference_logprobs(ref, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg))
     return batch
 
 
@@ -527,7 +539,7 @@ def train(
                     batch = update(state, batch, cfg)
                 batch = kl_control(state, batch, cfg)  # 7. adaptive KL coefficient
                 run.end_step(state, batch)  # 8. log; validate and save when due
-        return run.finish(state, build=lambda: load_pretrained(policy_path(cfg))[0])
+        return run.finish(state, build=lambda: build_policy(cfg))
 
 
 __all__ = [

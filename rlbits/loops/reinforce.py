@@ -86,6 +86,7 @@ from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
 from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase
 from rlbits.loops.runtime import (
     autocast,
+    build_policy,
     generator,
     head_args,
     kernel,
@@ -93,10 +94,11 @@ from rlbits.loops.runtime import (
     loop_prompts,
     policy_path,
     prepare,
+    with_lora,
 )
 from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.models.forward import policy_logprobs
-from rlbits.models.load import freeze, load_pretrained
+from rlbits.models.load import freeze
 from rlbits.tasks import get_task
 
 BASELINES = ("rloo", "grpo", "dr_grpo", "grpo_unscaled", "none")
@@ -212,23 +214,27 @@ class State(OnlineState):
 
     policy: torch.nn.Module
     reference: torch.nn.Module | None = frozen(default=None)
-    """Frozen initial policy (``init_policy_kl``, the KL terms); None when no term uses it (``cfg.uses_ref_logprobs``)."""
+    """Frozen initial policy (``init_policy_kl``, the KL terms); None when no term uses it
+    (``cfg.uses_ref_logprobs``) and with LoRA, whose reference is the policy with its adapters disabled
+    (``phases.reference_model``)."""
     optimizer: torch.optim.Optimizer = optimizer_of("policy")
+    """AdamW over the parameters that train: all of the policy's, or only its LoRA adapters."""
 
 
 def init_state(
     cfg: ReinforceConfig, env: DistEnv, *, reward: Any = None, prompts: Sequence[str] | None = None,
     val_prompts: Sequence[str] | None = None,
 ) -> State:
-    """Load the policy and a frozen reference from the initial weights, build the optimizer, the generators
-    and the prompt stream. A resumed run then restores the checkpoint into it (``Run.start``)."""
+    """Load the policy and a frozen reference from the initial weights (with ``lora_rank > 0``: LoRA
+    adapters on the policy and no reference copy), build the optimizer, the generators and the prompt stream.
+    A resumed run then restores the checkpoint into it (``Run.start``)."""
     task = get_task(cfg.task)
     init_path = policy_path(cfg)
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None
-    if cfg.uses_ref_logprobs:
+    if cfg.uses_ref_logprobs and not cfg.lora:  # with LoRA the reference is the policy, adapters disabled
         reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
-    policy = prepare(policy.train(), cfg, env)
+    policy = prepare(with_lora(policy, cfg).train(), cfg, env)
     return State(
         env=env, tokenizer=tokenizer, policy=policy, reference=reference,
         optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
@@ -317,12 +323,13 @@ def dynamic_sampling(state: State, batch: TensorDictBase, cfg: ReinforceConfig) 
 
 
 def reference(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
-    """Phase 3: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen initial policy; nothing when
-    no term uses them (``cfg.uses_ref_logprobs`` is False: no reference model, no ``init_policy_kl``)."""
+    """Phase 3: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen initial policy (with LoRA: the
+    policy with its adapters disabled); nothing when no term uses them (``cfg.uses_ref_logprobs`` is False:
+    no reference model, no ``init_policy_kl``)."""
     if not cfg.uses_ref_logprobs:
         return batch
-    with unsharded(state.reference), autocast(state.reference, cfg):
-        phases.reference_logprobs(state.reference, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg))
+    with phases.reference_model(state) as ref, unsharded(ref), autocast(ref, cfg):
+        phases.reference_logprobs(ref, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg))
     return batch
 
 
@@ -479,7 +486,7 @@ def train(
                 with run.phase("update"):  # 5. policy-gradient (or clipped) steps
                     batch = update(state, batch, cfg)
                 run.end_step(state, batch)  # 6. log; validate and save when due
-        return run.finish(state, build=lambda: load_pretrained(policy_path(cfg))[0])
+        return run.finish(state, build=lambda: build_policy(cfg))
 
 
 __all__ = [

@@ -22,6 +22,7 @@ from rlbits.distributed.env import DistEnv, init
 from rlbits.distributed.parallelize import is_sharded, shard
 from rlbits.loops.config import RunConfig
 from rlbits.models.load import load_pretrained
+from rlbits.models.lora import apply_lora
 
 
 def seed_everything(seed: int) -> None:
@@ -138,8 +139,28 @@ def load_policy_and_tokenizer(path: str, env: DistEnv) -> tuple[torch.nn.Module,
     return disable_dropout(policy).to(env.device), tokenizer
 
 
+def with_lora(model: torch.nn.Module, cfg: RunConfig, name: str = "policy") -> torch.nn.Module:
+    """``model`` with LoRA adapters of the config's ``lora_rank``, ``lora_alpha``, ``lora_dropout`` and
+    ``lora_target_modules`` (``rlbits.models.lora.apply_lora``, in place), or ``model`` untouched when
+    ``lora_rank`` is 0. The adapters' init is seeded by ``derive_seed(seed, 0, "lora/" + name)``: the same on
+    every rank (FSDP2 shards one model), different for the policy and the critic."""
+    if not cfg.lora_rank:
+        return model
+    return apply_lora(
+        model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules, seed=derive_seed(cfg.seed, 0, f"lora/{name}"),
+    )  # fmt: skip
+
+
+def build_policy(cfg: RunConfig) -> torch.nn.Module:
+    """A fresh, unsharded CPU copy of the initial policy with the run's adapters (``with_lora``): what
+    ``Run.finish`` loads a sharded policy's full weights into before exporting ``final/``."""
+    return with_lora(load_pretrained(policy_path(cfg))[0], cfg)
+
+
 __all__ = [
     "autocast",
+    "build_policy",
     "derive_seed",
     "disable_dropout",
     "generator",
@@ -152,4 +173,5 @@ __all__ = [
     "seed_everything",
     "setup",
     "uses_chat",
+    "with_lora",
 ]
