@@ -114,5 +114,26 @@ def smollm2_config(positions: int = 8192):
     return LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=positions, rope_theta=100000.0,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=PAD_ID,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=PAD_ID, eos_token_id=None, pad_token_id=PAD_ID,
     )  # fmt: skip
+
+
+def build_smollm2_folder(path: str | os.PathLike, *, seed: int = 0) -> Path:
+    """Save a random-init model of SmolLM2-135M's architecture (``smollm2_config``) with the word-level
+    tokenizer over its 49,152 ids (EOS = 49,151, never sampled in practice) to ``path``; reuse it if there."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    path = Path(path)
+    stamp = f"smollm2 {seed}"
+    if (path / "config.json").is_file() and (path / "seed.txt").is_file() and (path / "seed.txt").read_text() == stamp:
+        return path
+    config = smollm2_config(positions=2048)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD_ID
+    model.save_pretrained(path)
+    tokenizer(config.vocab_size).save_pretrained(path)
+    (path / "seed.txt").write_text(stamp)
+    return path

@@ -1,16 +1,21 @@
 """Seconds per RL step: rlbits GRPO / RLOO / PPO against TRL's GRPOTrainer, RLOOTrainer (trl 1.16) and
-PPOTrainer (trl 1.12, ``trl.experimental.ppo``), side by side on the standard workload of issue 7.
+PPOTrainer (trl 1.12, ``trl.experimental.ppo``), side by side, on two workloads (``--workload``):
 
-Workload (``benchmarks/_workload.py``): GPT-2 architecture, 4 layers, width 256, 4 heads, vocabulary 32,000
-(11.4M parameters), random init, fp32, 2 threads; 8 prompts x 4 generations = 32 rollouts of 16-token
-prompts and 32 new tokens at temperature 1 (EOS never sampled in practice); reward = fraction of response
-tokens with an even id; one optimizer step per rollout batch (PPO: 4 epochs of one minibatch, a value
-model of the same size). Both frameworks run one microbatch of 32 rows.
+- ``standard`` (issue 7; ``benchmarks/_workload.py``): GPT-2 architecture, 4 layers, width 256, 4 heads,
+  vocabulary 32,000 (11.4M parameters), random init; 8 prompts x 4 generations = 32 rollouts of 16-token
+  prompts and 32 new tokens; one microbatch of 32 rows; GRPO, RLOO and PPO.
+- ``smollm2``: a random-init model of SmolLM2-135M's exact architecture (Llama, 30 layers, width 576,
+  vocabulary 49,152; 134.5M parameters); 4 prompts x 4 generations of 10-word prompts and 24 new tokens;
+  microbatch 16; GRPO and RLOO.
+
+Both: fp32 and bf16 (``torch.autocast`` on CPU: rlbits ``precision=bf16``, TRL ``bf16=True``), 2 threads,
+temperature 1 with EOS never sampled in practice, reward = fraction of response tokens with an even id,
+one optimizer step per rollout batch (PPO: 4 epochs x 1 minibatch, a value model of the same size).
 
 Settings matched on both sides (each framework's defaults otherwise):
 
-- GRPO: group-normalised advantages, token-mean loss, no KL (TRL's default ``beta=0``: no reference
-  model; rlbits still runs its reference pass, for the ``init_policy_kl`` metric).
+- GRPO: group-normalised advantages, token-mean loss, no KL (TRL's default ``beta=0``): neither framework
+  loads a reference model (rlbits skips it when no term uses ``ref_logprobs``).
 - RLOO: leave-one-out baseline, KL to the reference in the reward with coefficient 0.05 (TRL's default).
 - PPO: 4 epochs x 1 minibatch, KL in the reward 0.05, GAE(1, 0.95), separate critic. TRL's PPOTrainer
   samples one response per prompt (32 prompts); rlbits 8 x 4 (the same tokens).
@@ -18,20 +23,26 @@ Settings matched on both sides (each framework's defaults otherwise):
   module computes the same even-id fraction from the token ids).
 
 rlbits runs through its real library path: ``rlbits.train`` on a policy folder saved from the random-init
-model with a Python reward callable, exactly as a user would (``run_dir`` under a temp folder, validation,
-TensorBoard and progress bars off). TRL runs its trainers' ``train()``. Each framework is one worker
-process (TRL in its own venv: ``--trl116-python`` / ``--trl112-python``); a callback in each blocks after
-every step until the driver says go, so the driver runs the frameworks **interleaved step by step**: a
-change in machine load hits all alike. Step time = wall time from "go" to the end of the step (the
-framework's whole loop iteration: rollout, scoring, reference, update, logging); the order of the
-frameworks rotates every round. The first step of each
-worker is a warm-up (not timed; the workers warm up one after the other). Peak RSS = ``ru_maxrss`` of the worker process at its last timed step.
+model with a Python reward callable, exactly as a user would (validation, checkpoints, TensorBoard and
+progress bars off). TRL runs its trainers' ``train()``. Each framework is one worker process (TRL in its
+own venv: ``--trl116-python`` / ``--trl112-python``); a callback in each blocks after every step until the
+driver says go. Step time = wall time from "go" to the end of the step (the whole loop iteration: rollout,
+scoring, reference, update, logging); the first step of each worker is a warm-up (not timed). Two modes
+(``--mode``, default both, one after the other):
 
-    python benchmarks/bench_step.py                      # all frameworks, 5 timed steps, ~6 min on 2 quiet cores
-    python benchmarks/bench_step.py --steps 3 --only rlbits-grpo trl-grpo
-    python benchmarks/bench_step.py --no-bf16            # skip the rlbits bf16 variants
+- ``standalone``: one framework at a time, its steps back to back (what a user running it sees);
+- ``interleaved``: all workers alive, one step each in turn, the order rotating every round, so a change
+  in machine load hits all alike.
 
-Writes ``benchmarks/results/bench_step.json`` and prints a markdown table.
+Every worker pins its memory (``mlockall``; ``--no-pin`` to see the difference): this machine's DAMON
+``pageout`` scheme reclaims pages idle for ~30 s, which made an interleaved TRL worker re-read its
+libraries from disk at every step (``_pin_memory``; the results record major page faults per step).
+
+    python benchmarks/bench_step.py                           # standard workload, both modes, ~15 min quiet
+    python benchmarks/bench_step.py --workload smollm2        # the 135M model, ~25 min quiet
+    python benchmarks/bench_step.py --steps 3 --only rlbits-grpo trl-grpo --mode interleaved
+
+Writes ``benchmarks/results/bench_step.json`` (``bench_step_smollm2.json``) and prints markdown tables.
 """
 
 from __future__ import annotations
@@ -74,6 +85,30 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _major_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
+def _pin_memory() -> str:
+    """``mlockall(MCL_CURRENT | MCL_FUTURE)``: keep every page of this worker resident.
+
+    Why: this machine runs DAMON with a ``pageout`` scheme (``/sys/kernel/mm/damon/admin``): pages not
+    touched for ~30 s are reclaimed. While a worker waits for its turn, the file-backed pages it alone uses
+    (TRL's own venv holds its own copy of libtorch and every library) go cold and are paged out, and its
+    next step re-reads them from disk (major page faults), so TRL's interleaved step times came out 1.3-1.9x
+    its standalone ones; the rlbits workers share one venv that some worker always keeps hot. Returns
+    ``"ok"`` or why pinning failed (then the fault counts in the results show the effect)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.mlockall(1 | 2) != 0:
+            return f"mlockall failed: errno {ctypes.get_errno()}"
+        return "ok"
+    except OSError as e:
+        return f"mlockall unavailable: {e}"
+
+
 class _Turns:
     """Called at the end of every step: report it, then block until the driver says go."""
 
@@ -81,18 +116,21 @@ class _Turns:
         self.total = total_steps
         self.t0 = None
         self.count = 0
+        self.faults = 0
 
     def step_done(self, extra: dict | None = None) -> None:
         now = time.perf_counter()
         self.count += 1
+        faults = _major_faults() - self.faults
         if self.t0 is None:
             _send("ready", peak_rss_mib=_peak_rss_mib())
         else:
-            _send("step", seconds=now - self.t0, peak_rss_mib=_peak_rss_mib(), **(extra or {}))
+            _send("step", seconds=now - self.t0, peak_rss_mib=_peak_rss_mib(), major_faults=faults, **(extra or {}))
         if self.count < self.total:
             line = sys.stdin.readline()
             if line.strip() != "go":
                 raise SystemExit(f"worker: expected 'go' from the driver, got {line!r}")
+            self.faults = _major_faults()
             self.t0 = time.perf_counter()
 
 
@@ -112,7 +150,7 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
         max_num_steps=total,
         max_new_tokens=args.new_tokens,
         temperature=1.0,
-        microbatch_size=32,
+        microbatch_size=args.microbatch,
         cpu_threads=args.threads,
         learning_rate=1e-5,
         val_period=0,
@@ -128,7 +166,7 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
     if algo == "ppo":
         cfg = dict(
             loop="ppo",
-            num_prompts_per_step=8,
+            num_prompts_per_step=args.num_prompts,
             num_generations_per_prompt=4,
             ppo_epochs=4,
             num_minibatches=1,
@@ -139,7 +177,7 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
     else:
         cfg = dict(
             loop="reinforce",
-            num_prompts_per_step=8,
+            num_prompts_per_step=args.num_prompts,
             num_generations_per_prompt=4,
             baseline=algo,
             loss_agg="token-mean",
@@ -167,7 +205,7 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
                     }
                 )
 
-    prompts = W.prompts(8 * (total + 2), length=args.prompt_len, seed=1)
+    prompts = W.prompts(args.num_prompts * (total + 2), length=args.prompt_len, vocab=args.vocab, seed=1)
     with autocast:
         rlbits.train(reward_fn=W.rlbits_reward, prompts=prompts, config=cfg, callbacks=[Callback()])
 
@@ -192,10 +230,11 @@ def _trl_reinforce_worker(args, folder: Path, out_dir: Path) -> None:
     total = 1 + args.steps
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.padding_side = "left"
-    dataset = Dataset.from_dict({"prompt": W.prompts(8 * (total + 2), length=args.prompt_len, seed=1)})
+    prompts = W.prompts(args.num_prompts * (total + 2), length=args.prompt_len, vocab=args.vocab, seed=1)
+    dataset = Dataset.from_dict({"prompt": prompts})
     common = dict(
         output_dir=str(out_dir),
-        per_device_train_batch_size=32,
+        per_device_train_batch_size=args.num_prompts * 4,
         gradient_accumulation_steps=1,
         num_generations=4,
         max_completion_length=args.new_tokens,
@@ -206,7 +245,7 @@ def _trl_reinforce_worker(args, folder: Path, out_dir: Path) -> None:
         save_strategy="no",
         report_to=[],
         use_cpu=True,
-        bf16=False,
+        bf16=args.precision == "bf16",  # on CPU: torch.autocast(bfloat16), as rlbits' precision=bf16
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=0,
@@ -300,6 +339,9 @@ def _trl_ppo_worker(args, folder: Path, out_dir: Path) -> None:
 
 
 def _worker(args) -> None:
+    pinned = _pin_memory() if args.pin_memory else "off"
+    if pinned != "ok":
+        print(f"worker {args.worker}: memory not pinned ({pinned})", file=sys.stderr)
     folder = Path(args.model_folder)
     tmp = Path(tempfile.mkdtemp(prefix=f"bench_step_{args.worker}_"))
     try:
@@ -392,48 +434,37 @@ def _drive(specs, shared, steps, workers):
     return loads, failed, alive
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=5, help="timed steps per framework (after one warm-up step)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--trl116-python", default=DEFAULT_TRL116)
-    p.add_argument("--trl112-python", default=DEFAULT_TRL112)
-    p.add_argument("--no-bf16", action="store_true", help="skip the rlbits bf16 variants")
-    p.add_argument("--only", nargs="+", help="run only these workers (e.g. rlbits-grpo trl-grpo)")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "bench_step.json")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
-    p.add_argument("--model-folder", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        _worker(args)
-        return {}
+WORKLOADS = {
+    # name: (prompts per step, prompt words, new tokens, microbatch rows, vocabulary, algorithms)
+    "standard": (8, 16, 32, 32, 32000, ALGOS),
+    "smollm2": (4, 10, 24, 16, 49152, ("grpo", "rloo")),
+}
 
-    folder = W.build_model_folder(Path(tempfile.gettempdir()) / "rlbits_bench_standard_model")
-    shared = [f"--steps={args.steps}", f"--threads={args.threads}", f"--prompt-len={args.prompt_len}",
-              f"--new-tokens={args.new_tokens}", f"--model-folder={folder}"]  # fmt: skip
-    specs = []  # (name, python, precision)
-    for algo in ALGOS:
-        specs.append((f"rlbits-{algo}", sys.executable, "fp32"))
-        if not args.no_bf16:
-            specs.append((f"rlbits-{algo}-bf16", sys.executable, "bf16"))
-        trl_python = args.trl112_python if algo == "ppo" else args.trl116_python
-        if Path(trl_python).exists():
-            specs.append((f"trl-{algo}", trl_python, "fp32"))
-        else:
-            print(f"skipping trl-{algo}: {trl_python} not found (see benchmarks/RESULTS.md to install)")
-    if args.only:
-        specs = [s for s in specs if s[0] in args.only]
-    workers: list[Worker] = []
-    try:
-        loads, failed, alive = _drive(specs, shared, args.steps, workers)
-    finally:
-        for w in workers:  # never leave a worker behind (e.g. on Ctrl-C)
-            if w.proc.poll() is None:
-                w.proc.kill()
-    load_start = loads[0] if loads else _load()
+
+def _drive_standalone(specs, shared, steps, workers):
+    """Each framework alone: one worker process at a time, its warm-up step then ``steps`` steps back to
+    back (the time a user running only this framework sees)."""
+    loads, failed, done = [_load()], {}, []
+    for name, python, precision in specs:
+        w = Worker(name, python, [f"--worker={name.removesuffix('-bf16')}", f"--precision={precision}", *shared])
+        workers.append(w)
+        try:
+            w.read()
+            for i in range(steps):
+                time.sleep(_PAUSE_S)
+                loads.append(_load())
+                msg = w.go()
+                print(f"standalone step {i + 1}/{steps} {name:<18} {msg['seconds']:7.3f} s  (load {loads[-1]:.2f})", flush=True)
+            w.read()  # "exit"
+            w.proc.wait(timeout=120)
+            done.append(w)
+        except RuntimeError as e:
+            failed[name] = str(e)
+            print(e, file=sys.stderr)
+    return loads, failed, done
+
+
+def _summarise(alive, failed) -> dict:
     results = {}
     for w in alive:
         steps = [m for m in w.messages if m["kind"] == "step"]
@@ -442,37 +473,113 @@ def main(argv=None) -> dict:
             "median_s": statistics.median(secs),
             "best_s": min(secs),
             "times_s": secs,
+            "major_faults": [m.get("major_faults") for m in steps],
             "peak_rss_mib": steps[-1]["peak_rss_mib"],
-            "loop_time_step_s": [
-                m.get("loop_time_step") for m in steps if m.get("loop_time_step") is not None
-            ],
+            "loop_time_step_s": [m.get("loop_time_step") for m in steps if m.get("loop_time_step") is not None],
             "response_len": [m.get("response_len") for m in steps if m.get("response_len") is not None],
             "phases_last_step": steps[-1].get("phases"),
         }
     for name, err in failed.items():
         results[name] = {"error": err[-2000:]}
+    return results
 
+
+def _table(results: dict, algos) -> list[str]:
     rows = []
-    for algo in ALGOS:
-        trl = results.get(f"trl-{algo}", {})
-        for name in (f"rlbits-{algo}", f"rlbits-{algo}-bf16", f"trl-{algo}"):
-            r = results.get(name)
-            if r is None or "error" in r:
-                continue
-            ratio = (
-                trl["median_s"] / r["median_s"] if "median_s" in trl and not name.startswith("trl") else None
-            )
-            rows.append((name, r["median_s"], r["best_s"], r["peak_rss_mib"], ratio))
+    for algo in algos:
+        for suffix in ("", "-bf16"):
+            trl = results.get(f"trl-{algo}{suffix}", {})
+            for name in (f"rlbits-{algo}{suffix}", f"trl-{algo}{suffix}"):
+                r = results.get(name)
+                if r is None or "error" in r:
+                    continue
+                ratio = trl["median_s"] / r["median_s"] if "median_s" in trl and not name.startswith("trl") else None
+                faults = sum(f or 0 for f in r.get("major_faults", []))
+                rows.append((name, r["median_s"], r["best_s"], r["peak_rss_mib"], faults, ratio))
     table = [
-        "| framework | median s/step | best s/step | peak RSS MiB | TRL / this (median) |",
-        "|---|---|---|---|---|",
+        "| framework | median s/step | best s/step | peak RSS MiB | major faults | TRL / this (median) |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, med, best, rss, ratio in rows:
+    for name, med, best, rss, faults, ratio in rows:
         table.append(
-            f"| {name} | {med:.3f} | {best:.3f} | {rss:.0f} | {'' if ratio is None else f'{ratio:.2f}x'} |"
+            f"| {name} | {med:.3f} | {best:.3f} | {rss:.0f} | {faults} | {'' if ratio is None else f'{ratio:.2f}x'} |"
         )
-    print("\n".join(table))
+    return table
 
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=tuple(WORKLOADS), default="standard")
+    p.add_argument("--mode", choices=("interleaved", "standalone", "both"), default="both",
+                   help="interleaved: all workers alive, one step each in turn; standalone: one framework at a time")  # fmt: skip
+    p.add_argument("--steps", type=int, default=5, help="timed steps per framework (after one warm-up step)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--trl116-python", default=DEFAULT_TRL116)
+    p.add_argument("--trl112-python", default=DEFAULT_TRL112)
+    p.add_argument("--no-bf16", action="store_true", help="skip the bf16 variants")
+    p.add_argument("--no-pin", action="store_true", help="do not mlockall the workers (see _pin_memory)")
+    p.add_argument("--only", nargs="+", help="run only these workers (e.g. rlbits-grpo trl-grpo)")
+    p.add_argument("--out", type=Path, default=None, help="default: results/bench_step[_WORKLOAD].json")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    p.add_argument("--model-folder", help=argparse.SUPPRESS)
+    p.add_argument("--num-prompts", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--prompt-len", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--new-tokens", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--microbatch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--pin-memory", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return {}
+
+    num_prompts, prompt_len, new_tokens, microbatch, vocab, algos = WORKLOADS[args.workload]
+    if args.workload == "standard":
+        folder = W.build_model_folder(Path(tempfile.gettempdir()) / "rlbits_bench_standard_model")
+    else:
+        folder = W.build_smollm2_folder(Path(tempfile.gettempdir()) / "rlbits_bench_smollm2_model")
+    out = args.out or HERE / "results" / ("bench_step.json" if args.workload == "standard" else f"bench_step_{args.workload}.json")
+    shared = [f"--steps={args.steps}", f"--threads={args.threads}", f"--prompt-len={prompt_len}",
+              f"--new-tokens={new_tokens}", f"--model-folder={folder}", f"--num-prompts={num_prompts}",
+              f"--microbatch={microbatch}", f"--vocab={vocab}", f"--pin-memory={0 if args.no_pin else 1}"]  # fmt: skip
+    specs = []  # (name, python, precision)
+    for algo in algos:
+        trl_python = args.trl112_python if algo == "ppo" else args.trl116_python
+        precisions = ("fp32",) if args.no_bf16 else ("fp32", "bf16")
+        for precision in precisions:
+            suffix = "" if precision == "fp32" else "-bf16"
+            specs.append((f"rlbits-{algo}{suffix}", sys.executable, precision))
+            if algo == "ppo" and precision == "bf16":
+                continue  # TRL's PPOTrainer is compared in fp32 only
+            if Path(trl_python).exists():
+                specs.append((f"trl-{algo}{suffix}", trl_python, precision))
+            else:
+                print(f"skipping trl-{algo}{suffix}: {trl_python} not found (see benchmarks/RESULTS.md to install)")
+    if args.only:
+        specs = [s for s in specs if s[0] in args.only]
+    modes = ("standalone", "interleaved") if args.mode == "both" else (args.mode,)
+    by_mode, loads_by_mode = {}, {}
+    for mode in modes:
+        workers: list[Worker] = []
+        try:
+            drive = _drive_standalone if mode == "standalone" else _drive
+            loads, failed, alive = drive(specs, shared, args.steps, workers)
+        finally:
+            for w in workers:  # never leave a worker behind (e.g. on Ctrl-C)
+                if w.proc.poll() is None:
+                    w.proc.kill()
+        by_mode[mode] = _summarise(alive, failed)
+        loads_by_mode[mode] = loads
+    tables = {mode: _table(res, algos) for mode, res in by_mode.items()}
+    for mode, table in tables.items():
+        print(f"\n{mode}:\n" + "\n".join(table))
+    if len(by_mode) == 2:
+        print("\ninterleaved / standalone median step time:")
+        for name, r in by_mode["standalone"].items():
+            other = by_mode["interleaved"].get(name, {})
+            if "median_s" in r and "median_s" in other:
+                print(f"  {name:<18} {other['median_s'] / r['median_s']:.2f}")
     import torch
     import transformers
 
@@ -480,23 +587,27 @@ def main(argv=None) -> dict:
                 "python": platform.python_version()}  # fmt: skip
     for key, python in (("trl_grpo_rloo", args.trl116_python), ("trl_ppo", args.trl112_python)):
         if Path(python).exists():
-            out = subprocess.run(
+            proc = subprocess.run(
                 [python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
             )
-            versions[key] = out.stdout.strip()
+            versions[key] = proc.stdout.strip()
     report = {
+        "command": " ".join(["python", "benchmarks/bench_step.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "workload": args.workload,
         "threads": args.threads,
         "steps": args.steps,
+        "pinned": not args.no_pin,
         "versions": versions,
-        "load_average_1min": {"start": load_start, "per_step": loads[1:], "end": _load()},
-        "results": results,
-        "table": "\n".join(table),
+        "load_average_1min": {mode: {"start": ls[0], "per_step": ls[1:]} for mode, ls in loads_by_mode.items()},
+        "load_end": _load(),
+        "results": by_mode,
+        "tables": {mode: "\n".join(t) for mode, t in tables.items()},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
     return report
 
 
