@@ -373,3 +373,41 @@ def test_reference_skipped_when_no_term_uses_it(tiny_path, tmp_path):
         for key in ("rewards", "actor_loss", "val_reward"):
             if key in ra:
                 assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-7), key
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_bf16_rollouts_decode_from_a_refreshed_bf16_copy(arch):
+    """precision=bf16: the rollout decodes from a bfloat16 copy of the policy (rotary buffers kept in
+    float32), refreshed from the policy's weights before each rollout; the sampler's logprobs stay close
+    to the trainer's autocast forward (the step-1 mismatch init_policy_kl would show)."""
+    from rlbits.batch import make_prompts
+    from rlbits.loops import phases
+    from rlbits.models.forward import policy_logprobs
+    from rlbits.rollout.generate import generate
+
+    policy = tiny_causal_lm(arch, V, seed=1)
+    state = SimpleNamespace(policy=policy, decode_copy=None)
+    cfg = ReinforceConfig(precision="bf16")
+    with phases.decoding(state, cfg) as model:
+        assert model is state.decode_copy and model is not policy
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        assert all(b.dtype == ob.dtype for b, ob in zip(model.buffers(), policy.buffers(), strict=True))
+        g = torch.Generator().manual_seed(0)
+        prompts = make_prompts([torch.randint(3, V - 1, (n,), generator=g).tolist() for n in (3, 6, 4)], 0)
+        out = generate(model, prompts, max_new_tokens=8, eos_token_id=None, pad_token_id=0, num_samples=2, generator=g)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        trainer = policy_logprobs(policy, out)
+    diff = (out["logprobs"] - trainer)[out["action_mask"]]
+    assert diff.abs().max().item() < 0.1
+    assert abs(diff.sum().item() / out.batch_size[0]) < 0.1  # k1 KL per sequence at step 1
+    with torch.no_grad():  # an optimizer step changes the policy: the next rollout sees the new weights
+        for p in policy.parameters():
+            p.add_(0.01)
+    copy_before = state.decode_copy
+    with phases.decoding(state, cfg) as model:
+        assert model is copy_before  # refreshed in place, not rebuilt
+        for p, q in zip(model.parameters(), policy.parameters(), strict=True):
+            assert torch.equal(p, q.to(torch.bfloat16))
+    fp32 = SimpleNamespace(policy=policy, decode_copy=None)
+    with phases.decoding(fp32, ReinforceConfig()) as model:
+        assert model is policy and fp32.decode_copy is None

@@ -15,7 +15,7 @@ from tensordict import TensorDictBase
 
 from rlbits.data.stream import prompt_batch
 from rlbits.distributed.env import DistEnv
-from rlbits.distributed.parallelize import unsharded
+from rlbits.distributed.parallelize import is_sharded, unsharded
 from rlbits.distributed.reduce import all_reduce_sum
 from rlbits.functional import kl_penalty, masked_sum
 from rlbits.loops.config import RunConfig
@@ -58,6 +58,46 @@ def rollout(
             policy, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
             num_samples=num_samples, generator=generator, logits_processor=logits_processor, compile=compile,
         )  # fmt: skip
+
+
+def bf16_copy(policy: torch.nn.Module, copy: torch.nn.Module | None = None) -> torch.nn.Module:
+    """A copy of ``policy`` whose floating-point parameters are bfloat16 (buffers such as rotary
+    frequencies keep their dtype), or ``copy`` with its parameters refreshed from ``policy``'s weights.
+
+    For decoding under ``precision: bf16``: autocast casts every weight again at every token (on 2 CPU
+    threads, SmolLM2-135M decoded 3-5x slower under autocast than from a bfloat16 copy); the copy costs half
+    the policy's weight memory and one cast per rollout. Its logits are those of the trainer's autocast
+    forward up to bf16 rounding of the activations between matmuls (tests/test_loop_reinforce.py bounds the
+    sampler/trainer mismatch).
+    """
+    import copy as copy_module
+
+    with torch.no_grad():
+        if copy is None:
+            copy = copy_module.deepcopy(policy)
+            for p in copy.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(torch.bfloat16)
+            copy.eval().requires_grad_(False)
+        else:
+            for dst, src in zip(copy.parameters(), policy.parameters(), strict=True):
+                dst.copy_(src)
+    return copy
+
+
+@contextlib.contextmanager
+def decoding(state: Any, cfg: RunConfig) -> Iterator[torch.nn.Module]:
+    """The model a rollout of ``state.policy`` decodes with, inside its precision context: with
+    ``precision: bf16`` on an unsharded policy, a bfloat16 copy kept in ``state.decode_copy`` and refreshed
+    from the policy's current weights (``bf16_copy``), without autocast; else the policy itself under
+    ``autocast`` (a no-op in fp32)."""
+    policy = state.policy
+    if cfg.precision == "bf16" and not is_sharded(policy):
+        state.decode_copy = bf16_copy(policy, getattr(state, "decode_copy", None))
+        yield state.decode_copy
+        return
+    with autocast(policy, cfg):
+        yield policy
 
 
 def score_rollout(batch: TensorDictBase, reward: Any) -> torch.Tensor:
@@ -182,6 +222,8 @@ def add_batch_stats(metrics: StepMetrics, batch: TensorDictBase) -> None:
 
 __all__ = [
     "add_batch_stats",
+    "bf16_copy",
+    "decoding",
     "kl_per_sequence",
     "prompt_batch",
     "prompt_texts",

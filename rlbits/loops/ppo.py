@@ -301,11 +301,12 @@ def rollout(state: State, batch: TensorDictBase, cfg: PPOConfig, *, policy: torc
     ``input_ids``, ``attention_mask``, ``logprobs``, ``group``, ``truncated``, ``prompt_text``,
     ``response_text``.
     """
-    policy = state.policy if policy is None else policy
-    with autocast(policy, cfg):
+    context = phases.decoding(state, cfg) if policy is None else autocast(policy, cfg)
+    with context as model:
         return phases.rollout(
-            policy, state.tokenizer, phases.prompt_texts(batch), max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt, compile=cfg.compile_generate,
+            policy if policy is not None else model, state.tokenizer, phases.prompt_texts(batch),
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            num_samples=cfg.num_generations_per_prompt, compile=cfg.compile_generate,
             generator=state.sampling_generator,
         )  # fmt: skip
 

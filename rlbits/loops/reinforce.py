@@ -252,9 +252,9 @@ def init_state(
 def rollout(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
     """Phase 1: K responses per prompt of ``batch["prompt_text"]`` at ``cfg.temperature`` (groups
     contiguous), behaviour logprobs. Returns the new rollout batch."""
-    with autocast(state.policy, cfg):
+    with phases.decoding(state, cfg) as model:
         return phases.rollout(
-            state.policy, state.tokenizer, phases.prompt_texts(batch), max_new_tokens=cfg.max_new_tokens,
+            model, state.tokenizer, phases.prompt_texts(batch), max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt, compile=cfg.compile_generate,
             generator=state.sampling_generator,
         )  # fmt: skip

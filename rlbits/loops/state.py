@@ -129,6 +129,8 @@ class OnlineState(LoopState):
     """The reward (anything ``rlbits.score`` accepts)."""
     val_prompts: list[str] = runtime(default_factory=list)
     """The validation prompts (``val_prompts``, else the task's test split)."""
+    decode_copy: torch.nn.Module | None = runtime(default=None)
+    """With ``precision: bf16``: the bfloat16 copy of the policy the rollouts decode with (``phases.decoding``)."""
 
     @property
     def epoch(self) -> int:
