@@ -45,6 +45,13 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """True for a DTensor (a parameter of a sharded model)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def is_sharded(model: nn.Module) -> bool:
     """True if ``shard`` (``fully_shard``) was applied to ``model``."""
     return isinstance(model, FSDPModule)

@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.distributed.env import DistEnv
-from rlbits.distributed.parallelize import grad_norm_and_clip
+from rlbits.distributed.parallelize import grad_norm_and_clip, is_dtensor
 from rlbits.distributed.reduce import all_reduce_max
 
 
@@ -20,11 +20,9 @@ def make_optimizer(params: Iterator[torch.nn.Parameter] | Sequence, lr: float, w
     SmolLM2-135M's 134.5M parameters takes 0.09 s instead of 0.35-0.39 s). Sharded (DTensor) parameters
     keep the default implementation.
     """
-    from torch.distributed.tensor import DTensor
-
     trainable = [p for p in params if p.requires_grad]
     fused = bool(trainable) and all(
-        p.device.type in ("cpu", "cuda") and p.is_floating_point() and not isinstance(p, DTensor) for p in trainable
+        p.device.type in ("cpu", "cuda") and p.is_floating_point() and not is_dtensor(p) for p in trainable
     )
     return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
