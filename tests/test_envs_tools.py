@@ -324,3 +324,68 @@ def test_stop_conditions_validate():
         StopConditions(stop_strings="</tool_call>")
     with pytest.raises(ValueError, match="max_turns must be >= 1"):
         StopConditions(max_turns=0)
+
+
+# A Qwen2.5-style chat template (tool schemas in the system turn, consecutive tool results grouped in one user
+# turn), written for this test and rendered by transformers itself.
+QWEN_STYLE_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call a function with a JSON object inside <tool_call></tool_call> tags.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}
+{%- if loop.first or messages[loop.index0 - 1].role != "tool" %}<|im_start|>user{% endif %}
+<tool_response>
+{{ message.content }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != "tool" %}<|im_end|>
+{% endif %}
+{%- else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}
+"""
+
+
+def test_template_mode_with_a_real_tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({"<unk>": 0, "<|im_end|>": 1}, unk_token="<unk>")),
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+    )
+    tok.chat_template = QWEN_STYLE_TEMPLATE
+    env = ToolEnv(ToolRegistry([add]), tokenizer=tok)
+    assert env.mode == "template"
+    obs = env.reset("What is 2 + 3?")
+    assert obs.text.startswith("<|im_start|>system\n# Tools\n<tools>") and '"name": "add"' in obs.text
+    assert obs.text.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    # The prompt, the action and the observation concatenate to what the template renders for the whole
+    # conversation: the policy continues exactly the text a chat model would see.
+    action = call("add", a=2, b=3)
+    r = env.step(action, action_ids=None)
+    whole = tok.apply_chat_template(
+        [
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": action},
+            {"role": "tool", "name": "add", "content": "5"},
+        ],
+        tools=env.registry.schemas(),
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert obs.text + action + r.observation.text == whole
+    assert r.observation.text.startswith("<|im_end|>") and "<tool_response>" in r.observation.text
+    r2 = env.step(action + "<|im_end|>", action_ids=[5, tok.eos_token_id])  # EOS sampled: not written twice
+    assert r2.observation.text == r.observation.text[len("<|im_end|>") :]
