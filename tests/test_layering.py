@@ -21,6 +21,7 @@ RANKS = {
     "batch": 1,
     "tasks": 2,
     "models": 3,
+    "envs": 3,  # environments and tools: plain Python; may import functional, batch, tasks
     "rollout": 4,
     "zoo": 5,  # the tasks' base models: built from tasks' corpora, used by the loops and the CLI
     "distributed": 6,
