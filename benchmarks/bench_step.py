@@ -72,6 +72,9 @@ DEFAULT_TRL112 = "/work/venv-trl112/bin/python"
 # Seconds the driver waits between handing turns: OpenMP threads of the worker that just finished may
 # spin briefly before sleeping; this keeps them off the next worker's cores.
 _PAUSE_S = 0.3
+# Extra seconds every worker waits before each step (``--idle``): to reproduce the long waits of an
+# interleaved run with many workers in a short experiment.
+_IDLE_S = 0.0
 
 
 # --- the worker side ------------------------------------------------------------------------------------
@@ -161,6 +164,7 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
         progress=False,
         log_samples=0,
         device="cpu",
+        compile_generate=bool(args.compile_generate),
     )
     algo = args.worker.split("-")[1]
     if algo == "ppo":
@@ -417,7 +421,7 @@ def _drive(specs, shared, steps, workers):
         # Rotate the order every round, so no framework always runs right after the same other one.
         k = i % len(alive) if alive else 0
         for w in alive[k:] + alive[:k]:
-            time.sleep(_PAUSE_S)
+            time.sleep(_PAUSE_S + _IDLE_S)
             loads.append(_load())
             msg = w.go()
             print(
@@ -451,7 +455,7 @@ def _drive_standalone(specs, shared, steps, workers):
         try:
             w.read()
             for i in range(steps):
-                time.sleep(_PAUSE_S)
+                time.sleep(_PAUSE_S + _IDLE_S)
                 loads.append(_load())
                 msg = w.go()
                 print(f"standalone step {i + 1}/{steps} {name:<18} {msg['seconds']:7.3f} s  (load {loads[-1]:.2f})", flush=True)
@@ -518,6 +522,7 @@ def main(argv=None) -> dict:
     p.add_argument("--trl112-python", default=DEFAULT_TRL112)
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 variants")
     p.add_argument("--no-pin", action="store_true", help="do not mlockall the workers (see _pin_memory)")
+    p.add_argument("--idle", type=float, default=0.0, help="extra seconds each worker waits before each step")
     p.add_argument("--only", nargs="+", help="run only these workers (e.g. rlbits-grpo trl-grpo)")
     p.add_argument("--out", type=Path, default=None, help="default: results/bench_step[_WORKLOAD].json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -529,11 +534,15 @@ def main(argv=None) -> dict:
     p.add_argument("--microbatch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     p.add_argument("--pin-memory", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--compile-generate", type=int, default=0,
+                   help="1: rlbits decodes with a compiled step (compile_generate; compiled in the warm-up step)")  # fmt: skip
     args = p.parse_args(argv)
     if args.worker:
         _worker(args)
         return {}
 
+    global _IDLE_S
+    _IDLE_S = args.idle
     num_prompts, prompt_len, new_tokens, microbatch, vocab, algos = WORKLOADS[args.workload]
     if args.workload == "standard":
         folder = W.build_model_folder(Path(tempfile.gettempdir()) / "rlbits_bench_standard_model")
@@ -542,7 +551,8 @@ def main(argv=None) -> dict:
     out = args.out or HERE / "results" / ("bench_step.json" if args.workload == "standard" else f"bench_step_{args.workload}.json")
     shared = [f"--steps={args.steps}", f"--threads={args.threads}", f"--prompt-len={prompt_len}",
               f"--new-tokens={new_tokens}", f"--model-folder={folder}", f"--num-prompts={num_prompts}",
-              f"--microbatch={microbatch}", f"--vocab={vocab}", f"--pin-memory={0 if args.no_pin else 1}"]  # fmt: skip
+              f"--microbatch={microbatch}", f"--vocab={vocab}", f"--pin-memory={0 if args.no_pin else 1}",
+              f"--compile-generate={args.compile_generate}"]  # fmt: skip
     specs = []  # (name, python, precision)
     for algo in algos:
         trl_python = args.trl112_python if algo == "ppo" else args.trl116_python
@@ -599,6 +609,8 @@ def main(argv=None) -> dict:
         "threads": args.threads,
         "steps": args.steps,
         "pinned": not args.no_pin,
+        "idle_s": args.idle,
+        "rlbits_compile_generate": bool(args.compile_generate),
         "versions": versions,
         "load_average_1min": {mode: {"start": ls[0], "per_step": ls[1:]} for mode, ls in loads_by_mode.items()},
         "load_end": _load(),
