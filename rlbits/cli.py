@@ -248,13 +248,14 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-TRAIN_HELP = """Train a policy with the loop the config names (ppo, reinforce, ilql) and print a summary.
+TRAIN_HELP = """Train with the loop the config names (ppo, reinforce, ilql, reward_model) and print a summary.
 
   rlbits train                                   the main job: configs/ppo_sentiment.yaml -> runs/default
   rlbits train configs/rloo_arithmetic.yaml seed=1 run_dir=runs/s1
   rlbits train policy=/path/to/hf_model          your own local HF causal LM (a folder with config.json,
                                                  weights and tokenizer) instead of the task's base model
   rlbits train --resume runs/default max_num_steps=200
+  rlbits train configs/real/reward_model_imdb.yaml   a reward model (RUN_DIR/final: reward_model=... elsewhere)
   rlbits train --help-config [LOOP]              every config field: type, default, meaning
 """
 
@@ -284,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
     train.add_argument(
         "--help-config", nargs="?", const="ppo", default=None, metavar="LOOP",
-        help="list every config field of LOOP (ppo, reinforce, ilql; default ppo): type, default, meaning",
+        help="list every config field of LOOP (ppo, reinforce, ilql, reward_model; default ppo): type, default, meaning",
     )  # fmt: skip
     train.add_argument("--debug", action="store_true", help="show the traceback of an error (also RLBITS_DEBUG=1)")
     train.set_defaults(func=_train)

@@ -243,6 +243,11 @@ def test_labels_run_validates_and_exports(bert_path, tmp_path):
     torch.testing.assert_close(
         load_reward(str(final))([""], [held[0].text]), rewards[:1]
     )  # serve-reward's loader
+    from rlbits.loops.evaluate import evaluate_run
+    from rlbits.loops.summary import summarize
+
+    assert evaluate_run(run_dir)["val"]["accuracy"] == pytest.approx(val[-1]["val_accuracy"])  # rlbits eval
+    assert f"val_accuracy  {val[-1]['val_accuracy']:.4f} (step 6)" in summarize(run_dir)
     provenance = json.loads((run_dir / "provenance.json").read_text())
     assert provenance["loop"] == "reward_model" and provenance["samples"]["count"] == 54
 

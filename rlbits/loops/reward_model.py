@@ -499,6 +499,20 @@ def validate(state: State, batch: Any, cfg: RewardModelConfig) -> None:
     return None
 
 
+def evaluate_run(run_dir: str | Path, cfg: RewardModelConfig) -> dict[str, dict[str, float]]:
+    """``rlbits eval RUN_DIR`` for a reward-model run: ``RUN_DIR/final`` (loaded as ``rlbits.score`` would,
+    with the run's ``max_length``) on each validation set of ``cfg`` (``max_val_samples`` rows each).
+    Returns ``{set name: {"loss", "accuracy", "reward_mean", "reward_std"}}``."""
+    from rlbits.loops.runtime import setup
+
+    env = setup(cfg)
+    _, val_sets = load_data(dataclasses.replace(cfg, max_train_samples=1))
+    reward_model = RewardModel.from_pretrained(
+        Path(run_dir) / "final", batch_size=cfg.microbatch_size, max_length=cfg.max_length, device=env.device
+    )
+    return {name: evaluate(reward_model, rows, cfg) for name, rows in val_sets.items()}
+
+
 # --- the loop ------------------------------------------------------------------------------------------------
 
 
@@ -569,6 +583,7 @@ __all__ = [
     "default_model_path",
     "encode",
     "evaluate",
+    "evaluate_run",
     "init_state",
     "learning_rate",
     "load_data",
