@@ -275,7 +275,7 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-TRAIN_HELP = """Train a policy with the loop the config names (ppo, reinforce, ilql) and print a summary.
+TRAIN_HELP = """Train with the loop the config names (ppo, reinforce, ilql, reward_model) and print a summary.
 
   rlbits train                                   the main job: configs/ppo_sentiment.yaml -> runs/default
   rlbits train configs/rloo_arithmetic.yaml seed=1 run_dir=runs/s1
@@ -284,6 +284,7 @@ TRAIN_HELP = """Train a policy with the loop the config names (ppo, reinforce, i
   rlbits train loop=reinforce task=math          a real model and real data (the real extra): the task's
                                                  base model is smollm2-135m; policy=smollm2-135m works too
   rlbits train --resume runs/default max_num_steps=200
+  rlbits train configs/real/reward_model_imdb.yaml   a reward model (RUN_DIR/final: reward_model=... elsewhere)
   rlbits train --help-config [LOOP]              every config field: type, default, meaning
 """
 
@@ -325,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
     train.add_argument(
         "--help-config", nargs="?", const="ppo", default=None, metavar="LOOP",
-        help="list every config field of LOOP (ppo, reinforce, ilql; default ppo): type, default, meaning",
+        help="list every config field of LOOP (ppo, reinforce, ilql, reward_model; default ppo): type, default, meaning",
     )  # fmt: skip
     train.add_argument("--debug", action="store_true", help="show the traceback of an error (also RLBITS_DEBUG=1)")
     train.set_defaults(func=_train)

@@ -41,6 +41,7 @@ TRAINING_ENTRY_POINTS = (
     "rlbits.loops.ppo:train",
     "rlbits.loops.reinforce:train",
     "rlbits.loops.ilql:train",
+    "rlbits.loops.reward_model:train",
     "rlbits.zoo.pretrain:pretrain",  # the base-model builder (rlbits.zoo.base_model builds through it)
     "rlbits.zoo.pretrain:plateau_check",  # keeps pretraining a base model for a while
 )

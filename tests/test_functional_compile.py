@@ -67,6 +67,12 @@ def _cases():
             (rnd(B, R, V, grad=True), tokens, mask),
             {"advantages": rnd(B, R), "beta": 0.5, "num_tokens": 20},
         ),
+        "bradley_terry_loss": (
+            rlbits.bradley_terry_loss,
+            (rnd(B, grad=True), rnd(B, grad=True)),
+            {"margin": rnd(B).abs(), "center_coef": 0.01},
+        ),
+        "pointwise_reward_loss": (rlbits.pointwise_reward_loss, (rnd(B, grad=True), torch.tensor([1, 0, 1, 1])), {}),
         "ilql_logits": (rlbits.ilql_logits, (rnd(B, R, V, grad=True), rnd(B, R, V), rnd(B, R)), {"beta": 0.5}),
     }
 

@@ -29,6 +29,8 @@ CONTRACT = {
     "cql_loss": ["q_logits", "actions", "action_mask"],
     "awac_loss": ["logits", "actions", "action_mask"],
     "ilql_logits": ["logits", "q", "v", "beta"],
+    "bradley_terry_loss": ["chosen_rewards", "rejected_rewards", "margin", "center_coef"],
+    "pointwise_reward_loss": ["rewards", "labels"],
     "generate": ["policy", "prompts_td", "max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "num_samples", "logits_processor"],
     "score": ["batch", "reward"],
 }
@@ -47,6 +49,8 @@ DEFAULTS = {
     ("ppo_loss", "agg"): "token-mean",
     ("value_loss", "clip_eps"): None,
     ("expectile_loss", "tau"): 0.7,
+    ("bradley_terry_loss", "margin"): None,
+    ("bradley_terry_loss", "center_coef"): 0.0,
     ("generate", "temperature"): 1.0,
     ("generate", "num_samples"): 1,
 }

@@ -20,12 +20,14 @@ from rlbits.functional.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_penalty
 from rlbits.functional.logprobs import entropy_from_logits, logprobs_from_logits
 from rlbits.functional.losses import aggregate_loss, ppo_loss, reinforce_loss, value_loss
 from rlbits.functional.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlbits.functional.reward import bradley_terry_loss, pointwise_reward_loss
 
 __all__ = [
     "KL_ESTIMATORS",
     "adaptive_kl_coef",
     "aggregate_loss",
     "awac_loss",
+    "bradley_terry_loss",
     "cql_loss",
     "entropy_from_logits",
     "expectile_loss",
@@ -40,6 +42,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "next_action_values",
+    "pointwise_reward_loss",
     "ppo_loss",
     "q_loss",
     "reinforce_loss",

@@ -25,12 +25,13 @@ LOOPS = {
     "ppo": ("rlbits.loops.ppo", "PPOConfig"),
     "reinforce": ("rlbits.loops.reinforce", "ReinforceConfig"),
     "ilql": ("rlbits.loops.ilql", "ILQLConfig"),
+    "reward_model": ("rlbits.loops.reward_model", "RewardModelConfig"),
 }
 DEFAULT_CONFIG = "ppo_sentiment.yaml"
 
 
 def loop_module(name: str) -> ModuleType:
-    """The module of loop ``name`` (``ppo``, ``reinforce``, ``ilql``)."""
+    """The module of loop ``name`` (``ppo``, ``reinforce``, ``ilql``, ``reward_model``)."""
     if name not in LOOPS:
         raise ConfigError(f"unknown loop {name!r}; expected one of {', '.join(LOOPS)}")
     return importlib.import_module(LOOPS[name][0])

@@ -40,7 +40,7 @@ class RunConfig:
     """Fields every loop shares: what to train, where to write, how long, validation and checkpoints."""
 
     loop: str = "ppo"
-    """Which loop runs this config: ``ppo``, ``reinforce`` or ``ilql``."""
+    """Which loop runs this config: ``ppo``, ``reinforce``, ``ilql`` or ``reward_model``."""
     task: str = "sentiment"
     """Built-in task giving prompts, reward and base model: ``sentiment``, ``arithmetic``, ``imdb`` or ``math`` (the last two need the ``real`` extra)."""
     policy: str | None = None
@@ -81,6 +81,8 @@ class RunConfig:
     """Prompts used by validation: the first this many of the test split (or of ``val_prompts``)."""
     val_greedy: bool = False
     """Validate with greedy decoding (True) or sampling at ``temperature`` (False)."""
+    reward_model: str | None = None
+    """Local folder of a reward model (an HF ``AutoModelForSequenceClassification`` with one label, such as the ``RUN_DIR/final`` of a ``reward_model`` run) that scores ``prompt + response`` instead of the task's reward (online loops; ILQL scores the offline set it builds with it). A ``reward`` given to ``rlbits.train``/``train()`` may not be combined with it. Recorded in ``provenance.json``."""
     val_prompts: str | None = None
     """Held-out validation prompts instead of the task's test split: ``split:NAME`` for another split of the task (``split:ood``: imdb's Rotten Tomatoes openings), or a path to a text file with one prompt per line, or to a ``.jsonl`` file of ``{"prompt": ...}`` objects (``rlbits.train(val_prompts=[...])`` and a loop's ``train(cfg, val_prompts=...)`` take a list and win over this key). Checked before any model is loaded; recorded in ``provenance.json``."""
     allow_changed_inputs: bool = False
@@ -161,9 +163,14 @@ class RunConfig:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.loop not in ("ppo", "reinforce", "ilql"):
-            raise ConfigError(f"loop must be one of ppo, reinforce, ilql; got {self.loop!r}")
+        if self.loop not in ("ppo", "reinforce", "ilql", "reward_model"):
+            raise ConfigError(f"loop must be one of ppo, reinforce, ilql, reward_model; got {self.loop!r}")
         self._check_lora()
+        if self.reward_model is not None and not Path(self.reward_model).expanduser().is_dir():
+            raise ConfigError(
+                f"reward_model must be a folder holding an HF sequence-classification model, got {self.reward_model!r} "
+                f"({field_docs(type(self))['reward_model']})"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
 
@@ -197,6 +204,21 @@ class RunConfig:
 
         warnings.warn("RunConfig.validate() is renamed check()", DeprecationWarning, stacklevel=2)
         self.check()
+
+    def resolve_reward(self, reward: Any) -> Any:
+        """The reward a loop scores with: ``reward`` (the argument of ``train``), else ``reward_model`` (a
+        folder; ``rlbits.score`` loads it), else None (the task's reward).
+
+        Raises:
+            ConfigError: both ``reward`` and the ``reward_model`` key are given.
+        """
+        if self.reward_model is None:
+            return reward
+        if reward is not None:
+            raise ConfigError(
+                f"a reward was passed to train() and the config sets reward_model={self.reward_model!r}; give one of them"
+            )
+        return str(Path(self.reward_model).expanduser())
 
     @property
     def rollout_batch_size(self) -> int:

@@ -55,7 +55,7 @@ def evaluate_run(
     out = {}
     for name, path in (("base", policy_path(cfg)), ("final", str(run_dir / "final"))):
         policy, tokenizer = load_policy_and_tokenizer(path, env)
-        out[name], _ = validate(policy, tokenizer, cfg)
+        out[name], _ = validate(policy, tokenizer, cfg, reward=cfg.resolve_reward(None))  # reward_model, if set
     return out
 
 

@@ -415,6 +415,7 @@ def train(
     """
     if not isinstance(cfg, ILQLConfig):
         raise ConfigError(f"cfg must be an ILQLConfig, got {type(cfg).__name__}")
+    reward = cfg.resolve_reward(reward)  # the reward_model key: a reward-model folder instead of the task's reward
     with Run(cfg, callbacks=callbacks, resume=resume) as run:
         prompts, val_prompts = run.check_inputs(
             reward=reward, prompts=prompts, val_prompts=val_prompts, samples=samples, optional=("prompts", "samples")

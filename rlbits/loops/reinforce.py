@@ -467,6 +467,7 @@ def train(
     """
     if not isinstance(cfg, ReinforceConfig):
         raise ConfigError(f"cfg must be a ReinforceConfig, got {type(cfg).__name__}")
+    reward = cfg.resolve_reward(reward)  # the reward_model key: a reward-model folder instead of the task's reward
     with Run(cfg, callbacks=callbacks, resume=resume) as run:
         prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
         state = init_state(cfg, run.env, reward=reward, prompts=prompts, val_prompts=val_prompts)

@@ -75,9 +75,15 @@ def summarize(run_dir: str | Path) -> str:
         lines.append(f"  val_reward    {first[1]:.4f} (step {first[0]}) -> {last[1]:.4f} (step {last[0]})")
     elif last is not None:
         lines.append(f"  val_reward    {last[1]:.4f} (step {last[0]})")
+    for name in ("val_accuracy", "val_ood_accuracy", "val_prefix_accuracy"):  # the reward_model loop
+        acc = _last(rows, name)
+        if acc is not None:
+            lines.append(f"  {name:<13} {acc[1]:.4f} (step {acc[0]})")
     kl = _last(rows, "init_policy_kl")
     if kl is not None:
-        lines.append(f"  final KL      {kl[1]:.4f} nats/sequence to the initial policy (init_policy_kl, step {kl[0]})")
+        lines.append(
+            f"  final KL      {kl[1]:.4f} nats/sequence to the initial policy (init_policy_kl, step {kl[0]})"
+        )
     lines.append(f"  wall time     {_duration(_wall_seconds(rows))}")
     step_time = sum(r["time/step"] for r in rows if isinstance(r.get("time/step"), (int, float)))
     tokens = sum(
@@ -86,7 +92,9 @@ def summarize(run_dir: str | Path) -> str:
         if isinstance(r.get("tokens_per_s"), (int, float)) and isinstance(r.get("time/step"), (int, float))
     )
     if step_time > 0 and math.isfinite(tokens):
-        lines.append(f"  tokens/s      {tokens / step_time:.0f} (trained tokens per second of training steps)")
+        lines.append(
+            f"  tokens/s      {tokens / step_time:.0f} (trained tokens per second of training steps)"
+        )
     final = run_dir / "final"
     lines.append(f"  final policy  {final}" + ("" if final.is_dir() else " (not written)"))
     more = steps + (max_steps if isinstance(max_steps, int) and max_steps > 0 else 100)

@@ -225,19 +225,23 @@ class RewardModel:
     """A sequence-classification model with one label and its tokenizer, called like a reward function.
 
     ``rm(prompts, responses)`` scores each text ``prompt + response`` (concatenated as is, no separator,
-    with the tokenizer's special tokens) and returns the model's logit, float32 [N] on CPU. Texts are
-    sorted by length, tokenized and right-padded in microbatches of ``batch_size``, and run without
-    gradients; a sample scores the same alone as in any batch (up to float rounding). The model reads the
-    score at the last token that is not ``pad_token_id`` (the transformers convention for decoder models),
-    so a pad token inside the decoded text would be misread.
+    with the tokenizer's special tokens: ``encode_texts``) and returns the model's logit, float32 [N] on CPU.
+    Texts are sorted by length, tokenized and right-padded in microbatches of ``batch_size``, and run without
+    gradients; a sample scores the same alone as in any batch (up to float rounding). Where the score is
+    read is the model's own convention: a decoder (GPT-2, Llama, Qwen2) reads it at the last token that is
+    not ``pad_token_id``, so a pad token inside the decoded text would be misread; an encoder (BERT, MiniLM)
+    reads it from its ``[CLS]`` token through its pooler. ``rlbits.loops.reward_model`` trains such models
+    on exactly these texts (``prompt + chosen``, or a labelled text) and writes ``RUN_DIR/final/``, a folder
+    ``from_pretrained`` loads.
 
     Args:
         model: e.g. ``AutoModelForSequenceClassification`` with ``config.num_labels == 1``; put into eval mode.
         tokenizer: its tokenizer. If it has no pad token, its eos token is used as pad (set on the tokenizer),
             and the model's ``config.pad_token_id`` is set to the tokenizer's when missing.
         batch_size: texts per forward pass.
-        max_length: keep only the last ``max_length`` tokens of a longer text (the end, where the score is
-            read); None keeps every token.
+        max_length: a longer text keeps its last tokens (the end of the response), so that with its special
+            tokens (an encoder's ``[CLS]``/``[SEP]``, a decoder's BOS) it has ``max_length`` tokens; None keeps
+            every token.
 
     Raises:
         ValueError: ``num_labels != 1``, no pad or eos token, the model's and tokenizer's pad ids differ, or a
@@ -324,9 +328,7 @@ class RewardModel:
         if len(prompts) != len(responses):
             raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
         texts = [p + r for p, r in zip(prompts, responses, strict=True)]
-        ids = self.tokenizer(texts)["input_ids"]
-        if self.max_length is not None:
-            ids = [row[-self.max_length :] for row in ids]
+        ids = encode_texts(self.tokenizer, texts, self.max_length)
         for i, row in enumerate(ids):
             if not row:
                 raise ValueError(f"text {i} of the call has no tokens to score (empty prompt and response)")
@@ -344,6 +346,24 @@ class RewardModel:
                 ).logits
                 rewards[rows] = logits[:, 0].float().cpu()
         return rewards
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
+    """Token ids of each text with the tokenizer's special tokens, as a reward model reads it.
+
+    A text longer than ``max_length`` (special tokens included) loses tokens at its start: the end of a
+    response decides its score, and an encoder keeps its ``[CLS]`` (the tokenizer truncates on the left,
+    then adds the special tokens). ``RewardModel`` scores and ``rlbits.loops.reward_model`` trains through
+    this one function, so a trained model sees its texts the same way in both.
+    """
+    if max_length is None:
+        return tokenizer(list(texts))["input_ids"]
+    side = tokenizer.truncation_side
+    tokenizer.truncation_side = "left"
+    try:
+        return tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
+    finally:
+        tokenizer.truncation_side = side
 
 
 @functools.lru_cache(maxsize=1)
@@ -544,6 +564,7 @@ __all__ = [
     "accepted_columns",
     "batch_columns",
     "describe_sample",
+    "encode_texts",
     "score",
     "score_texts",
     "check_rewards",
