@@ -31,12 +31,17 @@ scoring, reference, update, logging); the first step of each worker is a warm-up
 (``--mode``, default both, one after the other):
 
 - ``standalone``: one framework at a time, its steps back to back (what a user running it sees);
-- ``interleaved``: all workers alive, one step each in turn, the order rotating every round, so a change
-  in machine load hits all alike.
+- ``interleaved``: per comparison (rlbits-X and trl-X of one algorithm and precision), both workers alive,
+  one step each in turn, the order rotating every round, so a change in machine load hits both alike.
 
-Every worker pins its memory (``mlockall``; ``--no-pin`` to see the difference): this machine's DAMON
-``pageout`` scheme reclaims pages idle for ~30 s, which made an interleaved TRL worker re-read its
-libraries from disk at every step (``_pin_memory``; the results record major page faults per step).
+Why the two modes: TRL's step time once depended on how it was run (2.8 s standalone, 3.6-5.4 s in
+earlier interleaved runs of all nine workers). Found: (1) after its last step a worker finishes its run
+(rlbits writes ``final/``) while the next worker's step runs: the driver now waits for the exit; (2) with
+all workers alive, eight SmolLM2-sized workers do not fit in RAM, and idle gaps grow: interleaving is now
+per comparison pair; (3) paging is not involved (0 major faults per step, recorded; ``--pin`` locks the
+workers' memory as an experiment). Still, with the other worker alive both frameworks' steps run 10-30%
+slower than alone (cause not found), so the headline ratios are the standalone ones, with the
+interleaved ones beside them.
 
     python benchmarks/bench_step.py                           # standard workload, both modes, ~15 min quiet
     python benchmarks/bench_step.py --workload smollm2        # the 135M model, ~25 min quiet
@@ -93,14 +98,13 @@ def _major_faults() -> int:
 
 
 def _pin_memory() -> str:
-    """``mlockall(MCL_CURRENT | MCL_FUTURE)``: keep every page of this worker resident.
+    """``mlockall(MCL_CURRENT | MCL_FUTURE)``: keep every page of this worker resident (``--pin``).
 
-    Why: this machine runs DAMON with a ``pageout`` scheme (``/sys/kernel/mm/damon/admin``): pages not
-    touched for ~30 s are reclaimed. While a worker waits for its turn, the file-backed pages it alone uses
-    (TRL's own venv holds its own copy of libtorch and every library) go cold and are paged out, and its
-    next step re-reads them from disk (major page faults), so TRL's interleaved step times came out 1.3-1.9x
-    its standalone ones; the rlbits workers share one venv that some worker always keeps hot. Returns
-    ``"ok"`` or why pinning failed (then the fault counts in the results show the effect)."""
+    An experiment, off by default. Suspected cause of TRL's unstable interleaved times: this machine's DAMON
+    ``pageout`` scheme reclaiming the pages of a worker waiting for its turn. Measured (SmolLM2 GRPO, 3 steps
+    each, quiet machine): no major page faults with or without pinning, and pinning made TRL's standalone
+    step 8% slower (5.78 s vs 5.35 s: every allocation is populated and locked). Returns ``"ok"`` or why
+    pinning failed."""
     import ctypes
 
     try:
@@ -428,12 +432,15 @@ def _drive(specs, shared, steps, workers):
                 f"step {i + 1}/{steps} {w.name:<18} {msg['seconds']:7.3f} s  (load {loads[-1]:.2f})",
                 flush=True,
             )
-    for w in alive:
-        try:
-            w.read()  # "exit"
-        except RuntimeError as e:
-            print(e, file=sys.stderr)
-        w.proc.wait(timeout=120)
+            if i == steps - 1:
+                # After its last step a worker finishes its run (rlbits writes final/, TRL ends train()):
+                # wait for that before the next worker's step, or it runs beside it (it made TRL's last
+                # interleaved SmolLM2 step 2.6x slower).
+                try:
+                    w.read()  # "exit"
+                except RuntimeError as e:
+                    print(e, file=sys.stderr)
+                w.proc.wait(timeout=300)
 
     return loads, failed, alive
 
@@ -521,7 +528,7 @@ def main(argv=None) -> dict:
     p.add_argument("--trl116-python", default=DEFAULT_TRL116)
     p.add_argument("--trl112-python", default=DEFAULT_TRL112)
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 variants")
-    p.add_argument("--no-pin", action="store_true", help="do not mlockall the workers (see _pin_memory)")
+    p.add_argument("--pin", action="store_true", help="mlockall the workers (an experiment; see _pin_memory)")
     p.add_argument("--idle", type=float, default=0.0, help="extra seconds each worker waits before each step")
     p.add_argument("--only", nargs="+", help="run only these workers (e.g. rlbits-grpo trl-grpo)")
     p.add_argument("--out", type=Path, default=None, help="default: results/bench_step[_WORKLOAD].json")
@@ -533,7 +540,7 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=int, help=argparse.SUPPRESS)
     p.add_argument("--microbatch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--pin-memory", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--pin-memory", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--compile-generate", type=int, default=0,
                    help="1: rlbits decodes with a compiled step (compile_generate; compiled in the warm-up step)")  # fmt: skip
     args = p.parse_args(argv)
@@ -551,7 +558,7 @@ def main(argv=None) -> dict:
     out = args.out or HERE / "results" / ("bench_step.json" if args.workload == "standard" else f"bench_step_{args.workload}.json")
     shared = [f"--steps={args.steps}", f"--threads={args.threads}", f"--prompt-len={prompt_len}",
               f"--new-tokens={new_tokens}", f"--model-folder={folder}", f"--num-prompts={num_prompts}",
-              f"--microbatch={microbatch}", f"--vocab={vocab}", f"--pin-memory={0 if args.no_pin else 1}",
+              f"--microbatch={microbatch}", f"--vocab={vocab}", f"--pin-memory={1 if args.pin else 0}",
               f"--compile-generate={args.compile_generate}"]  # fmt: skip
     specs = []  # (name, python, precision)
     for algo in algos:
@@ -570,15 +577,25 @@ def main(argv=None) -> dict:
         specs = [s for s in specs if s[0] in args.only]
     modes = ("standalone", "interleaved") if args.mode == "both" else (args.mode,)
     by_mode, loads_by_mode = {}, {}
+    # Interleaving runs per comparison (rlbits-X and trl-X of one algorithm and precision): two workers alive
+    # at a time, so the idle gaps stay short and eight SmolLM2-sized workers never need RAM at once.
+    groups: dict[str, list] = {}
+    for spec in specs:
+        groups.setdefault(spec[0].split("-", 1)[1], []).append(spec)
     for mode in modes:
-        workers: list[Worker] = []
-        try:
-            drive = _drive_standalone if mode == "standalone" else _drive
-            loads, failed, alive = drive(specs, shared, args.steps, workers)
-        finally:
-            for w in workers:  # never leave a worker behind (e.g. on Ctrl-C)
-                if w.proc.poll() is None:
-                    w.proc.kill()
+        loads, failed, alive = [], {}, []
+        for group in ([specs] if mode == "standalone" else list(groups.values())):
+            workers: list[Worker] = []
+            try:
+                drive = _drive_standalone if mode == "standalone" else _drive
+                group_loads, group_failed, group_alive = drive(group, shared, args.steps, workers)
+            finally:
+                for w in workers:  # never leave a worker behind (e.g. on Ctrl-C)
+                    if w.proc.poll() is None:
+                        w.proc.kill()
+            loads += group_loads
+            failed.update(group_failed)
+            alive += group_alive
         by_mode[mode] = _summarise(alive, failed)
         loads_by_mode[mode] = loads
     tables = {mode: _table(res, algos) for mode, res in by_mode.items()}
@@ -608,7 +625,7 @@ def main(argv=None) -> dict:
         "workload": args.workload,
         "threads": args.threads,
         "steps": args.steps,
-        "pinned": not args.no_pin,
+        "pinned": bool(args.pin),
         "idle_s": args.idle,
         "rlbits_compile_generate": bool(args.compile_generate),
         "versions": versions,
