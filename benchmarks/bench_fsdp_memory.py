@@ -27,41 +27,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-class PeakSampler:
-    def __init__(self) -> None:
-        self.peak = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_mib())
-            time.sleep(0.002)
-
-    def __enter__(self) -> PeakSampler:
-        self.peak = rss_mib()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_mib())
+from _memory import PeakSampler, rss_mib  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
