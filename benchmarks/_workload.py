@@ -60,25 +60,30 @@ def tokenizer(vocab: int = 32000):
     return fast
 
 
-def build_model_folder(path: str | os.PathLike, *, seed: int = 0, **arch) -> Path:
-    """Save a random-init GPT-2 (``model_config(**arch)``) and the tokenizer to ``path`` (HF format); reuse
-    the folder if it already holds the same config."""
+def _save_random_model(path: Path, model_class, config, *, seed: int, stamp: str) -> Path:
+    """Save a random-init ``model_class(config)`` (EOS never stops generation) and the word-level tokenizer
+    to ``path``; reuse the folder when its ``seed.txt`` holds ``stamp``."""
     import torch
-    from transformers import GPT2LMHeadModel
 
-    path = Path(path)
-    config = model_config(**arch)
-    if (path / "config.json").is_file() and (path / "seed.txt").is_file():
-        if (path / "seed.txt").read_text() == f"{seed} {sorted(arch.items())}":
-            return path
+    if (path / "config.json").is_file() and (path / "seed.txt").is_file() and (path / "seed.txt").read_text() == stamp:
+        return path
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config)
+    model = model_class(config)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = PAD_ID
     model.save_pretrained(path)
     tokenizer(config.vocab_size).save_pretrained(path)
-    (path / "seed.txt").write_text(f"{seed} {sorted(arch.items())}")
+    (path / "seed.txt").write_text(stamp)
     return path
+
+
+def build_model_folder(path: str | os.PathLike, *, seed: int = 0, **arch) -> Path:
+    """Save a random-init GPT-2 (``model_config(**arch)``) and the tokenizer to ``path`` (HF format); reuse
+    the folder if it already holds the same config."""
+    from transformers import GPT2LMHeadModel
+
+    stamp = f"{seed} {sorted(arch.items())}"
+    return _save_random_model(Path(path), GPT2LMHeadModel, model_config(**arch), seed=seed, stamp=stamp)
 
 
 def prompts(n: int, *, length: int = 16, vocab: int = 32000, seed: int = 0) -> list[str]:
@@ -121,19 +126,7 @@ def smollm2_config(positions: int = 8192):
 def build_smollm2_folder(path: str | os.PathLike, *, seed: int = 0) -> Path:
     """Save a random-init model of SmolLM2-135M's architecture (``smollm2_config``) with the word-level
     tokenizer over its 49,152 ids (EOS = 49,151, never sampled in practice) to ``path``; reuse it if there."""
-    import torch
     from transformers import LlamaForCausalLM
 
-    path = Path(path)
-    stamp = f"smollm2 {seed}"
-    if (path / "config.json").is_file() and (path / "seed.txt").is_file() and (path / "seed.txt").read_text() == stamp:
-        return path
     config = smollm2_config(positions=2048)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = PAD_ID
-    model.save_pretrained(path)
-    tokenizer(config.vocab_size).save_pretrained(path)
-    (path / "seed.txt").write_text(stamp)
-    return path
+    return _save_random_model(Path(path), LlamaForCausalLM, config, seed=seed, stamp=f"smollm2 {seed}")
