@@ -404,8 +404,9 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-def _drive(specs, shared, steps, workers):
-    """Warm up the workers one after the other, then run ``steps`` rounds of one step each, in turn."""
+def _drive(specs, shared, steps, workers, label="step"):
+    """Warm up the workers one after the other, then run ``steps`` rounds of one step each, in turn. With one
+    spec this is the standalone mode: that framework alone, its steps back to back."""
     loads = [_load()]
     # Start the workers one at a time: each runs its warm-up step alone (18 threads of simultaneous
     # warm-ups on 2 cores thrash), then blocks until its first "go".
@@ -429,7 +430,7 @@ def _drive(specs, shared, steps, workers):
             loads.append(_load())
             msg = w.go()
             print(
-                f"step {i + 1}/{steps} {w.name:<18} {msg['seconds']:7.3f} s  (load {loads[-1]:.2f})",
+                f"{label} {i + 1}/{steps} {w.name:<18} {msg['seconds']:7.3f} s  (load {loads[-1]:.2f})",
                 flush=True,
             )
             if i == steps - 1:
@@ -450,29 +451,6 @@ WORKLOADS = {
     "standard": (8, 16, 32, 32, 32000, ALGOS),
     "smollm2": (4, 10, 24, 16, 49152, ("grpo", "rloo")),
 }
-
-
-def _drive_standalone(specs, shared, steps, workers):
-    """Each framework alone: one worker process at a time, its warm-up step then ``steps`` steps back to
-    back (the time a user running only this framework sees)."""
-    loads, failed, done = [_load()], {}, []
-    for name, python, precision in specs:
-        w = Worker(name, python, [f"--worker={name.removesuffix('-bf16')}", f"--precision={precision}", *shared])
-        workers.append(w)
-        try:
-            w.read()
-            for i in range(steps):
-                time.sleep(_PAUSE_S + _IDLE_S)
-                loads.append(_load())
-                msg = w.go()
-                print(f"standalone step {i + 1}/{steps} {name:<18} {msg['seconds']:7.3f} s  (load {loads[-1]:.2f})", flush=True)
-            w.read()  # "exit"
-            w.proc.wait(timeout=120)
-            done.append(w)
-        except RuntimeError as e:
-            failed[name] = str(e)
-            print(e, file=sys.stderr)
-    return loads, failed, done
 
 
 def _summarise(alive, failed) -> dict:
@@ -584,11 +562,11 @@ def main(argv=None) -> dict:
         groups.setdefault(spec[0].split("-", 1)[1], []).append(spec)
     for mode in modes:
         loads, failed, alive = [], {}, []
-        for group in ([specs] if mode == "standalone" else list(groups.values())):
+        for group in ([[spec] for spec in specs] if mode == "standalone" else list(groups.values())):
             workers: list[Worker] = []
             try:
-                drive = _drive_standalone if mode == "standalone" else _drive
-                group_loads, group_failed, group_alive = drive(group, shared, args.steps, workers)
+                label = "standalone step" if mode == "standalone" else "step"
+                group_loads, group_failed, group_alive = _drive(group, shared, args.steps, workers, label)
             finally:
                 for w in workers:  # never leave a worker behind (e.g. on Ctrl-C)
                     if w.proc.poll() is None:
