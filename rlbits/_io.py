@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -48,3 +49,22 @@ def atomic_folder(path: str | os.PathLike, *, marker: str = "config.json") -> It
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def read_jsonl(
+    path: Path, *, what: str, error: type[Exception], expected: str, accept: Callable[[object], bool]
+) -> list:
+    """The rows of a JSONL file, blank lines skipped. A line that is not JSON, or a row ``accept`` refuses,
+    raises ``error`` naming ``what``, the file and the line (``expected`` says what a row must be)."""
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise error(f"{what} file {str(path)!r}, line {n}: not JSON ({e.msg})") from None
+        if not accept(row):
+            raise error(f"{what} file {str(path)!r}, line {n}: expected {expected}")
+        rows.append(row)
+    return rows

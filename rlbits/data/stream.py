@@ -6,7 +6,6 @@ Every loop draws its prompts in this order, and ILQL its offline rows (``rlbits.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorDict
 
+from rlbits._io import read_jsonl
 from rlbits._seeds import generator
 from rlbits.distributed.env import DistEnv
 
@@ -122,21 +122,14 @@ def read_prompts(path: str | Path, what: str = "val_prompts") -> list[str]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"{what} file {str(path)!r} does not exist")
-    lines = path.read_text(encoding="utf-8").splitlines()
     if path.suffix == ".jsonl":
-        prompts = []
-        for n, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptError(f"{what} file {str(path)!r}, line {n}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict) or "prompt" not in row:
-                raise PromptError(f'{what} file {str(path)!r}, line {n}: expected an object with a "prompt" key')
-            prompts.append(row["prompt"])
+        rows = read_jsonl(
+            path, what=what, error=PromptError, expected='an object with a "prompt" key',
+            accept=lambda row: isinstance(row, dict) and "prompt" in row,
+        )  # fmt: skip
+        prompts = [row["prompt"] for row in rows]
     else:
-        prompts = [line for line in lines if line.strip()]
+        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return check_prompts(prompts, f"{what} (from {path.name})")
 
 

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import math
 import random
 from collections.abc import Sequence
@@ -67,6 +66,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from rlbits._io import read_jsonl
 from rlbits._seeds import derive_seed
 from rlbits.batch import pad_right
 from rlbits.data.stream import PromptStream
@@ -182,18 +182,9 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".csv":
         with path.open(newline="", encoding="utf-8") as f:
             return list(csv.DictReader(f))
-    rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"dataset file {str(path)!r}, line {n}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"dataset file {str(path)!r}, line {n}: expected a JSON object")
-        rows.append(row)
-    return rows
+    return read_jsonl(
+        path, what="dataset", error=ConfigError, expected="a JSON object", accept=lambda row: isinstance(row, dict)
+    )
 
 
 def read_dataset(path: str | Path) -> list[Labelled] | list[Pair]:
