@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from metrics_compare import untimed
 from tensordict import MemoryMappedTensor
 
 from rlbits.batch import tokenize_prompts, trim_padding
@@ -61,10 +62,6 @@ def make_cfg(tiny_path, run_dir, **kw):
     )
     values.update(kw)
     return config_from_dict(ilql.ILQLConfig, values)
-
-
-def _comparable(row):
-    return {k: v for k, v in row.items() if not k.startswith("time") and k != "tokens_per_s"}
 
 
 # --- the loop ---------------------------------------------------------------------------------------
@@ -167,7 +164,7 @@ def test_resume_reproduces_the_uninterrupted_run(holds, full_run, tiny_path, tmp
     a, b = read_metrics(full_run), read_metrics(cfg.run_dir)
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     for ra, rb in zip(a[3:], b[3:], strict=True):
-        assert _comparable(ra) == _comparable(rb)
+        assert untimed(ra) == untimed(rb)
     assert "val_reward" in b[4]
     m1, m2 = ILQLModel.from_pretrained(full_run / "final"), ILQLModel.from_pretrained(cfg.run_dir + "/final")
     s1, s2 = m1.state_dict(), m2.state_dict()

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from metrics_compare import untimed_by_step
 from tensordict import TensorDict
 
 from rlbits.distributed.env import DistEnv
@@ -274,14 +275,7 @@ def test_exact_resume(tiny_path, tmp_path):
     train(part, reward=length_reward)
     resumed = train(dataclasses.replace(part, max_num_steps=4), reward=length_reward, resume=True)
 
-    def comparable(rows):
-        return {
-            r["step"]: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
-            for r in rows
-            if r["step"] >= 3
-        }
-
-    a, b = comparable(read_metrics(full)), comparable(read_metrics(resumed))
+    a, b = untimed_by_step(read_metrics(full), 3), untimed_by_step(read_metrics(resumed), 3)
     assert sorted(a) == [3, 4] and a == b
     assert [r["step"] for r in read_metrics(resumed)] == [1, 2, 3, 4]
 

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from metrics_compare import untimed_by_step
 
 from rlbits.loops import reward_model as rm
 from rlbits.loops.config import ConfigError, config_from_dict
@@ -264,14 +265,7 @@ def test_exact_resume(bert_path, tmp_path):
     train(part, callbacks=[StopAfter(2)])  # the same 4-step schedule (warm-up, decay), stopped after step 2
     resumed = train(part, resume=True)
 
-    def comparable(rows):
-        return {
-            r["step"]: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
-            for r in rows
-            if r["step"] >= 3
-        }
-
-    a, b = comparable(read_metrics(full)), comparable(read_metrics(resumed))
+    a, b = untimed_by_step(read_metrics(full), 3), untimed_by_step(read_metrics(resumed), 3)
     assert sorted(a) == [3, 4] and a == b
     from safetensors.torch import load_file
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from metrics_compare import untimed_by_step
 from transformers import AutoModelForCausalLM
 
 from rlbits.data.stream import prompt_batch
@@ -329,16 +330,9 @@ def test_lora_resume_reproduces_the_uninterrupted_run(loop, tiny_path, tmp_path)
         dataclasses.replace(part, max_num_steps=4), reward=length_reward, resume=True, **kw
     )
 
-    def comparable(rows):
-        return {
-            r["step"]: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
-            for r in rows
-            if r["step"] >= 3
-        }
-
     assert (
-        comparable(read_metrics(full)) == comparable(read_metrics(resumed))
-        and len(comparable(read_metrics(full))) == 2
+        untimed_by_step(read_metrics(full), 3) == untimed_by_step(read_metrics(resumed), 3)
+        and len(untimed_by_step(read_metrics(full), 3)) == 2
     )
     a = load_policy(full / "final").state_dict()
     b = load_policy(resumed / "final").state_dict()

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from metrics_compare import untimed_by_step
 
 import rlbits
 from rlbits.data.stream import PromptError, check_prompt_lengths, check_prompts, read_prompts
@@ -231,7 +232,7 @@ def test_val_prompts_are_validated_on(tiny_path, tmp_path):
 
 
 def comparable(run_dir):
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"} for r in read_metrics(run_dir)}
+    return untimed_by_step(read_metrics(run_dir))
 
 
 @pytest.mark.slow
