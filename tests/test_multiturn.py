@@ -1,0 +1,356 @@
+"""generate_episodes: token-exact multi-turn rollout (actions = sampled ids, logprobs = teacher forcing, masks,
+gae over action tokens only) and its failure paths (env timeout/error, max_turns, context, bounded pool)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import zlib
+
+import pytest
+import torch
+
+from rlbits.batch import check
+from rlbits.envs import Observation, StepResult, StopConditions
+from rlbits.functional import gae
+from rlbits.models.forward import position_ids_from_mask
+from rlbits.models.tiny import CHARS, tiny_causal_lm, tiny_tokenizer
+from rlbits.rollout.multiturn import STOP_REASONS, generate_episodes
+
+ARCHS = ("gpt2", "llama", "qwen2")
+V = len(CHARS) + 4
+TEMPLATE = (
+    "{% for m in messages %}({{ m['role'] }}): {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}(assistant): {% endif %}"
+)
+# Markers the logits processor reacts to (in no prompt, never sampled: they come from the envs' observations).
+EOS_MARK, STOP_MARK = "E", "S"
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {arch: tiny_causal_lm(arch, V, seed=3, max_position_embeddings=256) for arch in ARCHS}
+
+
+def _tokenizer(template: bool, pad_is_eos: bool):
+    tok = tiny_tokenizer(V)
+    if template:
+        tok.chat_template = TEMPLATE
+    if pad_is_eos:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+class RandomEnv:
+    """A toy env with a random number of turns and random observations (text or token ids, chat-rendered
+    with a template); records the ids and text of every action it is given."""
+
+    def __init__(self, tok, rng: random.Random, *, as_ids: bool, stop: StopConditions, turns: int, marks=""):
+        self.tok, self.rng, self.as_ids, self.stop, self.turns, self.marks = (
+            tok,
+            rng,
+            as_ids,
+            stop,
+            turns,
+            marks,
+        )
+        self.actions: list[list[int]] = []
+        self.texts: list[str] = []
+        self.rewards: list[float] = []
+
+    def _obs(self, content: str) -> Observation:
+        if self.tok.chat_template:
+            content = self.tok.apply_chat_template(
+                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+            )
+        if self.as_ids:
+            return Observation(token_ids=tuple(self.tok(content, add_special_tokens=False)["input_ids"]))
+        return Observation(text=content)
+
+    def reset(self, prompt):
+        return self._obs(prompt)
+
+    def step(self, action_text, action_ids=None):
+        self.actions.append(list(action_ids))
+        self.texts.append(action_text)
+        reward = round(self.rng.uniform(-1, 1), 3)
+        self.rewards.append(reward)
+        content = "".join(self.rng.choice("abcdefgh xyz") for _ in range(self.rng.randint(1, 6)))
+        # After the first turn the marked envs put their marker in the observation (see ``_steer``).
+        return StepResult(self._obs(self.marks + content), reward, len(self.actions) >= self.turns)
+
+
+def _steer(tok):
+    """A logits processor that makes a row whose context holds ``EOS_MARK`` sample EOS, one that holds
+    ``STOP_MARK`` sample the stop string ``"!?"`` (two tokens), and no row sample EOS or a marker else. It changes
+    sampling only, not logprobs."""
+    eos_mark, stop_mark = tok.convert_tokens_to_ids([EOS_MARK, STOP_MARK])
+    bang, question = tok.convert_tokens_to_ids(["!", "?"])
+
+    def process(input_ids, logits):
+        for r in range(input_ids.shape[0]):
+            row = input_ids[r]
+            force = None
+            if (row == eos_mark).any():
+                force = tok.eos_token_id
+            elif (row == stop_mark).any():
+                force = question if row[-1] == bang else bang
+            if force is not None:
+                logits[r] = float("-inf")
+                logits[r, force] = 0.0
+            else:  # EOS and the markers never sampled, so the scripted endings are the only ones
+                logits[r, [tok.eos_token_id, eos_mark, stop_mark]] = float("-inf")
+        return logits
+
+    return process
+
+
+def _episodes(tok, seed: int):
+    """Six envs: random turns, observations as text (even rows) or ids (odd rows); row 0 ends by EOS on its
+    second turn, row 1 by the stop string, row 2 cuts every turn at max_new_tokens (EOS does not stop it)."""
+    rng = random.Random(seed)
+    envs = []
+    for i in range(6):
+        stop = StopConditions(
+            stop_strings=("!?",) if i == 1 else (),
+            stop_on_eos=i != 2,
+            max_new_tokens=rng.randint(2, 6),
+            max_turns=4,
+        )
+        marks = {0: EOS_MARK, 1: STOP_MARK}.get(i, "")
+        turns = 2 if i in (0, 1) else rng.randint(1, 3)
+        envs.append(
+            RandomEnv(
+                tok,
+                random.Random(seed * 10 + i),
+                as_ids=i % 2 == 1,
+                stop=stop,
+                turns=turns + (i < 2),
+                marks=marks,
+            )
+        )
+    prompts = ["".join(rng.choice("abc xyz.") for _ in range(rng.randint(1, 7))) for _ in envs]
+    return envs, prompts
+
+
+def _teacher_forced(model, batch, temperature):
+    """log softmax(logits / T) of each response token from one forward of the whole episode [B, R]."""
+    with torch.no_grad():
+        mask = batch["attention_mask"]
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=mask.long(),
+            position_ids=position_ids_from_mask(mask),
+        ).logits.double()
+    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
+    logp = torch.log_softmax(logits[:, P - 1 : P + R - 1] / temperature, -1)
+    return logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
+
+
+def _gae_reference(rewards, values, mask, gamma, lam):
+    """Walk only the action tokens of each row, back to front (V = 0 after the last)."""
+    adv = torch.zeros_like(rewards, dtype=torch.float64)
+    for b in range(rewards.shape[0]):
+        pos = [t for t in range(rewards.shape[1]) if mask[b, t]]
+        nxt_v, nxt_a = 0.0, 0.0
+        for t in reversed(pos):
+            delta = float(rewards[b, t]) + gamma * nxt_v - float(values[b, t])
+            nxt_a = delta + gamma * lam * nxt_a
+            nxt_v = float(values[b, t])
+            adv[b, t] = nxt_a
+    return adv
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("template,pad_is_eos", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_episodes_are_token_exact(models, arch, template, pad_is_eos, temperature):
+    tok = _tokenizer(template, pad_is_eos)
+    model = models[arch]
+    seed = zlib.crc32(repr((arch, template, pad_is_eos, temperature)).encode()) % 1000  # fixed per case
+    envs, prompts = _episodes(tok, seed)
+    batch = generate_episodes(
+        model, tok, envs, prompts, temperature=temperature, generator=torch.Generator().manual_seed(seed),
+        logits_processor=_steer(tok),
+    )  # fmt: skip
+    check(batch)
+    B = len(envs)
+    act, resp = batch["action_mask"], batch["response_mask"]
+    reasons = list(batch["stop_reason"])
+    assert set(reasons) <= set(STOP_REASONS)
+    for i, env in enumerate(envs):
+        ids = batch["responses"][i][act[i]].tolist()
+        # (a) the action tokens are the ids the env was given, turn by turn, in order
+        assert ids == [t for turn in env.actions for t in turn]
+        assert int(batch["num_turns"][i]) == len(env.actions)
+        turn_idx = batch["turn_index"][i]
+        for k, turn in enumerate(env.actions):
+            assert batch["responses"][i][act[i] & (turn_idx == k)].tolist() == turn
+            assert env.texts[k] == tok.decode(turn, skip_special_tokens=False)
+        # (c) observation tokens: response_mask True, action_mask False; padding: both False, turn index -1
+        n = int(resp[i].sum())
+        assert resp[i, :n].all() and not resp[i, n:].any() and not act[i, n:].any()
+        assert (turn_idx[:n] >= 0).all() and (turn_idx[n:] == -1).all()
+        # turn rewards on the last action token of each turn, summed into ``rewards``
+        tr = batch["turn_rewards"][i]
+        for k, r in enumerate(env.rewards):
+            last = int(torch.nonzero(act[i] & (turn_idx == k)).max())
+            assert tr[last].item() == pytest.approx(r)
+        assert int((tr != 0).sum()) <= len(env.rewards)
+        assert batch["rewards"][i].item() == pytest.approx(sum(env.rewards), abs=1e-5)
+    # (e) the forced endings: EOS and the two-token stop string are the turn's last actions
+    eos = tok.eos_token_id
+    assert reasons[0] == "eos" and envs[0].actions[-1][-1] == eos and len(envs[0].actions) == 2
+    assert envs[1].texts[1].endswith("!?") and envs[1].actions[1][-2:] == tok.convert_tokens_to_ids(
+        ["!", "?"]
+    )
+    assert all(len(a) == envs[2].stop.max_new_tokens for a in envs[2].actions)
+    assert reasons[2] == "done" and reasons[1] == "done"
+    # the observation after each turn is exactly what the env returned
+    for i in (3, 4, 5):
+        if len(envs[i].actions) > 1:
+            obs = batch["responses"][i][~act[i] & resp[i] & (batch["turn_index"][i] == 0)].tolist()
+            assert len(obs) > 0
+    # (b) behaviour logprobs = teacher-forced forward of the whole episode at T
+    tf = _teacher_forced(model, batch, temperature)
+    assert (tf - batch["logprobs"].double())[act].abs().max().item() < 1e-4
+    assert (batch["logprobs"][~act] == 0).all()
+    # (d) gae over the episode = the reference that walks only the action tokens
+    values = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(seed))
+    adv, ret = gae(batch["turn_rewards"], values, act, gamma=0.9, lam=0.8)
+    ref = _gae_reference(batch["turn_rewards"], values, act, 0.9, 0.8)
+    torch.testing.assert_close(adv.double(), ref, atol=1e-5, rtol=1e-5)
+    assert B == batch.batch_size[0]
+
+
+# --- failure paths ----------------------------------------------------------------------------------------
+
+
+class ScriptedEnv:
+    """A fixed number of turns; ``step`` may sleep, raise or return a fixed observation."""
+
+    def __init__(self, *, turns=2, sleep=0.0, fail=False, obs="ok ", max_turns=4, max_new_tokens=3, log=None):
+        self.stop = StopConditions(max_new_tokens=max_new_tokens, max_turns=max_turns, stop_on_eos=False)
+        self.turns, self.sleep, self.fail, self.obs, self.log, self.k = turns, sleep, fail, obs, log, 0
+
+    def reset(self, prompt):
+        return Observation(text=prompt)
+
+    def step(self, action_text, action_ids=None):
+        if self.log is not None:
+            with self.log["lock"]:
+                self.log["now"] += 1
+                self.log["max"] = max(self.log["max"], self.log["now"])
+        try:
+            time.sleep(self.sleep)
+            if self.fail:
+                raise RuntimeError("tool crashed")
+            self.k += 1
+            return StepResult(Observation(text=self.obs), 1.0, self.k >= self.turns)
+        finally:
+            if self.log is not None:
+                with self.log["lock"]:
+                    self.log["now"] -= 1
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    tok = tiny_tokenizer(V)
+    return tiny_causal_lm("gpt2", V, seed=1), tok
+
+
+def _run(gpt2, envs, **kw):
+    model, tok = gpt2
+    kw.setdefault("temperature", 1.0)
+    return generate_episodes(
+        model, tok, envs, ["hello"] * len(envs), generator=torch.Generator().manual_seed(0), **kw
+    )
+
+
+def test_timeout_and_error_end_only_their_episode(gpt2):
+    envs = [ScriptedEnv(sleep=2.0), ScriptedEnv(fail=True), ScriptedEnv(turns=2)]
+    start = time.monotonic()
+    batch = _run(gpt2, envs, env_timeout_s=0.3)
+    assert time.monotonic() - start < 1.8  # the sleeping step was abandoned, not waited for
+    assert list(batch["stop_reason"]) == ["env_timeout", "env_error", "done"]
+    assert batch["num_turns"].tolist() == [1, 1, 2]
+    # no reward for a failed step; the healthy row got both turns' rewards
+    assert batch["rewards"].tolist() == [0.0, 0.0, 2.0]
+
+
+def test_never_done_ends_at_max_turns(gpt2):
+    batch = _run(gpt2, [ScriptedEnv(turns=10, max_turns=3), ScriptedEnv(turns=1)])
+    assert list(batch["stop_reason"]) == ["max_turns", "done"]
+    assert batch["num_turns"].tolist() == [3, 1]
+    assert batch["turn_index"][0].max().item() == 2
+
+
+@pytest.mark.parametrize("max_episode_tokens", [12, 20, 31])
+def test_long_observation_ends_by_context_within_the_limit(gpt2, max_episode_tokens):
+    envs = [ScriptedEnv(turns=10, max_turns=10, obs="a long observation " * 3), ScriptedEnv(turns=1)]
+    batch = _run(gpt2, envs, max_episode_tokens=max_episode_tokens)
+    assert list(batch["stop_reason"]) == ["context", "done"]
+    lengths = batch["attention_mask"].sum(-1)
+    assert (lengths <= max_episode_tokens).all()
+    assert batch["truncated"].tolist() == [True, False]
+
+
+def test_model_context_is_never_exceeded():
+    tok = tiny_tokenizer(V)
+    model = tiny_causal_lm("llama", V, seed=1, max_position_embeddings=24)
+    envs = [ScriptedEnv(turns=50, max_turns=50, obs="ab"), ScriptedEnv(turns=50, max_turns=50, obs="abcdefg")]
+    batch = generate_episodes(
+        model, tok, envs, ["hi", "hello there"], temperature=1.0, generator=torch.Generator().manual_seed(0)
+    )
+    assert list(batch["stop_reason"]) == ["context", "context"]
+    assert (batch["attention_mask"].sum(-1) <= 24).all()
+
+
+def test_env_steps_run_concurrently_within_the_bound(gpt2):
+    log = {"lock": threading.Lock(), "now": 0, "max": 0}
+    envs = [ScriptedEnv(sleep=0.05, turns=2, log=log) for _ in range(8)]
+    batch = _run(gpt2, envs, max_env_workers=3)
+    assert log["max"] == 3  # concurrent (more than one at a time) and never more than the bound
+    assert list(batch["stop_reason"]) == ["done"] * 8
+
+
+def test_bad_arguments_are_named(gpt2):
+    with pytest.raises(ValueError, match="reward_placement"):
+        _run(gpt2, [ScriptedEnv()], reward_placement="turn")
+    with pytest.raises(ValueError, match="one prompt per env"):
+        generate_episodes(gpt2[0], gpt2[1], [ScriptedEnv()], ["a", "b"], temperature=1.0)
+    with pytest.raises(ValueError, match="env_timeout_s"):
+        _run(gpt2, [ScriptedEnv()], env_timeout_s=0)
+    with pytest.raises(ValueError, match="group_size"):
+        _run(gpt2, [ScriptedEnv()] * 3, group_size=2)
+
+
+def test_stopping_rule_leaves_generate_exact():
+    """``generate(stopping=...)``: a row the rule stops samples nothing more; every row's tokens and logprobs
+    equal the run without the rule up to its stop (the same noise is drawn for every row each step)."""
+    from rlbits.batch import make_prompts
+    from rlbits.rollout.generate import generate
+
+    model = tiny_causal_lm("qwen2", V, seed=2)
+    td = make_prompts([[5, 6, 7], [8], [9, 10]], 0)
+    stops = [2, 4, 6]
+    free = generate(
+        model,
+        td,
+        max_new_tokens=6,
+        temperature=0.7,
+        eos_token_id=None,
+        pad_token_id=0,
+        generator=torch.Generator().manual_seed(1),
+    )
+    ruled = generate(
+        model, td, max_new_tokens=6, temperature=0.7, eos_token_id=None, pad_token_id=0,
+        generator=torch.Generator().manual_seed(1),
+        stopping=lambda r: torch.tensor([r.shape[1] >= s for s in stops]),
+    )  # fmt: skip
+    assert ruled["action_mask"].sum(-1).tolist() == stops
+    for i, s in enumerate(stops):
+        assert torch.equal(ruled["responses"][i, :s], free["responses"][i, :s])
+        assert torch.equal(ruled["logprobs"][i, :s], free["logprobs"][i, :s])
+        assert (ruled["responses"][i, s:] == 0).all()
