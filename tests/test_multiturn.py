@@ -494,3 +494,31 @@ def test_one_step_on_a_multi_turn_task(toy_task, tmp_path, loop):
     samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert any(" 1:" in s["response"] for s in samples)  # the observation is part of the logged response
     assert (run_dir / "checkpoints" / "step_1").exists()
+
+
+@pytest.mark.slow
+def test_resume_on_a_multi_turn_task_reproduces_the_run(toy_task, tmp_path):
+    """A GRPO run on the toy env task stopped after step 1 and resumed logs the same step 2 as the run that
+    went straight through (episodes sampled from the restored generator, rewards from the envs)."""
+    import dataclasses
+
+    from metrics_compare import untimed_by_step
+
+    from rlbits.loops import reinforce
+    from rlbits.loops.run import read_metrics
+
+    def cfg(run_dir, steps):
+        return _loop_cfg(
+            reinforce.ReinforceConfig, toy_task, run_dir, loop="reinforce", baseline="grpo", max_num_steps=steps,
+            val_at_start=False,
+        )  # fmt: skip
+
+    prompts = ["ab", "cd", "ef", "gh"]
+    full = reinforce.train(cfg(tmp_path / "a", 2), prompts=prompts, val_prompts=["ij"])
+    part = cfg(tmp_path / "b", 1)
+    reinforce.train(part, prompts=prompts, val_prompts=["ij"])
+    resumed = reinforce.train(
+        dataclasses.replace(part, max_num_steps=2), prompts=prompts, val_prompts=["ij"], resume=True
+    )
+    a, b = untimed_by_step(read_metrics(full), 2), untimed_by_step(read_metrics(resumed), 2)
+    assert sorted(a) == [2] and a == b and "num_turns" in a[2]
