@@ -279,6 +279,22 @@ def test_timeout_and_error_end_only_their_episode(gpt2):
     assert batch["rewards"].tolist() == [0.0, 0.0, 2.0]
 
 
+class BadResultEnv(ScriptedEnv):
+    """``step`` returns a reward that is not a number, or a bare string instead of a StepResult."""
+
+    def __init__(self, what):
+        super().__init__()
+        self.what = what
+
+    def step(self, action_text, action_ids=None):
+        return StepResult(Observation(text="x"), "high") if self.what == "reward" else "ok"
+
+
+def test_malformed_step_results_are_env_errors(gpt2):
+    batch = _run(gpt2, [BadResultEnv("reward"), BadResultEnv("type"), ScriptedEnv(turns=1)])
+    assert list(batch["stop_reason"]) == ["env_error", "env_error", "done"]
+
+
 def test_never_done_ends_at_max_turns(gpt2):
     batch = _run(gpt2, [ScriptedEnv(turns=10, max_turns=3), ScriptedEnv(turns=1)])
     assert list(batch["stop_reason"]) == ["max_turns", "done"]

@@ -75,6 +75,9 @@ def _step_guarded(
                 raise TypeError(
                     f"env.step must return an rlbits.envs.StepResult, got {type(result).__name__}"
                 )
+            if not isinstance(result.observation, Observation):
+                raise TypeError(f"StepResult.observation must be an Observation, got {result.observation!r}")
+            float(result.reward)  # a reward that is not a number is this env's error, not the batch's
             done.put((k, result))
         except BaseException as e:  # noqa: BLE001 - any failure of the env ends its episode, not the batch
             done.put((k, ("env_error", f"{type(e).__name__}: {e}")))
@@ -214,8 +217,10 @@ def generate_episodes(
             ``group_size``, a bad ``reward_placement`` / ``max_env_workers`` / ``env_timeout_s`` /
             ``max_episode_tokens``, a prompt that is empty or longer than the model's context, or a tokenizer
             without a pad or EOS id.
-        TypeError: an env returns something other than an ``Observation`` / ``StepResult``.
-        Exception: whatever an env's ``reset`` raises (a broken prompt is not an episode).
+        TypeError: an env's ``reset`` returns something other than an ``Observation``.
+        Exception: whatever an env's ``reset`` raises (a broken prompt is not an episode). A ``step`` that
+            raises, or returns something other than a ``StepResult`` with an ``Observation`` and a numeric
+            reward, ends its episode with ``"env_error"`` instead.
     """
     B = len(envs)
     if B == 0 or len(prompts) != B:
