@@ -538,3 +538,18 @@ def test_resume_on_a_multi_turn_task_reproduces_the_run(toy_task, tmp_path):
     )
     a, b = untimed_by_step(read_metrics(full), 2), untimed_by_step(read_metrics(resumed), 2)
     assert sorted(a) == [2] and a == b and "num_turns" in a[2]
+
+
+@pytest.mark.slow
+def test_unsupported_options_with_an_env_task_are_named(toy_task, tmp_path):
+    from rlbits.loops import ppo, reinforce
+    from rlbits.loops.config import ConfigError
+
+    cfg = _loop_cfg(
+        reinforce.ReinforceConfig, toy_task, tmp_path / "r", loop="reinforce", dynamic_sampling=True
+    )
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        reinforce.train(cfg, prompts=["ab"], val_prompts=["cd"])
+    cfg = _loop_cfg(ppo.PPOConfig, toy_task, tmp_path / "p", reward_subtract_reference=True)
+    with pytest.raises(ConfigError, match="reward_subtract_reference"):
+        ppo.train(cfg, prompts=["ab"], val_prompts=["cd"])
