@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 import zlib
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from rlbits.batch import check
 from rlbits.envs import Observation, StepResult, StopConditions
 from rlbits.functional import gae
-from rlbits.models.forward import position_ids_from_mask
+from rlbits.models.forward import policy_logprobs, position_ids_from_mask
 from rlbits.models.tiny import CHARS, tiny_causal_lm, tiny_tokenizer
 from rlbits.rollout.multiturn import STOP_REASONS, generate_episodes
 
@@ -216,6 +215,9 @@ def test_episodes_are_token_exact(models, arch, template, pad_is_eos, temperatur
     tf = _teacher_forced(model, batch, temperature)
     assert (tf - batch["logprobs"].double())[act].abs().max().item() < 1e-4
     assert (batch["logprobs"][~act] == 0).all()
+    # ... and the trainer's forward (``policy_logprobs``, as the loops compute the ratio's numerator)
+    trainer = policy_logprobs(model, batch, temperature=temperature)
+    assert (trainer - batch["logprobs"])[act].abs().max().item() < 1e-4
     # (d) gae over the episode = the reference that walks only the action tokens
     values = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(seed))
     adv, ret = gae(batch["turn_rewards"], values, act, gamma=0.9, lam=0.8)
@@ -228,11 +230,31 @@ def test_episodes_are_token_exact(models, arch, template, pad_is_eos, temperatur
 
 
 class ScriptedEnv:
-    """A fixed number of turns; ``step`` may sleep, raise or return a fixed observation."""
+    """A fixed number of turns; ``step`` may block on an event, wait at a barrier, raise, or return a fixed
+    observation; ``log`` counts the steps running at once."""
 
-    def __init__(self, *, turns=2, sleep=0.0, fail=False, obs="ok ", max_turns=4, max_new_tokens=3, log=None):
+    def __init__(
+        self,
+        *,
+        turns=2,
+        block=None,
+        barrier=None,
+        fail=False,
+        obs="ok ",
+        max_turns=4,
+        max_new_tokens=3,
+        log=None,
+    ):
         self.stop = StopConditions(max_new_tokens=max_new_tokens, max_turns=max_turns, stop_on_eos=False)
-        self.turns, self.sleep, self.fail, self.obs, self.log, self.k = turns, sleep, fail, obs, log, 0
+        self.turns, self.block, self.barrier, self.fail, self.obs, self.log = (
+            turns,
+            block,
+            barrier,
+            fail,
+            obs,
+            log,
+        )
+        self.k, self.finished = 0, False
 
     def reset(self, prompt):
         return Observation(text=prompt)
@@ -243,7 +265,13 @@ class ScriptedEnv:
                 self.log["now"] += 1
                 self.log["max"] = max(self.log["max"], self.log["now"])
         try:
-            time.sleep(self.sleep)
+            if self.block is not None:
+                self.block.wait(timeout=60)
+                self.finished = True
+            if self.barrier is not None:
+                self.barrier.wait(
+                    timeout=30
+                )  # BrokenBarrierError (env_error) unless enough steps run at once
             if self.fail:
                 raise RuntimeError("tool crashed")
             self.k += 1
@@ -269,10 +297,13 @@ def _run(gpt2, envs, **kw):
 
 
 def test_timeout_and_error_end_only_their_episode(gpt2):
-    envs = [ScriptedEnv(sleep=2.0), ScriptedEnv(fail=True), ScriptedEnv(turns=2)]
-    start = time.monotonic()
-    batch = _run(gpt2, envs, env_timeout_s=0.3)
-    assert time.monotonic() - start < 1.8  # the sleeping step was abandoned, not waited for
+    release = threading.Event()
+    envs = [ScriptedEnv(block=release), ScriptedEnv(fail=True), ScriptedEnv(turns=2)]
+    try:
+        batch = _run(gpt2, envs, env_timeout_s=0.3)
+        assert not envs[0].finished  # the blocked step was abandoned, not waited for
+    finally:
+        release.set()
     assert list(batch["stop_reason"]) == ["env_timeout", "env_error", "done"]
     assert batch["num_turns"].tolist() == [1, 1, 2]
     # no reward for a failed step; the healthy row got both turns' rewards
@@ -325,10 +356,11 @@ def test_model_context_is_never_exceeded():
 
 def test_env_steps_run_concurrently_within_the_bound(gpt2):
     log = {"lock": threading.Lock(), "now": 0, "max": 0}
-    envs = [ScriptedEnv(sleep=0.05, turns=2, log=log) for _ in range(8)]
+    barrier = threading.Barrier(3)  # passes only when 3 steps run at once
+    envs = [ScriptedEnv(barrier=barrier, turns=2, log=log) for _ in range(6)]
     batch = _run(gpt2, envs, max_env_workers=3)
-    assert log["max"] == 3  # concurrent (more than one at a time) and never more than the bound
-    assert list(batch["stop_reason"]) == ["done"] * 8
+    assert list(batch["stop_reason"]) == ["done"] * 6  # every step met two others at the barrier
+    assert log["max"] == 3  # and never more than the bound ran at once
 
 
 def test_bad_arguments_are_named(gpt2):
