@@ -3,7 +3,8 @@
 - ``rlbits.functional`` (re-exported here): pure tensor kernels - masked statistics, KL estimators,
   GAE, RLOO/GRPO baselines, PPO/REINFORCE/value losses, ILQL pieces.
 - ``rlbits.batch``: the TensorDict batch schema and its helpers.
-- ``rlbits.rollout``: ``generate`` (sampling with a KV cache) and ``score`` (rewards).
+- ``rlbits.rollout``: ``generate`` (sampling with a KV cache), ``generate_episodes`` (token-exact multi-turn
+  episodes with ``rlbits.envs``) and ``score`` (rewards).
 - ``rlbits.models``: HF checkpoints in and out, value and ILQL heads, tiny configs.
 - ``rlbits.tasks``: built-in tasks (``sentiment``, ``arithmetic``): prompts, rewards, pretraining corpora.
 - ``rlbits.zoo``: the tasks' base models (``rlbits.zoo.base_model("sentiment")``, built on first use).
@@ -32,6 +33,7 @@ _LAZY = {
     # rollout
     "generate": "rlbits.rollout.generate",
     "generate_texts": "rlbits.rollout.generate",
+    "generate_episodes": "rlbits.rollout.multiturn",
     "score": "rlbits.rollout.score",
     "RewardModel": "rlbits.rollout.score",
     "RewardError": "rlbits.rollout.score",

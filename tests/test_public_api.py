@@ -33,6 +33,7 @@ CONTRACT = {
     "pointwise_reward_loss": ["rewards", "labels"],
     "generate": ["policy", "prompts_td", "max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "num_samples", "logits_processor"],
     "score": ["batch", "reward"],
+    "generate_episodes": ["policy", "tokenizer", "envs", "prompts", "temperature", "generator", "max_episode_tokens", "reward_placement", "max_env_workers", "env_timeout_s", "compile", "logits_processor"],
 }
 DEFAULTS = {
     ("masked_whiten", "shift_mean"): True,
@@ -53,6 +54,9 @@ DEFAULTS = {
     ("bradley_terry_loss", "center_coef"): 0.0,
     ("generate", "temperature"): 1.0,
     ("generate", "num_samples"): 1,
+    ("generate_episodes", "reward_placement"): "token",
+    ("generate_episodes", "max_env_workers"): 8,
+    ("generate_episodes", "env_timeout_s"): 60.0,
 }
 
 

@@ -105,21 +105,27 @@ def token_rewards(
     action_mask: torch.Tensor,
     kl: torch.Tensor | None = None,
     kl_coef: float | torch.Tensor = 0.0,
+    *,
+    turn_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token rewards for RLHF: the sequence score on the last action token, minus a KL penalty.
 
     ``r_t = score * 1[t == last action token] - kl_coef * kl_t * 1[t is an action token]``
     (Ziegler 2019; Ouyang 2022, eq. 2 with the KL spread over tokens). A row without action tokens gets
-    no reward anywhere.
+    no reward anywhere. With ``turn_rewards`` (multi-turn episodes: each turn's reward already on that
+    turn's last action token, ``rlbits.rollout.multiturn``) ``r_t += turn_rewards_t * 1[t is an action
+    token]``; pass ``rewards`` = 0 for the turn rewards alone.
 
     Args:
         rewards: [B] sequence-level scores.
         action_mask: [B, R] bool.
         kl: optional [B, R] per-token KL estimate (see ``kl_penalty``).
         kl_coef: beta, a float or 0-dim tensor (e.g. from an adaptive controller).
+        turn_rewards: optional [B, R] rewards already placed on tokens, added on action tokens.
 
     Returns:
-        [B, R] in the promoted dtype of ``rewards`` and ``kl``; 0 where ``action_mask`` is False.
+        [B, R] in the promoted dtype of ``rewards``, ``kl`` and ``turn_rewards``; 0 where ``action_mask`` is
+        False.
 
     Raises:
         ValueError: ``rewards`` is not [B], or shapes disagree.
@@ -146,6 +152,10 @@ def token_rewards(
         _checks.same_shape(action_mask=action_mask, kl=kl)
         _checks.finite("kl_coef", kl_coef)
         out = out - kl_coef * torch.where(mask, kl.to(dtype), zero)
+    if turn_rewards is not None:
+        _checks.same_shape(action_mask=action_mask, turn_rewards=turn_rewards)
+        out_dtype = torch.promote_types(out_dtype, turn_rewards.dtype)
+        out = out + torch.where(mask, turn_rewards.to(dtype), zero)
     return out.to(out_dtype)
 
 

@@ -134,6 +134,17 @@ class RunConfig:
     lora_target_modules: list[str] | str | None = None
     """Layers that get adapters: a list of module names (``[q_proj, v_proj]``; GPT-2: ``c_attn``, ``c_proj``, ``c_fc``, its ``Conv1D`` layers handled with peft's ``fan_in_fan_out``), a regex over module paths, or None = ``all-linear`` (every linear layer of the attention and MLP blocks, not the output layer)."""
 
+    env_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Multi-turn tasks (a task module with ``make_env``): keyword options passed to ``make_env(prompt, **env_options)`` for every episode (e.g. ``{max_turns: 4}``). Ignored by single-turn tasks."""
+    max_episode_tokens: int | None = None
+    """Multi-turn tasks: most tokens an episode (prompt + every turn and observation) may hold; an episode that would exceed it ends with ``stop_reason`` ``context``. None = the model's context length."""
+    turn_reward: Literal["token", "sequence"] = "token"
+    """Multi-turn tasks, PPO: ``token`` puts each turn's reward on the last action token of that turn (``turn_rewards``; GAE credits turns separately), ``sequence`` puts the episode's summed reward on its last action token. REINFORCE/GRPO/RLOO always use the sum."""
+    max_env_workers: int = 8
+    """Multi-turn tasks: most env steps (tool calls) running at once in a rollout."""
+    env_timeout_s: float = 60.0
+    """Multi-turn tasks: wall-clock seconds one env step may take; a step past it ends its episode with ``stop_reason`` ``env_timeout`` (the rest of the batch goes on)."""
+
     def check(self) -> None:
         """Range checks shared by all loops; loops extend this. Raises ConfigError.
 
@@ -161,6 +172,14 @@ class RunConfig:
                 raise ConfigError(f"{f.name} must be >= 0, got {value}")
         if not self.temperature > 0:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+        if not isinstance(self.env_options, dict) or not all(isinstance(k, str) for k in self.env_options):
+            raise ConfigError(f"env_options must be a mapping of option names to values, got {self.env_options!r}")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
+            raise ConfigError(f"max_episode_tokens must be >= 2 or null, got {self.max_episode_tokens} ({field_docs(type(self))['max_episode_tokens']})")
+        if self.max_env_workers < 1:
+            raise ConfigError(f"max_env_workers must be >= 1, got {self.max_env_workers} ({field_docs(type(self))['max_env_workers']})")
+        if not self.env_timeout_s > 0:
+            raise ConfigError(f"env_timeout_s must be > 0, got {self.env_timeout_s} ({field_docs(type(self))['env_timeout_s']})")
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.loop not in ("ppo", "reinforce", "ilql", "reward_model"):
@@ -316,6 +335,9 @@ def _coerce(cls: type, name: str, value: Any, tp: Any) -> Any:
                 pass
     elif tp is str:
         if isinstance(value, str):
+            return value
+    elif tp is dict or origin is dict:
+        if isinstance(value, dict):
             return value
     else:
         return value

@@ -24,6 +24,7 @@ from rlbits.loops.runtime import autocast, generator
 from rlbits.models.forward import HEAD_MEMORY_BUDGET_MB, policy_logprobs
 from rlbits.models.lora import adapters_disabled, is_lora
 from rlbits.rollout.generate import generate_texts
+from rlbits.rollout.multiturn import STOP_REASONS, generate_episodes
 from rlbits.rollout.score import score
 
 
@@ -57,6 +58,38 @@ def rollout(
         return generate_texts(
             policy, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
             num_samples=num_samples, generator=generator, logits_processor=logits_processor, compile=compile,
+        )  # fmt: skip
+
+
+def episodes(
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    make_env: Callable[..., Any],
+    cfg: RunConfig,
+    *,
+    temperature: float,
+    num_samples: int = 1,
+    generator: torch.Generator | None = None,
+    compile: bool = False,
+) -> TensorDictBase:
+    """The rollout of a multi-turn task: ``num_samples`` episodes per prompt (groups contiguous), each with its
+    own env ``make_env(prompt, **cfg.env_options)``, run by ``generate_episodes`` with ``cfg``'s
+    ``max_episode_tokens``, ``turn_reward``, ``max_env_workers`` and ``env_timeout_s`` (a sharded policy is
+    gathered for the whole call). The envs' ``StopConditions`` bound each turn; ``cfg.max_new_tokens`` is
+    not used.
+
+    Returns the batch of ``generate_episodes``: docs/batch.md's keys with ``rewards`` (the episodes' summed
+    turn rewards), ``turn_rewards``, ``turn_index``, ``num_turns``, ``stop_reason``.
+    """
+    rows = [p for p in prompts for _ in range(num_samples)]
+    envs = [make_env(p, **cfg.env_options) for p in rows]
+    with unsharded(policy):
+        return generate_episodes(
+            policy, tokenizer, envs, rows, temperature=temperature, generator=generator,
+            max_episode_tokens=cfg.max_episode_tokens, reward_placement=cfg.turn_reward,
+            max_env_workers=cfg.max_env_workers, env_timeout_s=cfg.env_timeout_s, compile=compile,
+            group_size=num_samples,
         )  # fmt: skip
 
 
@@ -101,7 +134,11 @@ def decoding(state: Any, cfg: RunConfig) -> Iterator[torch.nn.Module]:
 
 
 def score_rollout(batch: TensorDictBase, reward: Any) -> torch.Tensor:
-    """Write ``rewards`` [B] from ``reward`` (callable, reward model or server URL; see ``rlbits.score``)."""
+    """Write ``rewards`` [B] from ``reward`` (callable, reward model or server URL; see ``rlbits.score``).
+    An episode batch (``episodes``: it has ``turn_rewards``) keeps the rewards its envs gave; ``reward`` is
+    not called."""
+    if "turn_rewards" in batch.keys():
+        return batch["rewards"]
     batch["rewards"] = score(batch, reward).to(torch.float32)
     return batch["rewards"]
 
@@ -149,8 +186,11 @@ def validate(
     env: DistEnv | None = None,
     metrics: StepMetrics | None = None,
     prefix: str = "val",
+    make_env: Callable[..., Any] | None = None,
 ) -> tuple[dict[str, float], TensorDictBase]:
-    """Mean reward of one response to each of the first ``max_val_samples`` of ``prompts``.
+    """Mean reward of one response to each of the first ``max_val_samples`` of ``prompts``; with ``make_env``
+    (a multi-turn task) of one episode per prompt (``episodes``), whose reward is the sum of its turns', and
+    ``{prefix}_num_turns`` (mean policy turns per episode) is added.
 
     Uses its own generator (``derive_seed(seed, rank, "validation")``), so validating never shifts the
     training RNG streams (a run with and without validation samples the same training rollouts) and every
@@ -165,25 +205,32 @@ def validate(
     prompts = list(prompts)[: cfg.max_val_samples]
     prompts = prompts[env.rank :: env.world_size] or prompts[:1]
     gen = generator(cfg.seed, env.rank, "validation", next(policy.parameters()).device)
+    temperature = 0.0 if cfg.val_greedy else cfg.temperature
     with autocast(policy, cfg):
-        batch = rollout(
-            policy,
-            tokenizer,
-            prompts,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=0.0 if cfg.val_greedy else cfg.temperature,
-            generator=gen,
-            logits_processor=logits_processor,
-        )
+        if make_env is not None:
+            batch = episodes(policy, tokenizer, prompts, make_env, cfg, temperature=temperature, generator=gen)
+        else:
+            batch = rollout(
+                policy,
+                tokenizer,
+                prompts,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=temperature,
+                generator=gen,
+                logits_processor=logits_processor,
+            )
     rewards = score_rollout(batch, reward).double().cpu()
     lengths = batch["action_mask"].sum(-1).double().cpu()
-    n, total, squares, length = all_reduce_sum(
-        torch.stack([torch.tensor(float(len(rewards)), dtype=torch.float64), rewards.sum(), rewards.square().sum(), lengths.sum()]).to(env.device),
+    turns = batch["num_turns"].double().cpu() if make_env is not None else torch.zeros_like(rewards)
+    n, total, squares, length, num_turns = all_reduce_sum(
+        torch.stack([torch.tensor(float(len(rewards)), dtype=torch.float64), rewards.sum(), rewards.square().sum(), lengths.sum(), turns.sum()]).to(env.device),
         env,
     ).tolist()
     mean = total / n
     var = (squares - n * mean * mean) / (n - 1) if n > 1 else 0.0
     values = {f"{prefix}_reward": mean, f"{prefix}_reward_std": max(var, 0.0) ** 0.5, f"{prefix}_response_len": length / n}
+    if make_env is not None:
+        values[f"{prefix}_num_turns"] = num_turns / n
     if metrics is not None:
         metrics.update(values)
     return values, batch
@@ -191,11 +238,12 @@ def validate(
 
 def validate_policy(state: Any, batch: TensorDictBase | None, cfg: RunConfig) -> TensorDictBase:
     """The validation phase of the online loops (PPO, REINFORCE): ``validate`` of ``state.policy`` on
-    ``state.val_prompts`` with ``state.reward``; adds ``val_reward``, ``val_reward_std``, ``val_response_len``
-    to ``state.metrics``. ``batch`` is not read. Returns this rank's validation batch."""
+    ``state.val_prompts`` with ``state.reward`` (episodes of ``state.make_env`` for a multi-turn task); adds
+    ``val_reward``, ``val_reward_std``, ``val_response_len`` (and ``val_num_turns``) to ``state.metrics``.
+    ``batch`` is not read. Returns this rank's validation batch."""
     _, val_batch = validate(
         state.policy, state.tokenizer, cfg, reward=state.reward, prompts=state.val_prompts, env=state.env,
-        metrics=state.metrics,
+        metrics=state.metrics, make_env=getattr(state, "make_env", None),
     )  # fmt: skip
     return val_batch
 
@@ -208,7 +256,8 @@ def kl_per_sequence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_m
 def add_batch_stats(metrics: StepMetrics, batch: TensorDictBase) -> None:
     """Statistics of a rollout batch, exact over ranks: ``rewards`` (mean over rows), ``response_len`` (mean,
     and ``response_len_max``), and ``init_policy_kl`` (mean summed KL per row) when the batch has
-    ``ref_logprobs``."""
+    ``ref_logprobs``; for an episode batch also ``num_turns`` (mean) and ``stop/{reason}`` (the fraction of
+    episodes that ended for each of ``STOP_REASONS``)."""
     rows = batch.batch_size[0]
     lengths = batch["action_mask"].sum(-1).float()
     if "rewards" in batch.keys():
@@ -218,12 +267,18 @@ def add_batch_stats(metrics: StepMetrics, batch: TensorDictBase) -> None:
     if "ref_logprobs" in batch.keys():
         kl = kl_per_sequence(batch["logprobs"], batch["ref_logprobs"], batch["action_mask"])
         metrics.mean("init_policy_kl", kl.sum(), rows)
+    if "num_turns" in batch.keys():
+        metrics.mean("num_turns", batch["num_turns"].float().sum(), rows)
+        reasons = list(batch["stop_reason"])
+        for reason in STOP_REASONS:
+            metrics.mean(f"stop/{reason}", float(reasons.count(reason)), rows)
 
 
 __all__ = [
     "add_batch_stats",
     "bf16_copy",
     "decoding",
+    "episodes",
     "kl_per_sequence",
     "prompt_batch",
     "prompt_texts",

@@ -262,6 +262,12 @@ def init_state(
         val_prompts: override the task's test split as validation prompts.
     """
     task = get_task(cfg.task)
+    make_env = getattr(task, "make_env", None)
+    if make_env is not None and cfg.reward_subtract_reference:
+        raise ConfigError(
+            f"reward_subtract_reference is not supported for the multi-turn task {cfg.task!r} (its rewards come "
+            "from its envs, not from a reward function of a reference response)"
+        )
     init_path = policy_path(cfg)
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None
@@ -283,7 +289,7 @@ def init_state(
         minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
         stream=PromptStream(loop_prompts(cfg, tokenizer, prompts, "train"), cfg.seed),
         kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef,
-        reward=reward if reward is not None else task.reward,
+        reward=reward if reward is not None else task.reward, make_env=make_env,
         val_prompts=loop_prompts(cfg, tokenizer, val_prompts, "test"),
     )  # fmt: skip
 
@@ -299,10 +305,17 @@ def rollout(state: State, batch: TensorDictBase, cfg: PPOConfig, *, policy: torc
 
     Returns a new batch with ``prompts``, ``prompt_mask``, ``responses``, ``action_mask``, ``response_mask``,
     ``input_ids``, ``attention_mask``, ``logprobs``, ``group``, ``truncated``, ``prompt_text``,
-    ``response_text``.
+    ``response_text``. A multi-turn task (``state.make_env``): one episode per sample (``phases.episodes``),
+    with ``rewards``, ``turn_rewards``, ``turn_index``, ``num_turns`` and ``stop_reason`` as well.
     """
     context = phases.decoding(state, cfg) if policy is None else autocast(policy, cfg)
     with context as model:
+        if state.make_env is not None:
+            return phases.episodes(
+                policy if policy is not None else model, state.tokenizer, phases.prompt_texts(batch),
+                state.make_env, cfg, temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt,
+                generator=state.sampling_generator, compile=cfg.compile_generate,
+            )  # fmt: skip
         return phases.rollout(
             policy if policy is not None else model, state.tokenizer, phases.prompt_texts(batch),
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -312,7 +325,8 @@ def rollout(state: State, batch: TensorDictBase, cfg: PPOConfig, *, policy: torc
 
 
 def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
-    """Phase 2: ``rewards`` [B] from ``state.reward``; with ``reward_subtract_reference`` also
+    """Phase 2: ``rewards`` [B] from ``state.reward`` (an episode batch keeps its envs' rewards); with
+    ``reward_subtract_reference`` also
     ``reference_rewards`` [B], the reward of a response the reference policy samples for the same prompt
     (a second generation and scoring)."""
     phases.score_rollout(batch, state.reward)
@@ -359,7 +373,10 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
     """Phase 5: ``token_rewards``, ``advantages`` and ``returns`` [B, R].
 
     ``token_rewards`` = scaled reward on the last action token minus ``kl_coef * kl_penalty(logprobs,
-    ref_logprobs, kl_estimator)`` on every action token (no KL when ``kl_in_reward`` is False). Policy
+    ref_logprobs, kl_estimator)`` on every action token (no KL when ``kl_in_reward`` is False). Multi-turn
+    episodes with ``turn_reward: token``: each turn's reward on that turn's last action token instead
+    (``turn_rewards``), plus ``scaled - rewards`` (what whitening/clipping changed in the episode's sum) on the
+    last action token, so a row's rewards still sum to its scaled score. Policy
     advantages from ``gae(gamma, lam)`` (whitened over all ranks if ``whiten_advantages``); critic targets
     ``returns`` from ``gae(gamma, critic_lam)``. Adds to ``state.metrics``: ``rewards``, ``rewards_with_kl``,
     ``init_policy_kl``, ``advantages``, ``returns``, ``values``, ``explained_variance``, ``response_len``.
@@ -370,7 +387,12 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
     if cfg.kl_in_reward and "ref_logprobs" in batch.keys():
         kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
     scores = scale_rewards(batch, cfg, env)
-    batch["token_rewards"] = kernel(token_rewards, cfg)(scores, mask, kl, state.kl_coef if cfg.kl_in_reward else 0.0)
+    coef = state.kl_coef if cfg.kl_in_reward else 0.0
+    if cfg.turn_reward == "token" and "turn_rewards" in batch.keys():
+        shift = scores - batch["rewards"]
+        batch["token_rewards"] = kernel(token_rewards, cfg)(shift, mask, kl, coef, turn_rewards=batch["turn_rewards"])
+    else:
+        batch["token_rewards"] = kernel(token_rewards, cfg)(scores, mask, kl, coef)
     adv, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.lam)
     if cfg.critic_lam is not None and cfg.critic_lam != cfg.lam:
         _, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.critic_lam)

@@ -229,6 +229,12 @@ def init_state(
     adapters on the policy and no reference copy), build the optimizer, the generators and the prompt stream.
     A resumed run then restores the checkpoint into it (``Run.start``)."""
     task = get_task(cfg.task)
+    make_env = getattr(task, "make_env", None)
+    if make_env is not None and cfg.dynamic_sampling:
+        raise ConfigError(
+            f"dynamic_sampling is not supported for the multi-turn task {cfg.task!r} yet (collate does not re-pad "
+            "the episode keys turn_rewards/turn_index of batches with different response lengths)"
+        )
     init_path = policy_path(cfg)
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None
@@ -241,7 +247,7 @@ def init_state(
         sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
         minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
         stream=PromptStream(loop_prompts(cfg, tokenizer, prompts, "train"), cfg.seed),
-        reward=reward if reward is not None else task.reward,
+        reward=reward if reward is not None else task.reward, make_env=make_env,
         val_prompts=loop_prompts(cfg, tokenizer, val_prompts, "test"),
     )  # fmt: skip
 
@@ -251,8 +257,15 @@ def init_state(
 
 def rollout(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
     """Phase 1: K responses per prompt of ``batch["prompt_text"]`` at ``cfg.temperature`` (groups
-    contiguous), behaviour logprobs. Returns the new rollout batch."""
+    contiguous), behaviour logprobs. Returns the new rollout batch. A multi-turn task (``state.make_env``):
+    K episodes per prompt (``phases.episodes``), whose ``rewards`` are their summed turn rewards."""
     with phases.decoding(state, cfg) as model:
+        if state.make_env is not None:
+            return phases.episodes(
+                model, state.tokenizer, phases.prompt_texts(batch), state.make_env, cfg,
+                temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt,
+                generator=state.sampling_generator, compile=cfg.compile_generate,
+            )  # fmt: skip
         return phases.rollout(
             model, state.tokenizer, phases.prompt_texts(batch), max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt, compile=cfg.compile_generate,
@@ -261,7 +274,8 @@ def rollout(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Tensor
 
 
 def score(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
-    """Phase 2: ``rewards`` [B] from ``state.reward`` (callable, reward model or server URL); adds
+    """Phase 2: ``rewards`` [B] from ``state.reward`` (callable, reward model or server URL; an episode batch
+    keeps its envs' summed rewards); adds
     ``gen_rewards``, ``zero_std_frac`` (groups whose K rewards are all equal) and ``gen_batches`` over every
     batch generated this step (dynamic sampling may generate several)."""
     rewards = phases.score_rollout(batch, state.reward)

@@ -49,6 +49,8 @@ class LoopState:
     env: DistEnv = runtime(default_factory=DistEnv, repr=False)
     """The process's place in the job (rank, world size, device)."""
     tokenizer: Any = runtime(default=None, repr=False)
+    make_env: Any = runtime(default=None, repr=False)
+    """A multi-turn task's ``make_env(prompt, **cfg.env_options) -> Env``, or None (single-turn task)."""
     step: int = 0
     """Steps completed."""
     total_valid_tokens: int = 0

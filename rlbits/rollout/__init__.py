@@ -1,1 +1,2 @@
-"""Sampling responses from a policy (``generate``) and scoring them (``score``)."""
+"""Sampling responses from a policy (``generate``), multi-turn episodes with envs (``generate_episodes``) and
+scoring them (``score``)."""

@@ -54,6 +54,8 @@ _SMALL_BATCH_HEAD_ROWS = 64
 _COMPILE_CACHE_BUCKET = 64
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# ``stopping(responses [B, t]) -> [B] bool``: rows that end after their latest token (see ``generate``).
+StoppingFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 # --- sampling -------------------------------------------------------------------------------------------
@@ -338,6 +340,7 @@ def generate(
     logits_processor: LogitsProcessor | None = None,
     generator: torch.Generator | None = None,
     stop_token_ids: list[int] | tuple[int, ...] | None = None,
+    stopping: StoppingFn | None = None,
     return_entropy: bool = False,
     compile: bool = False,
 ) -> TensorDict:
@@ -371,6 +374,11 @@ def generate(
         generator: source of the sampling noise; the same generator state gives the same samples (one
             ``torch.rand(B, 1)`` draw per step, on the policy's device).
         stop_token_ids: more ids that end a response like ``eos_token_id``.
+        stopping: optional per-row stop rule, ``f(responses [B, t] int64) -> [B] bool``, called after each
+            step with the response tokens so far (finished rows hold ``pad_token_id`` after their end); True
+            ends that row after its latest token, which is kept as its last action (like a stop token). For
+            stop strings and per-row token budgets (``rlbits.rollout.multiturn``). It reads the tokens on
+            the host, so it costs one device sync per step; None (the default) adds nothing.
         return_entropy: also return ``entropy`` [B, R]: entropy of ``softmax(raw_logits / T)`` per step.
         compile: run each decode step through ``torch.compile`` (``compiled_decode_step``; gpt-fast's
             approach: static shapes, static KV cache). Only where the static cache and the split head apply
@@ -482,16 +490,20 @@ def generate(
                 entropy[:, t] = torch.where(alive, ent, 0.0)
             if stop.numel():
                 finished = finished | torch.isin(tokens, stop)
+            if stopping is not None:
+                finished = finished | (alive & stopping(input_ids[:, P : P + t + 1]).to(device))
             steps = t + 1
             if t + 1 == max_new_tokens or (
-                stop.numel() and steps % check_every == 0 and bool(finished.all())
+                (stop.numel() or stopping is not None) and steps % check_every == 0 and bool(finished.all())
             ):
                 break
             # Finished rows keep decoding (their outputs are discarded); their new token is masked out.
             new_ids = input_ids[:, P + t : P + t + 1]
             if step_fn is not None:
                 # contiguous: the slice's stride is P + max_new_tokens, a new graph for every prompt length
-                logits = step_fn(split[0], split[1].weight, new_ids.contiguous(), attention_mask, position + t, cache)
+                logits = step_fn(
+                    split[0], split[1].weight, new_ids.contiguous(), attention_mask, position + t, cache
+                )
                 continue
             logits, cache = _forward_last(
                 policy,
