@@ -212,13 +212,16 @@ def _spans_by_generation(
             runs.append((start, k))
             start = None
     assistants = [i for i in range(first, len(messages)) if messages[i]["role"] == "assistant"]
-    nonempty = [i for i in assistants if messages[i]["content"] or messages[i]["is_complete"]]
-    if len(runs) != len(nonempty):
+    with_text = [i for i in assistants if messages[i]["content"]]
+    # One run per assistant message; an empty message may render no generation tokens at all.
+    owners = assistants if len(runs) == len(assistants) else with_text
+    if len(runs) != len(owners):
         raise ValueError(
             f"episode {episode}: the template's generation mask has {len(runs)} runs of assistant tokens but the "
-            f"conversation has {len(nonempty)} non-empty assistant messages; use method='prefix'"
+            f"conversation has {len(assistants)} assistant messages ({len(with_text)} with text); use "
+            f"method='prefix'"
         )
-    by_message = dict(zip(nonempty, runs, strict=True))
+    by_message = dict(zip(owners, runs, strict=True))
     spans = []
     for i in assistants:
         if i not in by_message:  # empty and cut: no tokens; place it before the next rendered token
