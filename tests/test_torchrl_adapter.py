@@ -356,6 +356,9 @@ def test_chat_env_rollout_to_batch(tok):
     )
     assert torch.equal(batch["input_ids"], expected["input_ids"])
     assert torch.equal(batch["action_mask"], expected["action_mask"])
+    assert "rewards" not in batch.keys()  # ChatEnv alone gives no reward
+    rollout.set(("next", "reward"), torch.tensor([[[0.5], [2.0]]]))  # what a reward transform writes per step
+    assert episode_to_batch(rollout, tok)["rewards"].tolist() == [2.5]
     with pytest.raises(ValueError, match="input_mode='history'"):
         episode_to_batch(TensorDict({"x": torch.zeros(1, 2)}, batch_size=(1, 2)), tok)
 
