@@ -205,6 +205,31 @@ def test_cut_turn_is_not_an_end_of_turn_action(tok):
         assert not batch["action_mask"].any() and batch["response_mask"].any()
 
 
+def test_pad_equal_to_eos_keeps_every_end_of_turn(tok):
+    # SmolLM2's tokenizer pads with its EOS, <|im_end|>: the masks, not the ids, say which tokens are real.
+    import copy
+
+    same = copy.deepcopy(tok)
+    same.pad_token = END
+    assert same.pad_token_id == same.eos_token_id
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "the tool"},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "the answer is 5"},
+    ]
+    batch = history_to_batch([messages, messages[:2]], same)
+    ends = (batch["responses"] == same.eos_token_id) & batch["action_mask"]
+    assert ends.sum(dim=1).tolist() == [2, 1]  # each assistant turn's sampled <|im_end|> is an action
+    assert (batch["responses"][~batch["response_mask"]] == same.eos_token_id).all()  # padding
+    other = history_to_batch([messages, messages[:2]], tok)  # pad <pad>: only the padding differs
+    real = batch["attention_mask"]
+    assert torch.equal(real, other["attention_mask"]) and torch.equal(
+        batch["action_mask"], other["action_mask"]
+    )
+    assert torch.equal(batch["input_ids"][real], other["input_ids"][real])
+
+
 def test_turn_index_follows_the_assistant_turns(tok):
     messages = [
         {"role": "user", "content": "what is 2+3?"},
