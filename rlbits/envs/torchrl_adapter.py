@@ -344,26 +344,8 @@ def history_to_batch(
         spans = find_spans(r, messages, full, first, eot, b)
         turns_ids = _assistant_ids(full, spans, messages, first, sampled_ids, b, tokenizer)
         retokenized.append(any(s is None for s in _per_episode(sampled_ids, b, len(spans))))
-        # The response: glue / observation tokens from the template, action tokens (maybe sampled) in between.
-        response, action, turn, lps = [], [], [], []
-        cursor = len(prompt)
         lp_given = _per_episode(assistant_logprobs, b, len(spans))
-        for k, ((s, e), ids) in enumerate(zip(spans, turns_ids, strict=True)):
-            glue = full[cursor:s]
-            response += glue
-            action += [False] * len(glue)
-            turn += [max(k - 1, 0)] * len(glue)
-            lps += [0.0] * len(glue)
-            response += ids
-            action += [True] * len(ids)
-            turn += [k] * len(ids)
-            lps += _logprobs_for(lp_given[k], len(ids), b, k)
-            cursor = e
-        tail = full[cursor:]
-        response += tail
-        action += [False] * len(tail)
-        turn += [len(spans) - 1] * len(tail)
-        lps += [0.0] * len(tail)
+        response, action, turn, lps = _response_row(full, len(prompt), spans, turns_ids, lp_given, b)
         if not response:
             raise ValueError(f"episode {b}: the response renders to no tokens")
         prompts.append(prompt)
@@ -393,6 +375,33 @@ def history_to_batch(
         **columns,
     )
     return rb.decode(batch, tokenizer)
+
+
+def _response_row(
+    full: list[int],
+    prompt_len: int,
+    spans: list[tuple[int, int]],
+    turns_ids: list[list[int]],
+    logprobs: list[torch.Tensor | None],
+    episode: int,
+) -> tuple[list[int], list[bool], list[int], list[float]]:
+    """One row's response ids, action flags, turn indices and log-probs: the template's tokens of ``full``
+    after the prompt, with each assistant span ``[s, e)`` replaced by that turn's ids (maybe sampled)."""
+    response, action, turn, lps = [], [], [], []
+    cursor = prompt_len
+    for k, ((s, e), ids) in enumerate(zip(spans, turns_ids, strict=True)):
+        glue = full[cursor:s]  # the previous turn's observation and this turn's role header
+        response += glue + ids
+        action += [False] * len(glue) + [True] * len(ids)
+        turn += [max(k - 1, 0)] * len(glue) + [k] * len(ids)
+        lps += [0.0] * len(glue) + _logprobs_for(logprobs[k], len(ids), episode, k)
+        cursor = e
+    tail = full[cursor:]
+    response += tail
+    action += [False] * len(tail)
+    turn += [len(spans) - 1] * len(tail)
+    lps += [0.0] * len(tail)
+    return response, action, turn, lps
 
 
 def _per_episode(given: Sequence | None, episode: int, num_assistant: int) -> list:
