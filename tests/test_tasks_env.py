@@ -373,3 +373,10 @@ def test_guess_number_tokenizer_episode_token_exact():
         prompt, response = _split(doc)
         pieces = [prompt] + [line + "\n" for line in response.split("\n")[:-1]]  # guesses and answers
         assert sum((tok(x, add_special_tokens=False)["input_ids"] for x in pieces), []) == ids
+
+
+def test_single_turn_evaluate_refuses_env_tasks(tmp_path):
+    from rlbits.zoo import evaluate
+
+    with pytest.raises(ValueError, match="'calculator' is played in an environment"):
+        evaluate(tmp_path, "calculator")

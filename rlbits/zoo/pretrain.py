@@ -668,13 +668,19 @@ def evaluate(
         "n": number of prompts, "samples": the first 8 (prompt, response, reward) triples}``.
 
     Raises:
-        ValueError: unknown task or split.
+        ValueError: unknown task or split, or a task played in an environment (``make_env``: its episodes
+            take several turns, which one ``generate`` call cannot play).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlbits.tasks import get_task
 
     module = get_task(task)
+    if hasattr(module, "make_env"):
+        raise ValueError(
+            f"evaluate: task {task!r} is played in an environment (its module has make_env); play its episodes "
+            "with the multi-turn rollout instead (docs/tasks.md)"
+        )
     prompts = module.prompts(split)[:n]
     model = AutoModelForCausalLM.from_pretrained(model_path, use_safetensors=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
