@@ -309,8 +309,43 @@ def test_guess_number_invalid_turns_get_a_clear_observation(action):
     env = gn.make_env(p)
     env.reset(p)
     result = env.step(action)
-    assert result.observation.text == gn.INVALID_MESSAGE
+    assert result.observation.text == ("" if action.endswith("\n") else "\n") + gn.INVALID_MESSAGE
     assert (result.reward, result.done, result.info["guess"]) == (-gn.TURN_COST, False, None)
+
+
+def test_guess_number_turn_without_newline_gets_one_before_the_answer():
+    p = gn.prompts("test")[0]
+    wrong = gn.LOW if gn.secret(p) != gn.LOW else gn.HIGH
+    env = gn.make_env(p)
+    env.reset(p)
+    assert env.step(str(wrong)).observation.text in ("\nhigher\n", "\nlower\n")  # ended by EOS
+    assert env.step("1234").observation.text == "\n" + gn.INVALID_MESSAGE  # cut by max_new_tokens
+
+
+def test_guess_number_replay_agrees_with_the_env_on_random_episodes():
+    # Random turns (guesses, junk, with and without a newline, EOS) played through the env; the episode text
+    # replayed by ``play`` / ``reward`` gives the env's summed reward, turns and outcome.
+    rng = random.Random(0)
+    for p in gn.prompts("train")[:300]:
+        env = gn.make_env(p)
+        env.reset(p)
+        text, total, turns = "", 0.0, 0
+        while True:
+            action = rng.choice([str(rng.randint(0, 20)), "x", "", " 7", "<eos>", "12 3"])
+            action += rng.choice(["\n", "", "<eos>"])
+            result = env.step(action)
+            text, total, turns = text + action + result.observation.text, total + result.reward, turns + 1
+            if result.done:
+                break
+        for drop_eos in (False, True):  # the text as is, and as the rollout decodes it (no specials)
+            shown = text.replace("<eos>", "") if drop_eos else text
+            last = action.replace("<eos>", "") if drop_eos else action
+            unseen = last == ""  # an empty last turn leaves no text: the replay cannot count it
+            outcome = gn.play(p, shown)
+            expected = (turns - unseen, total + gn.TURN_COST * unseen)
+            assert (outcome.turns, outcome.solved, outcome.rest) == (expected[0], result.info["solved"], "")
+            assert outcome.reward == pytest.approx(expected[1])
+            assert gn.reward([p], [shown]) == [pytest.approx(expected[1])]
 
 
 def test_guess_number_accepts_eos_and_whitespace_around_a_guess():

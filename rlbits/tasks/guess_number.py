@@ -12,7 +12,8 @@ An episode (``make_env``; the text the rollout builds is exactly)::
 The prompt is ``"Game {id}: guess my number from 1 to 16.\\n"``; the secret is a fixed function of the prompt
 (``secret``: a SHA-256 of it, so episodes are reproducible and no model can infer it from the id). Each
 policy turn is one line, the guess ``N\\n`` (the turn ends at the newline, or EOS); the env answers ``higher\\n``
-(the secret is larger), ``lower\\n`` or, for a line that is not a guess in range, ``INVALID_MESSAGE``. A right
+(the secret is larger), ``lower\\n`` or, for a line that is not a guess in range, ``INVALID_MESSAGE`` (after a
+newline when the turn ended without one, at EOS or ``max_new_tokens``). A right
 guess ends the episode (no observation); so does the ``MAX_TURNS``-th (8th) turn.
 
 Reward, per turn (``StepResult.reward``): 1.0 for the right guess, ``-TURN_COST`` (-0.1) for every other
@@ -142,7 +143,8 @@ class GuessNumberEnv:
 
     def step(self, action_text: str, action_ids: Sequence[int] | None = None) -> StepResult:
         """Answer one turn: 1.0 and done for the secret, else ``-TURN_COST`` with ``higher`` / ``lower`` /
-        ``INVALID_MESSAGE`` (done, without an observation, at the last turn).
+        ``INVALID_MESSAGE`` (done, without an observation, at the last turn). A turn that does not end with a
+        newline (cut by EOS or ``max_new_tokens``) gets a newline before the answer.
 
         Raises:
             RuntimeError: ``step`` before ``reset``.
@@ -160,7 +162,10 @@ class GuessNumberEnv:
             text = INVALID_MESSAGE
         else:
             text = "higher\n" if self.secret > guess else "lower\n"
-        return StepResult(Observation(text=text), -TURN_COST, False, info)
+        # A turn cut by EOS or max_new_tokens has no newline: the answer starts a new line, so every turn of
+        # the episode's text ends at a newline and ``play`` finds the same turns.
+        newline = "" if action_text.endswith("\n") else "\n"
+        return StepResult(Observation(text=newline + text), -TURN_COST, False, info)
 
 
 def make_env(
@@ -193,7 +198,8 @@ def play(prompt: str, response: str) -> Outcome:
     Each turn is the text up to and including the next ``"\\n"`` (or the rest of the text, which is how a
     turn cut by EOS or ``max_new_tokens`` ends); the env's observation must follow it verbatim, else the text
     is not an episode of this env and the replay stops there (the rest goes to ``Outcome.rest``, reward as
-    far as it got).
+    far as it got). A turn that left no text (EOS at once, decoded without specials) cannot be seen: the
+    replay agrees with the env's rewards except for such a turn at the very end of an episode.
 
     Raises:
         ValueError: the prompt is not of the task's form.
