@@ -121,7 +121,7 @@ RECIPES: dict[str, dict] = {
         batch_size=32,
         lr=3e-3,
         corpus_size=60_000,
-        max_new_tokens=40,  # per turn: the longest call is about 25 tokens
+        max_new_tokens=32,  # per turn: the longest call is 26 tokens
         loss_after="?",  # the operands are random: train on the episode after the question
         added_tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
     ),
