@@ -724,7 +724,7 @@ def test_task_rewards_are_in_range_or_a_clear_error(task, prompts, responses, ar
 def test_unknown_task_names_are_a_clear_error(name):
     from rlbits.tasks import get_task
 
-    with pytest.raises(ValueError, match="valid tasks: 'arithmetic', 'imdb', 'math', 'sentiment'"):
+    with pytest.raises(ValueError, match="valid tasks: 'arithmetic', 'calculator', 'guess_number', 'imdb', 'math', 'sentiment'"):
         get_task(name)
 
 

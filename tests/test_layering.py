@@ -19,9 +19,9 @@ RANKS = {
     "_io": 1,
     "_seeds": 1,  # derive_seed: stdlib only, below everything that seeds a stream
     "batch": 1,
+    "envs": 1,  # environments and tools: plain Python, below the tasks whose ``make_env`` builds one
     "tasks": 2,
     "models": 3,
-    "envs": 3,  # environments and tools: plain Python; may import functional, batch, tasks
     "rollout": 4,
     "zoo": 5,  # the tasks' base models: built from tasks' corpora, used by the loops and the CLI
     "distributed": 6,
@@ -102,7 +102,11 @@ def test_imports_point_down(module, path):
                 f"line {line}: functional may import only {', '.join(FUNCTIONAL_THIRD_PARTY)} and the stdlib, "
                 f"not {target}"
             )
-        if layer == "functional" and target.startswith("rlbits") and not target.startswith("rlbits.functional"):
+        if (
+            layer == "functional"
+            and target.startswith("rlbits")
+            and not target.startswith("rlbits.functional")
+        ):
             problems.append(f"line {line}: functional imports {target}")
         if target.startswith("torch.distributed") and layer != "distributed":
             problems.append(f"line {line}: only rlbits.distributed may import torch.distributed ({target})")
@@ -262,7 +266,9 @@ def test_import_graph_sees_lazy_and_package_imports():
     assert "rlbits.rollout.score" in IMPORT_GRAPH["rlbits.rollout.reward_server"]
     assert "rlbits.functional.advantages" in IMPORT_GRAPH["rlbits.functional"]
     assert "rlbits.models" in IMPORT_GRAPH["rlbits.rollout.score"]  # the package above models.load runs first
-    assert _find_cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == [["a", "b", "c", "a"]]
+    assert _find_cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == [
+        ["a", "b", "c", "a"]
+    ]
     assert _find_cycles({"a": {"b": 1}, "b": {}}) == []
 
 

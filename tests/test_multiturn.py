@@ -541,6 +541,11 @@ def test_one_step_on_a_multi_turn_task(toy_task, tmp_path, loop):
     assert 0.0 <= step["rewards"] <= 2.0
     samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert any(" 1:" in s["response"] for s in samples)  # the observation is part of the logged response
+    # each logged episode holds its turns (what the rollout browser draws; special tokens kept in their texts)
+    for s in samples:
+        assert s["num_turns"] == len(s["turns"]) == 2 and s["stop_reason"] == "done"
+        assert " 1:" in s["turns"][0]["observation"] and s["turns"][0]["observation"] in s["response"]
+        assert sum(t["reward"] for t in s["turns"]) == pytest.approx(s["reward"])
     assert (run_dir / "checkpoints" / "step_1").exists()
 
 

@@ -332,7 +332,8 @@ def test_recipes_are_those_of_the_cached_builds():
         ("loss_after", "="),
     ]  # fmt: skip
     synthetic = [t for t in TASKS if getattr(get_task(t), "BASE_MODEL", None) is None]  # imdb, math: zoo models
-    assert sorted(pt.RECIPES) == sorted(synthetic) and all(tuple(r) == pt.SETTINGS for r in pt.RECIPES.values())
+    assert sorted(pt.RECIPES) == sorted(synthetic)
+    assert all(tuple(k for k in r if k not in pt.OPTIONAL_SETTINGS) == pt.SETTINGS for r in pt.RECIPES.values())
 
 
 @pytest.mark.slow
@@ -366,7 +367,7 @@ def test_old_module_names_are_deprecated_aliases(old, monkeypatch):
     assert getattr(importlib.import_module(parent), leaf) is pt  # ``from rlbits.tasks import pretrain``
 
 
-@pytest.mark.parametrize("task", sorted(pt.RECIPES))
+@pytest.mark.parametrize("task", ["arithmetic", "sentiment"])  # the tasks whose module once had PRETRAIN
 def test_task_pretrain_is_a_deprecated_name_of_the_recipe(task):
     module = get_task(task)
     with pytest.warns(DeprecationWarning, match=rf"get_task\('{task}'\)\.PRETRAIN is deprecated"):

@@ -18,11 +18,11 @@ SYNTHETIC = ("arithmetic", "sentiment")
 def test_get_task_returns_modules():
     assert get_task("sentiment") is sentiment
     assert get_task("arithmetic") is arithmetic
-    assert sorted(TASKS) == ["arithmetic", "imdb", "math", "sentiment"]
+    assert sorted(TASKS) == ["arithmetic", "calculator", "guess_number", "imdb", "math", "sentiment"]
 
 
 def test_get_task_unknown_lists_valid_names():
-    with pytest.raises(ValueError, match=r"unknown task 'chess'; valid tasks: 'arithmetic', 'imdb', 'math', 'sentiment'"):
+    with pytest.raises(ValueError, match=r"unknown task 'chess'; valid tasks: 'arithmetic', 'calculator', 'guess_number', 'imdb', 'math', 'sentiment'"):
         get_task("chess")
 
 

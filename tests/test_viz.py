@@ -4,6 +4,7 @@ each token by its value; the rollout browser filters, sorts and pages the rows i
 from __future__ import annotations
 
 import json
+from html.parser import HTMLParser
 
 import matplotlib
 
@@ -201,3 +202,144 @@ def test_rollout_browser_over_a_batch_colours_tokens():
     assert browser.table.value.count("<span") == 7
     with pytest.raises(ValueError, match="key="):
         RolloutBrowser([{"prompt": "a"}], key="advantages")
+
+
+# --- multi-turn episodes ---------------------------------------------------------------------------------
+
+
+def episode_batch():
+    """Two episodes by hand, as ``generate_episodes`` lays them out: row 0 = turn 0 "ab", observation "xy",
+    turn 1 "c" (done); row 1 = one turn "hi" (eos), padded."""
+    tok = tiny_tokenizer()
+    e = tok.encode
+    r0 = e("ab") + e("xy") + e("c")
+    r1 = e("hi") + [0] * 3
+    acts = [[True, True, False, False, True], [True, True, False, False, False]]
+    batch = TensorDict(
+        {
+            "responses": torch.tensor([r0, r1]),
+            "action_mask": torch.tensor(acts),
+            "response_mask": torch.tensor([[True] * 5, [True, True, False, False, False]]),
+            "turn_index": torch.tensor([[0, 0, 0, 0, 1], [0, 0, -1, -1, -1]]),
+            "turn_rewards": torch.tensor([[0.0, 0.25, 0.0, 0.0, 1.0], [0.0, 0.5, 0.0, 0.0, 0.0]]),
+            "logprobs": torch.tensor([[-0.5, -1.0, 0.0, 0.0, -2.0], [-0.1, -0.2, 0.0, 0.0, 0.0]]),
+            "rewards": torch.tensor([1.25, 0.5]),
+            "num_turns": torch.tensor([2, 1]),
+        },
+        batch_size=[2],
+    )
+    batch["prompt_text"] = ["p0", "p1"]
+    batch["response_text"] = ["abxyc", "hi"]
+    batch["stop_reason"] = ["done", "eos"]
+    return batch, tok
+
+
+class Spans(HTMLParser):
+    """(class, style, text) of every span, and the text of every ``div.rlbits-turn`` / ``rlbits-episode``."""
+
+    def __init__(self, html):
+        super().__init__()
+        self.spans, self.divs, self._open = [], [], None
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag in ("span", "div"):
+            self._open = [tag, attrs.get("class", ""), attrs.get("style", ""), ""]
+
+    def handle_data(self, data):
+        if self._open is not None:
+            self._open[3] += data
+
+    def handle_endtag(self, tag):
+        if self._open is not None and tag == self._open[0]:
+            kind, cls, style, text = self._open
+            (self.spans if kind == "span" else self.divs).append(
+                (cls, style, text) if kind == "span" else text
+            )
+            self._open = None
+
+
+def test_episode_turns_split_each_row_by_turn_and_mask():
+    from rlbits.rollout.multiturn import episode_turns
+
+    batch, tok = episode_batch()
+    assert episode_turns(batch, 0, tok) == [
+        {"turn": 0, "action": "ab", "observation": "xy", "action_tokens": 2, "observation_tokens": 2,
+         "reward": 0.25},
+        {"turn": 1, "action": "c", "observation": "", "action_tokens": 1, "observation_tokens": 0, "reward": 1.0},
+    ]  # fmt: skip
+    assert episode_turns(batch, 1) == [
+        {"turn": 0, "action": tok.encode("hi"), "observation": [], "action_tokens": 2, "observation_tokens": 0,
+         "reward": 0.5}
+    ]  # fmt: skip
+    with pytest.raises(KeyError, match="turn_index"):
+        episode_turns(batch.exclude("turn_index"), 0)
+    with pytest.raises(IndexError, match="row 2"):
+        episode_turns(batch, 2)
+
+
+def test_rollout_browser_draws_an_episode_batch_turn_by_turn():
+    batch, tok = episode_batch()
+    browser = RolloutBrowser(batch, tokenizer=tok, key="logprobs")
+    page = Spans(browser.table.value)
+    assert page.divs == ["2 turns · stop: done · reward 1.25", "turn 0 · reward 0.25", "turn 1 · reward 1",
+                         "1 turn · stop: eos · reward 0.5", "turn 0 · reward 0.5"]  # fmt: skip
+    kinds = [(cls, text) for cls, _, text in page.spans]
+    assert kinds == [("rlbits-action", "a"), ("rlbits-action", "b"), ("rlbits-observation", "x"),
+                     ("rlbits-observation", "y"), ("rlbits-action", "c"), ("rlbits-action", "h"),
+                     ("rlbits-action", "i")]  # fmt: skip
+    styles = {cls: style for cls, style, _ in page.spans}
+    assert "italic" in styles["rlbits-observation"] and "italic" not in styles["rlbits-action"]
+    # actions carry their logprob (colour and tooltip), observations none
+    assert 'title="-0.5"' in browser.table.value and browser.table.value.count('title="observation') == 2
+    row = browser.visible()[0]
+    assert (row["num_turns"], row["stop_reason"], row["reward"]) == (2, "done", 1.25)
+    assert [t["observation"] for t in row["turns"]] == ["xy", ""]
+
+
+def test_logged_episode_samples_render_turns_and_single_turn_rows_are_unchanged(tmp_path):
+    from rlbits.loops.run import sample_rows
+    from rlbits.viz import samples_table
+
+    batch, tok = episode_batch()
+    rows = sample_rows(batch, 2, tokenizer=tok)
+    assert [(r["num_turns"], r["stop_reason"], len(r["turns"])) for r in rows] == [
+        (2, "done", 2),
+        (1, "eos", 1),
+    ]
+    assert "turns" not in sample_rows(batch, 1)[0]  # no tokenizer: no texts per turn
+    samples = [{"step": 1, **r} for r in rows]
+    run = write_run(tmp_path / "r", [{"step": 1, "rewards": 0.0}], samples)
+    browser = RolloutBrowser(run)
+    page = Spans(browser.table.value)
+    assert "turn 1 · reward 1" in page.divs and "2 turns · stop: done · reward 1.25" in page.divs
+    assert [(cls, text) for cls, _, text in page.spans] == [
+        ("rlbits-action", "ab"), ("rlbits-observation", "xy"), ("rlbits-action", "c"), ("rlbits-action", "hi"),
+    ]  # fmt: skip
+    # the dashboard's table draws the logged turns too, in place of the response column
+    dash = Spans(samples_table(samples))
+    assert ("rlbits-observation", "xy") in [(c, t) for c, _, t in dash.spans]
+
+    # single-turn: the logged row and the browser's table are as before
+    single = batch.exclude("turn_index", "turn_rewards", "num_turns", "stop_reason")
+    assert sample_rows(single, 1, tokenizer=tok) == [{"prompt": "p0", "response": "abxyc", "reward": 1.25}]
+    plain = [{"step": 1, "prompt": "p", "response": "r\nx", "reward": 0.5}]
+    browser = RolloutBrowser(write_run(tmp_path / "s", [{"step": 1}], plain))
+    assert browser.table.value == samples_table(plain)
+    assert "rlbits-turn" not in browser.table.value and "rlbits-observation" not in browser.table.value
+
+
+def test_plot_tokens_draws_observation_tokens_apart_with_tokens_response():
+    batch, tok = episode_batch()
+    fig = plot_tokens(batch, batch["action_mask"].float(), row=0, tokenizer=tok, tokens="response")
+    texts = fig.axes[0].texts
+    assert [t.get_text() for t in texts] == ["a", "b", "x", "y", "c"]
+    assert [float(t.get_gid()) for t in texts] == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert [t.get_style() for t in texts] == ["normal", "normal", "italic", "italic", "normal"]
+    assert [t.get_bbox_patch().get_linestyle() for t in texts][1:3] == ["solid", "--"]
+    assert [t.get_text() for t in plot_tokens(batch, "logprobs", row=0, tokenizer=tok).axes[0].texts] == list(
+        "abc"
+    )
+    with pytest.raises(ValueError, match="tokens must be"):
+        plot_tokens(batch, "logprobs", tokens="all")

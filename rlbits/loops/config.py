@@ -42,7 +42,7 @@ class RunConfig:
     loop: str = "ppo"
     """Which loop runs this config: ``ppo``, ``reinforce``, ``ilql`` or ``reward_model``."""
     task: str = "sentiment"
-    """Built-in task giving prompts, reward and base model: ``sentiment``, ``arithmetic``, ``imdb`` or ``math`` (the last two need the ``real`` extra)."""
+    """Built-in task giving prompts, reward and base model: ``sentiment``, ``arithmetic``, ``calculator``, ``guess_number`` (these two played in an env: ``make_env``), ``imdb`` or ``math`` (the last two need the ``real`` extra)."""
     policy: str | None = None
     """Initial policy (and reference): a local HF folder or a zoo model name (``smollm2-135m``: fetched and converted on first use, docs/real_models.md); None = the task's base model (built or fetched if missing)."""
     chat_template: bool | None = None

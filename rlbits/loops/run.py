@@ -50,6 +50,7 @@ from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.provenance import check_lengths, start_provenance, user_prompts, write_provenance
 from rlbits.loops.runtime import setup
 from rlbits.loops.state import LoopState
+from rlbits.rollout.multiturn import episode_turns
 from rlbits.rollout.score import InvalidRewardError
 
 SKIPPABLE = (FloatingPointError, InvalidRewardError)
@@ -236,7 +237,8 @@ class Run:
             if values:
                 state.val_reward = values.get("val_reward", state.val_reward)
                 self.logger.log(0, values)
-                self.logger.log_samples(0, sample_rows(val_batch, self.cfg.log_samples, split="test"))
+                rows = sample_rows(val_batch, self.cfg.log_samples, split="test", tokenizer=state.tokenizer)
+                self.logger.log_samples(0, rows)
         stop = self.should_stop
         while not self.done(state) and not stop:
             yield state.step + 1
@@ -264,14 +266,20 @@ class Run:
         """Time phase ``name`` and name the step and phase in any error raised inside. With
         ``on_nonfinite="skip"`` under torchrun, a skippable error on one rank raises on every rank at the end
         of the phase (one all-reduce), so all ranks skip the step together."""
-        with self.timer(name), agreed(self.env, self.cfg.on_nonfinite == "skip"), in_phase(self._step_number, name):
+        with (
+            self.timer(name),
+            agreed(self.env, self.cfg.on_nonfinite == "skip"),
+            in_phase(self._step_number, name),
+        ):
             yield
 
     def end_step(self, state: LoopState, batch: TensorDictBase) -> dict[str, float]:
         """Close a step: advance the counters, reduce and log its metrics (once, over all ranks), validate
         and save when due. Returns the logged values."""
         state.step += 1
-        num_tokens = int(global_count(batch["action_mask"], self.env).item()) if "action_mask" in batch.keys() else 0
+        num_tokens = (
+            int(global_count(batch["action_mask"], self.env).item()) if "action_mask" in batch.keys() else 0
+        )
         state.total_valid_tokens += num_tokens
         if hasattr(state, "epoch"):
             state.metrics.same("epoch", float(state.epoch))
@@ -288,9 +296,12 @@ class Run:
         logged.update(self.timer.metrics())
         logged["tokens_per_s"] = num_tokens / max(logged["time/step"], 1e-9)
         self.logger.log(state.step, logged)
-        test_rows = sample_rows(val_batch, self.cfg.log_samples, split="test")
-        self.logger.log_samples(state.step, sample_rows(batch, self.cfg.log_samples) + test_rows)
-        self.logger.progress(state.step, **{k: logged[k] for k in ("rewards", "init_policy_kl", "loss") if k in logged})
+        rows = sample_rows(batch, self.cfg.log_samples, tokenizer=state.tokenizer)
+        rows += sample_rows(val_batch, self.cfg.log_samples, split="test", tokenizer=state.tokenizer)
+        self.logger.log_samples(state.step, rows)
+        self.logger.progress(
+            state.step, **{k: logged[k] for k in ("rewards", "init_policy_kl", "loss") if k in logged}
+        )
         self._stopped = self.should_stop  # a stop asked while logging (a dashboard's button) saves too
         if (self.cfg.save_period and state.step % self.cfg.save_period == 0) or last or self._stopped:
             self.save(state)
@@ -309,7 +320,9 @@ class Run:
         self._saved_step = state.step
         return path
 
-    def finish(self, state: LoopState, *, model: torch.nn.Module | None = None, build: Callable | None = None) -> Path:
+    def finish(
+        self, state: LoopState, *, model: torch.nn.Module | None = None, build: Callable | None = None
+    ) -> Path:
         """End the run: checkpoint the last step if it is not saved yet, then export ``model`` (default the
         policy) with the tokenizer to ``RUN_DIR/final/`` (``build`` makes an unsharded replica, for FSDP2).
         Returns the run directory."""
@@ -332,17 +345,29 @@ class Run:
         self.close()
 
 
-def sample_rows(batch: TensorDictBase | None, n: int, split: str | None = None) -> list[dict[str, Any]]:
+def sample_rows(
+    batch: TensorDictBase | None, n: int, split: str | None = None, tokenizer: Any = None
+) -> list[dict[str, Any]]:
     """The first ``n`` rows of a batch as dicts (prompt, response, reward) for ``samples.jsonl``, each tagged
-    ``split`` when given (``"test"``: a validation batch)."""
+    ``split`` when given (``"test"``: a validation batch).
+
+    An episode batch (``generate_episodes``: it has ``turn_index``) adds ``num_turns``, ``stop_reason`` and,
+    given the ``tokenizer``, ``turns``: ``episode_turns`` of the row (each turn's action and observation text
+    and reward), which the rollout browser draws turn by turn."""
     if batch is None or "prompt_text" not in batch.keys() or "response_text" not in batch.keys():
         return []
+    episodes = "turn_index" in batch.keys()
     rows = []
     for i in range(min(n, batch.batch_size[0])):
         row = {"split": split} if split is not None else {}
         row.update(prompt=batch["prompt_text"][i], response=batch["response_text"][i])
         if "rewards" in batch.keys():
             row["reward"] = float(batch["rewards"][i])
+        if episodes:
+            row["num_turns"] = int(batch["num_turns"][i])
+            row["stop_reason"] = str(batch["stop_reason"][i])
+            if tokenizer is not None:
+                row["turns"] = episode_turns(batch, i, tokenizer)
         rows.append(row)
     return rows
 

@@ -373,4 +373,49 @@ def generate_episodes(
     return decode(batch, tokenizer)
 
 
-__all__ = ["STOP_REASONS", "generate_episodes"]
+def episode_turns(batch: TensorDict, row: int, tokenizer: Any = None) -> list[dict[str, Any]]:
+    """The turns of episode ``row`` of a ``generate_episodes`` batch, in order, for reading and logging.
+
+    Each turn is a dict: ``turn`` (0-based), ``action`` and ``observation`` (the turn's action tokens and the
+    observation tokens after it, decoded with special tokens kept; ``""`` for no observation; the token ids
+    as lists when ``tokenizer`` is None), ``action_tokens`` and ``observation_tokens`` (counts) and ``reward``
+    (the turn's reward: the sum of ``turn_rewards`` over the turn). Tokens are grouped by ``turn_index``
+    (-1: padding, skipped) and split by ``action_mask``.
+
+    Raises:
+        KeyError: the batch lacks ``turn_index`` (not an episode batch), ``responses``, ``action_mask`` or
+            ``turn_rewards``.
+        IndexError: ``row`` is out of range.
+    """
+    missing = [k for k in ("responses", "action_mask", "turn_index", "turn_rewards") if k not in batch.keys()]
+    if missing:
+        raise KeyError(f"episode_turns needs an episode batch (generate_episodes); it lacks {missing}")
+    num_rows = batch.batch_size[0]
+    if not -num_rows <= row < num_rows:
+        raise IndexError(f"row {row} is out of range for a batch of {num_rows} rows")
+    ids = batch["responses"][row].tolist()
+    acts = batch["action_mask"][row].tolist()
+    turn_of = batch["turn_index"][row].tolist()
+    rewards = batch["turn_rewards"][row].tolist()
+    parts: dict[int, dict[str, Any]] = {}
+    for tok, is_action, turn, r in zip(ids, acts, turn_of, rewards, strict=True):
+        if turn < 0:
+            continue
+        part = parts.setdefault(turn, {"action": [], "observation": [], "reward": 0.0})
+        part["action" if is_action else "observation"].append(tok)
+        part["reward"] += r
+    text = (lambda t: tokenizer.decode(t, skip_special_tokens=False)) if tokenizer is not None else list
+    return [
+        {
+            "turn": turn,
+            "action": text(p["action"]),
+            "observation": text(p["observation"]),
+            "action_tokens": len(p["action"]),
+            "observation_tokens": len(p["observation"]),
+            "reward": p["reward"],
+        }
+        for turn, p in sorted(parts.items())
+    ]
+
+
+__all__ = ["STOP_REASONS", "episode_turns", "generate_episodes"]

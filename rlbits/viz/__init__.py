@@ -3,7 +3,8 @@
 - ``plot_run(run_dirs)``, ``plot_compare(groups, metric)``: matplotlib figures of logged metrics.
 - ``plot_tokens(batch, key, row)``: one response's tokens coloured by advantage, KL, logprob, ...
 - ``Dashboard``: live curves, latest samples and a Stop button, as a ``rlbits.train`` callback.
-- ``RolloutBrowser``: page through ``samples.jsonl`` or a batch.
+- ``RolloutBrowser``: page through ``samples.jsonl`` or a batch; multi-turn episodes turn by turn
+  (``episode_html``, ``turns_html``).
 
 Names load lazily, so ``import rlbits.viz`` does not import matplotlib or ipywidgets until used.
 """
@@ -21,6 +22,8 @@ _LAZY = {
     "samples_table": "rlbits.viz.dashboard",
     "RolloutBrowser": "rlbits.viz.browser",
     "read_samples": "rlbits.viz.browser",
+    "episode_html": "rlbits.viz.episodes",
+    "turns_html": "rlbits.viz.episodes",
 }
 
 __all__ = list(_LAZY)

@@ -3,20 +3,27 @@
     RolloutBrowser("runs/default")            # a run dir, or a samples.jsonl path, or a list of dicts
     RolloutBrowser(batch, tokenizer=tok, key="advantages")   # a batch: tokens coloured by a per-token key
 
+Multi-turn episodes (an episode batch from ``generate_episodes``, or logged rows with ``turns``) are drawn
+turn by turn (``rlbits.viz.episodes``): a header with the number of turns, the stop reason and the reward,
+then each turn's separator (turn number, its reward), its action and the observation after it, greyed.
+
 Controls: a step slider (rows logged at that step; run files only), a text filter (substring of prompt or
 response), the sort order (as logged, reward high to low, low to high) and a page slider.
 """
 
 from __future__ import annotations
 
+import html
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlbits.rollout.multiturn import episode_turns
 from rlbits.viz.dashboard import samples_table
+from rlbits.viz.episodes import episode_header, episode_html, turns_html
 from rlbits.viz.tokens import tokens_html
 
 SORTS = ("as logged", "reward: high to low", "reward: low to high")
@@ -37,16 +44,26 @@ def read_samples(source: str | Path) -> list[dict[str, Any]]:
 
 
 def batch_rows(batch: Any, tokenizer: Any = None, key: str | None = None) -> list[dict[str, Any]]:
-    """One dict per row of a batch: ``prompt``, ``response`` (text, or tokens coloured by ``key`` as HTML),
-    and every [B] tensor (``rewards``, ``group``, ...) as a number."""
+    """One dict per row of a batch: ``prompt``, ``response`` (text), ``response_html`` (the tokens coloured
+    by ``key``, when given), and every [B] tensor (``rewards``, ``group``, ...) as a number.
+
+    An episode batch (``turn_index``) adds ``stop_reason``, ``turns`` (``episode_turns``, when a
+    ``tokenizer`` is given) and always ``response_html``: ``episode_html``, turn by turn."""
     keys = set(batch.keys())
+    episodes = "turn_index" in keys
     num_rows = batch.batch_size[0]
     rows = []
     for i in range(num_rows):
         row: dict[str, Any] = {"row": i}
         if "prompt_text" in keys:
             row["prompt"] = batch["prompt_text"][i]
-        if key is not None:
+        if episodes:
+            row["response_html"] = episode_html(batch, i, key, tokenizer=tokenizer)
+            if "stop_reason" in keys:
+                row["stop_reason"] = str(batch["stop_reason"][i])
+            if tokenizer is not None:
+                row["turns"] = episode_turns(batch, i, tokenizer)
+        elif key is not None:
             row["response_html"] = tokens_html(batch, key, i, tokenizer=tokenizer)
         if "response_text" in keys:
             row["response"] = batch["response_text"][i]
@@ -58,6 +75,35 @@ def batch_rows(batch: Any, tokenizer: Any = None, key: str | None = None) -> lis
             row["reward"] = row.pop("rewards")
         rows.append(row)
     return rows
+
+
+def is_episode(row: Mapping[str, Any]) -> bool:
+    """Whether a sample row is a multi-turn episode (it has ``turns`` or ``num_turns``)."""
+    return "turns" in row or "num_turns" in row
+
+
+def episodes_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """An HTML table of episode rows, one per row: where it comes from (``step``, ``split``, ``row``), the
+    prompt, and the episode: ``episode_header`` then its turns (``response_html`` for a batch row, else
+    ``turns_html`` of its logged ``turns``, else its ``response`` text)."""
+    if not rows:
+        return "<i>no samples</i>"
+    cell = "style='text-align:left;vertical-align:top;font-family:monospace'"
+    body = []
+    for r in rows:
+        where = " ".join(f"{k} {html.escape(str(r[k]))}" for k in ("step", "split", "row") if k in r)
+        if "response_html" in r:
+            episode = r["response_html"]
+        elif "turns" in r:
+            episode = turns_html(r["turns"])
+        else:
+            episode = html.escape(str(r.get("response", ""))).replace("\n", "<br>")
+        prompt = html.escape(str(r.get("prompt", ""))).replace("\n", "<br>")
+        body.append(
+            f"<tr><td {cell}>{where}</td><td {cell}>{prompt}</td><td {cell}>{episode_header(r)}{episode}</td></tr>"
+        )
+    head = "".join(f"<th style='text-align:left'>{c}</th>" for c in ("sample", "prompt", "episode"))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
 class RolloutBrowser:
@@ -143,6 +189,9 @@ class RolloutBrowser:
     def _refresh(self, _change: Any = None) -> None:
         rows = self.visible()
         self.count.value = f"{len(self.matching())} rows"
+        if any(is_episode(r) for r in rows):
+            self.table.value = episodes_table(rows)
+            return
         shown = [{k: v for k, v in r.items() if k != "response_html"} for r in rows]
         html_table = samples_table(shown)
         if rows and "response_html" in rows[0]:
@@ -161,4 +210,4 @@ class RolloutBrowser:
         return self.widget._repr_mimebundle_(**kwargs)
 
 
-__all__ = ["RolloutBrowser", "batch_rows", "read_samples"]
+__all__ = ["RolloutBrowser", "batch_rows", "episodes_table", "is_episode", "read_samples"]

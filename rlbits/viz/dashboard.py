@@ -201,15 +201,24 @@ class Dashboard:
 
 
 def samples_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
-    """An HTML table of sample rows (prompt, response, reward, ...); text is escaped, numbers rounded."""
+    """An HTML table of sample rows (prompt, response, reward, ...); text is escaped, numbers rounded.
+
+    A multi-turn episode's ``turns`` (a list of turn dicts, ``samples.jsonl``) is drawn turn by turn
+    (``rlbits.viz.episodes.turns_html``, observations greyed) and stands for its ``response`` column."""
+    from rlbits.viz.episodes import turns_html
+
     if not rows:
         return "<i>no samples</i>"
     if columns is None:
         columns = []
         for row in rows:
             columns += [k for k in row if k not in columns]
+        if "turns" in columns:  # the turns hold the response's text, split
+            columns = [c for c in columns if c != "response"]
 
     def cell(value: Any) -> str:
+        if isinstance(value, list) and all(isinstance(t, Mapping) for t in value):
+            return turns_html(value)
         if isinstance(value, float):
             return f"{value:.4g}"
         return html.escape(str(value)).replace("\n", "<br>")

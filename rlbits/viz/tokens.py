@@ -1,8 +1,12 @@
 """One response's tokens coloured by a per-token quantity: advantage, KL, logprob, value, ...
 
 ``plot_tokens(batch, "advantages", row=3, tokenizer=tok)`` returns a matplotlib figure; ``tokens_html``
-gives the same colouring as HTML (the rollout browser uses it). Only action tokens (``action_mask`` True)
-are drawn: padding and tool tokens carry no per-token quantity (docs/design.md, "The batch").
+gives the same colouring as HTML (the rollout browser uses it). By default only action tokens
+(``action_mask`` True) are drawn: padding and tool tokens carry no per-token quantity (docs/design.md, "The
+batch"). ``tokens="response"`` draws every response token (``response_mask``): the observation tokens of a
+multi-turn episode (tool calls' results, env answers: attended to, never trained on) then show in italics on
+a dashed grey frame, so ``plot_tokens(batch, batch["action_mask"].float(), tokens="response")`` draws the
+mask itself.
 """
 
 from __future__ import annotations
@@ -31,11 +35,16 @@ def token_labels(token_ids: list[int], tokenizer: Any = None) -> list[str]:
     return out
 
 
-def row_values(batch: Any, key: str | torch.Tensor, row: int) -> tuple[list[int], list[float]]:
-    """Response token ids and ``key``'s values of ``row``, on its action tokens only.
+def row_values(
+    batch: Any, key: str | torch.Tensor, row: int, tokens: str = "action"
+) -> tuple[list[int], list[float]]:
+    """Response token ids and ``key``'s values of ``row``, on its action tokens only (``tokens="action"``)
+    or on every real response token (``tokens="response"``: ``response_mask``, which a batch without one
+    reads as ``action_mask``, docs/batch.md).
 
     ``key`` is a batch key holding a [B, R] tensor, or a [B, R] tensor computed by the caller (e.g.
-    ``kl_penalty(...)``). Raises KeyError (unknown key), IndexError (bad row) or ValueError (wrong shape).
+    ``kl_penalty(...)``). Raises KeyError (unknown key), IndexError (bad row) or ValueError (wrong shape,
+    or ``tokens`` not ``"action"`` / ``"response"``).
     """
     responses = batch["responses"]
     num_rows, length = responses.shape
@@ -53,10 +62,26 @@ def row_values(batch: Any, key: str | torch.Tensor, row: int) -> tuple[list[int]
         raise ValueError(
             f"plot_tokens needs a per-token [B, R] = [{num_rows}, {length}] quantity; got {shape}"
         )
-    mask = batch["action_mask"][row].bool().cpu()
+    mask = drawn_mask(batch, row, tokens)
     ids = responses[row].cpu()[mask].tolist()
     vals = values[row].detach().float().cpu()[mask].tolist()
     return ids, vals
+
+
+def drawn_mask(batch: Any, row: int, tokens: str = "action") -> torch.Tensor:
+    """[R] bool on CPU: the tokens of ``row`` that ``tokens`` selects (``"action"``: ``action_mask``;
+    ``"response"``: ``response_mask``, else ``action_mask``). Raises ValueError for another ``tokens``."""
+    if tokens not in ("action", "response"):
+        raise ValueError(f"tokens must be 'action' or 'response', got {tokens!r}")
+    key = "response_mask" if tokens == "response" and "response_mask" in batch.keys() else "action_mask"
+    return batch[key][row].bool().cpu()
+
+
+def observation_flags(batch: Any, row: int, tokens: str = "action") -> list[bool]:
+    """For each token ``row_values(batch, key, row, tokens)`` returns: True where it is an observation (in
+    the response but not an action: a tool's or env's tokens, not trained on)."""
+    mask = drawn_mask(batch, row, tokens)
+    return (~batch["action_mask"][row].bool().cpu())[mask].tolist()
 
 
 def _is_per_token(value: Any, responses: torch.Tensor) -> bool:
@@ -96,6 +121,7 @@ def plot_tokens(
     cmap: str | None = None,
     center: float | None = None,
     title: str | None = None,
+    tokens: str = "action",
 ):
     """Draw the action tokens of response ``row``, each on a box coloured by its value of ``key``.
 
@@ -109,17 +135,21 @@ def plot_tokens(
         cmap, center: colour map and centre; by default values of both signs get a diverging map centred
             at 0 (red < 0 < blue), others the sequential ``viridis`` over their range.
         title: axes title; default ``"KEY, row ROW"`` and the prompt text when the batch has it.
+        tokens: ``"action"`` (default) draws the action tokens; ``"response"`` every response token, the
+            observation tokens (not actions) in italics on a dashed grey frame, with ``key``'s value there
+            (0 for a per-token column the batch zeroes off actions).
 
     Returns:
-        The ``Figure``. Its first axes holds one ``Text`` per action token, in order (label: the token;
-        ``get_gid()``: ``"VALUE"``; box colour: ``fig.colorbar_mappable.to_rgba(value)``); the colour bar
-        is ``fig.axes[1]``.
+        The ``Figure``. Its first axes holds one ``Text`` per drawn token, in order (label: the token;
+        ``get_gid()``: ``"VALUE"``; box colour: ``fig.colorbar_mappable.to_rgba(value)``; an observation's
+        label is italic); the colour bar is ``fig.axes[1]``.
 
     Raises:
         KeyError, IndexError, ValueError: as ``row_values``.
     """
     plt = _pyplot()
-    ids, vals = row_values(batch, key, row)
+    ids, vals = row_values(batch, key, row, tokens)
+    observed = observation_flags(batch, row, tokens)
     labels = token_labels(ids, tokenizer)
     scale = color_scale(vals, cmap, center)
     # Lay the tokens out in a monospace grid of `width` characters per line.
@@ -132,9 +162,11 @@ def plot_tokens(
         x += n
     lines = y + 1
     fig, ax = plt.subplots(figsize=(max(4.0, 0.13 * width), 0.9 + 0.38 * lines))
-    for (px, py), label, value in zip(places, labels, vals, strict=True):
+    for (px, py), label, value, obs in zip(places, labels, vals, observed, strict=True):
+        frame = dict(edgecolor="0.45", linestyle="--", linewidth=1.0) if obs else dict(edgecolor="none")
         text = ax.text(px, py, label, family="monospace", fontsize=10, va="center", ha="left",
-                       bbox=dict(boxstyle="square,pad=0.15", facecolor=scale.to_rgba(value), edgecolor="none"))  # fmt: skip
+                       style="italic" if obs else "normal",
+                       bbox=dict(boxstyle="square,pad=0.15", facecolor=scale.to_rgba(value), **frame))  # fmt: skip
         text.set_gid(repr(value))
     ax.set_xlim(-0.5, width + 0.5)
     ax.set_ylim(lines - 0.5, -0.5)
@@ -168,4 +200,12 @@ def tokens_html(
     return "".join(spans)
 
 
-__all__ = ["color_scale", "plot_tokens", "row_values", "token_labels", "tokens_html"]
+__all__ = [
+    "color_scale",
+    "drawn_mask",
+    "observation_flags",
+    "plot_tokens",
+    "row_values",
+    "token_labels",
+    "tokens_html",
+]

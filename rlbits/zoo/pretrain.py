@@ -74,6 +74,9 @@ SETTINGS = (
     "max_new_tokens",
     "loss_after",
 )
+# Keys a recipe may hold after ``SETTINGS``, not overridable: ``added_tokens``, strings the tokenizer keeps
+# as one token each (``train_tokenizer``).
+OPTIONAL_SETTINGS = ("added_tokens",)
 
 # The recipe of each built-in task's base model (``pretrain`` documents each key). The settings describe the
 # model and its training, not the task, so they live here; they were the task modules' ``PRETRAIN`` dicts
@@ -106,6 +109,35 @@ RECIPES: dict[str, dict] = {
         max_new_tokens=6,
         loss_after="=",  # the operands are random: train on the answer and <eos> only
     ),
+    # Tasks played in an environment (rlbits.tasks.calculator / guess_number, docs/tasks.md). To be tuned
+    # against the base rates docs/tasks.md reports.
+    "calculator": dict(
+        vocab_size=320,
+        n_embd=128,
+        n_layer=3,
+        n_head=4,
+        n_positions=96,
+        steps=1200,
+        batch_size=32,
+        lr=3e-3,
+        corpus_size=60_000,
+        max_new_tokens=32,  # per turn: the longest call is 26 tokens
+        loss_after="?",  # the operands are random: train on the episode after the question
+        added_tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+    ),
+    "guess_number": dict(
+        vocab_size=300,
+        n_embd=128,
+        n_layer=3,
+        n_head=4,
+        n_positions=128,
+        steps=1200,
+        batch_size=32,
+        lr=3e-3,
+        corpus_size=60_000,
+        max_new_tokens=4,  # per turn: "16\n" is 3 tokens
+        loss_after=".",  # the game id is random: train on the guesses (and the feedback) only
+    ),
 }
 
 
@@ -119,13 +151,18 @@ def default_model_dir(task: str) -> Path:
     return cache_dir() / f"{task}-base"
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
+def train_tokenizer(texts: list[str], vocab_size: int, added_tokens: tuple[str, ...] | list[str] = ()):
     """A byte-level BPE tokenizer trained on ``texts``, wrapped as ``PreTrainedTokenizerFast``.
 
     Digits are split one per token before BPE (``pre_tokenizers.Digits(individual_digits=True)``), so numbers
     are spelled digit by digit. Ids 0 and 1 are ``<pad>`` and ``<eos>`` (also used as BOS, as in GPT-2); then
     the 256 byte symbols, then merges up to ``vocab_size``. Encoding adds no special tokens; ``padding_side``
     is ``"left"`` (prompts are left-padded, see docs/design.md). Deterministic for a given ``texts``.
+
+    ``added_tokens`` (e.g. ``"<tool_call>"``) become one token each, after the merges (so the tokenizer may
+    have ``vocab_size + len(added_tokens)`` tokens). They are ordinary added tokens, not special ones: decoding
+    with ``skip_special_tokens=True`` keeps them, so a tool call survives the rollout's decode. BPE is trained
+    with them cut out of ``texts``, so no merge is spent on their characters.
 
     Raises:
         ValueError: ``vocab_size`` < 258 (specials plus the byte alphabet).
@@ -146,8 +183,13 @@ def train_tokenizer(texts: list[str], vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
+    added = list(added_tokens)
+    if any(not isinstance(t, str) or not t for t in added):
+        raise ValueError(f"added_tokens must be non-empty strings, got {added_tokens!r}")
+    for t in sorted(added, key=len, reverse=True):  # longest first: a tag that contains another is cut whole
+        texts = [x.replace(t, " ") for x in texts]
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD_TOKEN,
         eos_token=EOS_TOKEN,
@@ -155,6 +197,9 @@ def train_tokenizer(texts: list[str], vocab_size: int):
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+    if added:
+        fast.add_tokens(added)
+    return fast
 
 
 def _recipe(task: str) -> dict:
@@ -327,7 +372,7 @@ def pretrain(
     start, start_cpu = time.perf_counter(), time.process_time()
 
     texts = module.corpus(cfg["corpus_size"], seed)
-    tokenizer = train_tokenizer(texts, cfg["vocab_size"])
+    tokenizer = train_tokenizer(texts, cfg["vocab_size"], cfg.get("added_tokens") or ())
     data, lengths = _encode(tokenizer, texts, cfg["n_positions"])
     starts = _loss_starts(tokenizer, data, cfg.get("loss_after"))
     config = GPT2Config(
@@ -623,13 +668,19 @@ def evaluate(
         "n": number of prompts, "samples": the first 8 (prompt, response, reward) triples}``.
 
     Raises:
-        ValueError: unknown task or split.
+        ValueError: unknown task or split, or a task played in an environment (``make_env``: its episodes
+            take several turns, which one ``generate`` call cannot play).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlbits.tasks import get_task
 
     module = get_task(task)
+    if hasattr(module, "make_env"):
+        raise ValueError(
+            f"evaluate: task {task!r} is played in an environment (its module has make_env); play its episodes "
+            "with the multi-turn rollout instead (docs/tasks.md)"
+        )
     prompts = module.prompts(split)[:n]
     model = AutoModelForCausalLM.from_pretrained(model_path, use_safetensors=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
