@@ -1,6 +1,7 @@
 """Command line.
 
     rlbits train [CONFIG] [key=value ...]      train (no CONFIG: configs/ppo_sentiment.yaml, the main job)
+    rlbits train CONFIG CONFIG2 ... [key=value] a pipeline: each config in turn (overrides: the last)
     rlbits train --resume RUN_DIR [key=value]  continue a run from its latest checkpoint
     rlbits train --help-config [LOOP]           every config field (type, default, meaning); policy=DIR: your model
     rlbits eval RUN_DIR                         test-split reward of the final policy vs the base model
@@ -202,12 +203,20 @@ def _train(args: argparse.Namespace) -> int:
             return 2
         return 0
     try:
+        configs, overrides = _split_configs(args)
+        if len(configs) > 1:
+            return _run_pipeline(args, configs, overrides)
         run_dir = _run_train(args)
     except _user_errors() as e:
         if _debug(args):
             raise
         print(f"rlbits train: {e}", file=sys.stderr)  # one line; --debug shows the traceback
         return 2
+    _print_summary(run_dir)
+    return 0
+
+
+def _print_summary(run_dir: Path) -> None:
     if _is_rank_zero():  # under torchrun every rank returns here; say it once
         from rlbits.loops.summary import summarize
 
@@ -216,6 +225,49 @@ def _train(args: argparse.Namespace) -> int:
         except FileNotFoundError:  # nothing logged (a run stopped before its first step): no summary
             pass
         print(run_dir)  # last line: the run directory, for scripts
+
+
+def _is_config_path(arg: str | None) -> bool:
+    return arg is not None and "=" not in arg and arg.endswith((".yaml", ".yml"))
+
+
+def _split_configs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """``rlbits train A.yaml B.yaml k=v``: the config paths (CONFIG, then the YAML paths that come before
+    any ``key=value``) and the overrides."""
+    from rlbits.loops.config import ConfigError
+
+    configs = [args.config] if _is_config_path(args.config) else []
+    rest = list(args.overrides)
+    while configs and rest and _is_config_path(rest[0]):
+        configs.append(rest.pop(0))
+    if any(_is_config_path(x) for x in rest):
+        raise ConfigError(f"config paths must come before every key=value override, got {args.overrides}")
+    return configs, rest
+
+
+def _run_pipeline(args: argparse.Namespace, configs: list[str], overrides: list[str]) -> int:
+    """Run ``configs`` one after the other (e.g. a reward model, then RL with it): the overrides apply to the
+    last config only. Every config is validated before the first run starts; a ``reward_model`` folder that
+    an earlier config of the pipeline writes (its ``RUN_DIR/final``) need not exist yet. Stops at the first
+    failure."""
+    from rlbits.loops.api import resolve_config, train
+    from rlbits.loops.config import ConfigError, parse_overrides, read_yaml
+
+    if args.resume:
+        raise ConfigError("--resume continues one run; give it without a pipeline of configs")
+    values = [read_yaml(c) for c in configs]
+    values[-1].update(parse_overrides(overrides))
+    produced: set[Path] = set()
+    for path, v in zip(configs, values, strict=True):  # check them all before spending time on the first
+        check = dict(v)
+        if check.get("reward_model") is not None and Path(check["reward_model"]).resolve() in produced:
+            check["reward_model"] = None  # written by an earlier config of the pipeline
+        cfg = resolve_config(check)
+        produced.add((Path(cfg.run_dir) / "final").resolve())
+        print(f"rlbits train: pipeline step {path} (loop {cfg.loop}, run_dir {cfg.run_dir})")
+    for v in values:
+        run_dir = train(config=resolve_config(v), resume=False)
+        _print_summary(run_dir)
     return 0
 
 
@@ -285,6 +337,8 @@ TRAIN_HELP = """Train with the loop the config names (ppo, reinforce, ilql, rewa
                                                  base model is smollm2-135m; policy=smollm2-135m works too
   rlbits train --resume runs/default max_num_steps=200
   rlbits train configs/real/reward_model_imdb.yaml   a reward model (RUN_DIR/final: reward_model=... elsewhere)
+  rlbits train configs/real/reward_model_imdb.yaml configs/real/rloo_smollm2_imdb.yaml
+                                                 a pipeline: the reward model, then RLOO with it
   rlbits train --help-config [LOOP]              every config field: type, default, meaning
 """
 

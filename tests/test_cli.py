@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -219,3 +220,46 @@ def test_rlbits_viz_is_a_lazy_attribute():
         "assert rlbits.viz.Dashboard.__name__ == 'Dashboard'; assert 'viz' in dir(rlbits)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _yaml(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_pipeline_runs_its_configs_in_order_with_overrides_on_the_last(tmp_path, monkeypatch, capsys):
+    import rlbits.loops.api
+
+    rm = _yaml(tmp_path / "rm.yaml", f"loop: reward_model\ndataset: imdb\nrun_dir: {tmp_path / 'rm'}\n")
+    rl = _yaml(
+        tmp_path / "rl.yaml",
+        f"loop: reinforce\ntask: arithmetic\nreward_model: {tmp_path / 'rm' / 'final'}\nrun_dir: {tmp_path / 'rl'}\n",
+    )
+    calls = []
+
+    def fake_train(config, resume):  # records the order; each run writes what the next one reads
+        calls.append((config.loop, config.reward_model, config.max_num_steps))
+        run_dir = _fake_run(Path(config.run_dir))
+        (run_dir / "final").mkdir(exist_ok=True)  # the next config checks that its reward_model exists
+        return run_dir
+
+    monkeypatch.setattr(rlbits.loops.api, "train", fake_train)
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", rm, rl, "max_num_steps=3"]) == 0
+    assert [c[:2] for c in calls] == [("reward_model", None), ("reinforce", str(tmp_path / "rm" / "final"))]
+    assert calls[1][2] == 3 and calls[0][2] != 3  # the override went to the last config only
+    assert capsys.readouterr().out.splitlines()[-1] == str(tmp_path / "rl")  # last line: the last run dir
+
+
+def test_a_pipeline_checks_every_config_before_the_first_run(tmp_path, monkeypatch, capsys):
+    import rlbits.loops.api
+
+    rm = _yaml(tmp_path / "rm.yaml", f"loop: reward_model\ndataset: imdb\nrun_dir: {tmp_path / 'rm'}\n")
+    rl = _yaml(tmp_path / "rl.yaml", f"loop: reinforce\ntask: arithmetic\nreward_model: {tmp_path / 'other'}\n")
+    monkeypatch.setattr(rlbits.loops.api, "train", lambda **kw: pytest.fail("a run started"))
+    monkeypatch.delenv("RLBITS_DEBUG", raising=False)
+    assert main(["train", rm, rl]) == 2  # the reward model folder is neither there nor written by the pipeline
+    assert "reward_model must be a folder" in capsys.readouterr().err
+    assert main(["train", rm, rl, "learning_rate=-1"]) == 2
+    assert main(["train", rm, "seed=1", rl]) == 2  # config paths after an override
+    assert "must come before every key=value" in capsys.readouterr().err
