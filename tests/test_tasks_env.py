@@ -415,3 +415,18 @@ def test_single_turn_evaluate_refuses_env_tasks(tmp_path):
 
     with pytest.raises(ValueError, match="'calculator' is played in an environment"):
         evaluate(tmp_path, "calculator")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["calculator", "guess_number"])
+def test_tiny_build_keeps_the_tags_and_fits_the_episodes(task, tmp_path):
+    # A 3-step build on 300 documents: the recipe's tokenizer and positions fit the corpus (else ValueError).
+    from transformers import AutoTokenizer
+
+    from rlbits.zoo import pretrain
+
+    path = pretrain.pretrain(task, tmp_path / "m", steps=3, corpus_size=300, progress=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    for tag in RECIPES[task].get("added_tokens", ()):
+        ids = tok(tag, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and tok.decode(ids, skip_special_tokens=True) == tag
