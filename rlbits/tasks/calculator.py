@@ -25,11 +25,13 @@ The base model imitates a demonstrator who rarely reaches for the calculator:
 
 - Problems: ``a`` with 3 or 4 digits, ``b`` with 2 or 3 digits (each length equally likely, then uniform):
   products of 4-7 digits, beyond what a 0.8M-parameter model computes in its head.
-- The demonstrator calls the tool with probability ``CALL_PROB_BIG`` = 0.7 on the biggest problems (4 x 3
-  digits, a quarter of them) and ``CALL_PROB`` = 0.1 on the others, then copies the result into its answer.
+- The demonstrator calls the tool with probability ``CALL_PROB_BIG`` = 0.6 on the biggest problems (4 x 3
+  digits, a quarter of them) and ``CALL_PROB`` = 0.25 on the others, then copies the result into its answer.
   Otherwise it guesses: the product's first two digits, the rest random (same length, never the product).
-  So a model that imitates it calls the tool on about 25% of problems at temperature 1 (greedily: on the
-  4 x 3 problems only) and is right only when it calls; an RL loop can raise the call rate everywhere.
+  So a model that imitates it calls the tool on about a third of the problems at temperature 1 (greedily: on
+  the 4 x 3 problems only) and is right only when it calls; an RL loop can raise the call rate everywhere.
+  (With 0.1 on the others the model rarely saw small problems' calls and, made to call on them by RL, copied
+  their operands and results badly: docs/tasks.md.)
 
 ``reward(prompts, responses)`` scores the text of a whole episode after the prompt (tool calls and tool
 responses included), as ``rlbits.score`` and the evaluation see it: the part after the last
@@ -52,8 +54,8 @@ N_TEST = 500
 N_TRAIN = 5000
 DIGITS_A = (3, 4)
 DIGITS_B = (2, 3)
-CALL_PROB_BIG = 0.7
-CALL_PROB = 0.1
+CALL_PROB_BIG = 0.6
+CALL_PROB = 0.25
 MAX_TURNS = 3
 MAX_NEW_TOKENS = 32
 TOOL_NAME = "calculator"
