@@ -457,6 +457,10 @@ def reward(prompts, responses):  # a task module's reward; multi-turn loops must
     raise AssertionError("the reward function of a multi-turn task is not called")
 
 
+def prompts(split):  # the task's test split, which ``rlbits eval`` (evaluate_run) validates on
+    return ["gh", "ij"]
+
+
 @pytest.fixture
 def toy_task(monkeypatch, tmp_path):
     from rlbits import tasks
@@ -547,6 +551,11 @@ def test_one_step_on_a_multi_turn_task(toy_task, tmp_path, loop):
         assert " 1:" in s["turns"][0]["observation"] and s["turns"][0]["observation"] in s["response"]
         assert sum(t["reward"] for t in s["turns"]) == pytest.approx(s["reward"])
     assert (run_dir / "checkpoints" / "step_1").exists()
+    # ``rlbits eval`` plays episodes too (the task's reward function, which raises, is never called)
+    from rlbits.loops.evaluate import evaluate_run
+
+    scores = evaluate_run(run_dir)
+    assert scores["base"]["val_num_turns"] == scores["final"]["val_num_turns"] == pytest.approx(2.0)
 
 
 @pytest.mark.slow

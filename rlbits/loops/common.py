@@ -47,7 +47,8 @@ def validate(
     env: DistEnv | None = None,
 ) -> tuple[dict[str, float], TensorDictBase]:
     """``rlbits.loops.phases.validate`` with the task's test prompts (chat-formatted when ``uses_chat(cfg)``,
-    as the loops validate; given ``prompts`` are used as they are) and reward as defaults."""
+    as the loops validate; given ``prompts`` are used as they are) and reward as defaults; a multi-turn task
+    (one with ``make_env``) is validated on episodes, as in training (so ``rlbits eval`` scores it so too)."""
     from rlbits.loops.runtime import loop_prompts
     from rlbits.tasks import get_task
 
@@ -55,7 +56,7 @@ def validate(
     return phases.validate(
         policy, tokenizer, cfg, reward=reward if reward is not None else task.reward,
         prompts=prompts if prompts is not None else loop_prompts(cfg, tokenizer, None, "test"),
-        logits_processor=logits_processor, env=env,
+        logits_processor=logits_processor, env=env, make_env=getattr(task, "make_env", None),
     )  # fmt: skip
 
 
