@@ -354,6 +354,41 @@ def test_model_context_is_never_exceeded():
     assert (batch["attention_mask"].sum(-1) <= 24).all()
 
 
+def test_a_long_episode_does_not_shorten_another_episodes_turn():
+    """The model's positions cap each episode by its own context, not by the longest one of the batch: next
+    to a prompt that leaves 4 positions, a short prompt still gets its whole 8-token turn (stop_on_eos is
+    off, so a turn ends only at its budget)."""
+    tok = tiny_tokenizer(V)
+    model = tiny_causal_lm("llama", V, seed=1, max_position_embeddings=32)
+    long_prompt = "hello there, " * 3
+    while len(tok(long_prompt, add_special_tokens=False)["input_ids"]) > 28:
+        long_prompt = long_prompt[:-1]
+    n_long = len(tok(long_prompt, add_special_tokens=False)["input_ids"])
+    assert 24 < n_long <= 28, n_long  # leaves fewer than 8 positions
+    envs = [ScriptedEnv(turns=1, max_new_tokens=8), ScriptedEnv(turns=1, max_new_tokens=8)]
+    batch = generate_episodes(
+        model, tok, envs, [long_prompt, "hi"], temperature=1.0, generator=torch.Generator().manual_seed(0)
+    )
+    assert batch["action_mask"].sum(-1).tolist() == [32 - n_long, 8]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chunks_cover_every_row_once_and_each_fits(seed):
+    from rlbits.rollout.multiturn import _chunks
+
+    rng = random.Random(seed)
+    limit = rng.randint(8, 64)
+    lengths = [rng.randint(1, limit - 1) for _ in range(rng.randint(1, 12))]
+    budgets = [rng.randint(1, limit - n) for n in lengths]
+    chunks = _chunks(lengths, budgets, limit)
+    assert sorted(j for c in chunks for j in c) == list(range(len(lengths)))
+    for c in chunks:
+        assert max(lengths[j] for j in c) + max(budgets[j] for j in c) <= limit
+    if max(lengths) + max(budgets) <= limit:
+        assert len(chunks) == 1
+    assert _chunks(lengths, budgets, None) == [list(range(len(lengths)))]
+
+
 def test_env_steps_run_concurrently_within_the_bound(gpt2):
     log = {"lock": threading.Lock(), "now": 0, "max": 0}
     barrier = threading.Barrier(3)  # passes only when 3 steps run at once

@@ -131,6 +131,27 @@ def _stopping(rows: list[int], envs: Sequence[Env], budgets: list[int], eos: int
     return stopping
 
 
+def _chunks(lengths: list[int], budgets: list[int], model_limit: int | None) -> list[list[int]]:
+    """Rows (indices into ``lengths``) decoded together in one ``generate`` call: all of them when their
+    longest context plus their largest token budget fits the model's positions, else groups of rows of
+    similar context length that each fit, so that no row's turn is cut to fit a longer row's context (each
+    row fits on its own: ``lengths[j] + budgets[j] <= model_limit``). Deterministic (sorted by length, then
+    index), so a run's RNG stream does not depend on timing."""
+    everything = list(range(len(lengths)))
+    if model_limit is None or max(lengths) + max(budgets) <= model_limit:
+        return [everything]
+    chunks: list[list[int]] = []
+    for j in sorted(everything, key=lambda j: (-lengths[j], j)):
+        if chunks:
+            chunk = chunks[-1]
+            longest = lengths[chunk[0]]  # sorted: the first row of a chunk is its longest
+            if longest + max(budgets[j], *(budgets[k] for k in chunk)) <= model_limit:
+                chunk.append(j)
+                continue
+        chunks.append([j])
+    return [sorted(chunk) for chunk in chunks]
+
+
 def _ends_with_stop(ids: list[int], stop_strings: Sequence[str], tokenizer: Any) -> bool:
     if not stop_strings:
         return False
@@ -178,8 +199,9 @@ def generate_episodes(
        episode whose next turn would have no room for a single token ends with ``"context"`` too.
 
     The context of an episode (prompt + response) never exceeds ``max_episode_tokens`` nor the model's
-    ``max_position_embeddings``. Since the turns of a batch are decoded together, a turn's budget is also
-    capped by the model's context minus the longest context in the batch.
+    ``max_position_embeddings``. The unfinished episodes of a turn are decoded in one ``generate`` call
+    when the longest context plus the largest budget fits the model's positions, else in groups of
+    similar context length that do, so one long episode never shortens another's turn.
 
     Args:
         policy: an HF causal LM, as for ``generate``.
@@ -284,24 +306,25 @@ def generate_episodes(
         if not rows:
             break
         contexts = [prompt_ids[i] + response[i] for i in rows]
-        P = max(len(c) for c in contexts)
-        turn_max = max(budgets) if model_limit is None else min(max(budgets), model_limit - P)
-        budgets = [min(b, turn_max) for b in budgets]
-        out = generate(
-            policy,
-            make_prompts(contexts, pad).to(device),
-            max_new_tokens=turn_max,
-            temperature=temperature,
-            eos_token_id=None,  # per row, in ``stopping``: an env may keep going past EOS
-            pad_token_id=pad,
-            logits_processor=logits_processor,
-            generator=generator,
-            stopping=_stopping(rows, envs, budgets, eos, tokenizer),
-            compile=compile,
-        )
-        lengths = out["action_mask"].sum(-1).tolist()
-        sampled = out["responses"].tolist()
-        sampled_lp = out["logprobs"].tolist()
+        lengths, sampled, sampled_lp = [0] * len(rows), [[]] * len(rows), [[]] * len(rows)
+        for chunk in _chunks([len(c) for c in contexts], budgets, model_limit):
+            out = generate(
+                policy,
+                make_prompts([contexts[j] for j in chunk], pad).to(device),
+                max_new_tokens=max(budgets[j] for j in chunk),
+                temperature=temperature,
+                eos_token_id=None,  # per row, in ``stopping``: an env may keep going past EOS
+                pad_token_id=pad,
+                logits_processor=logits_processor,
+                generator=generator,
+                stopping=_stopping([rows[j] for j in chunk], envs, [budgets[j] for j in chunk], eos, tokenizer),
+                compile=compile,
+            )
+            for j, n, ids, lp in zip(
+                chunk, out["action_mask"].sum(-1).tolist(), out["responses"].tolist(), out["logprobs"].tolist(),
+                strict=True,
+            ):  # fmt: skip
+                lengths[j], sampled[j], sampled_lp[j] = n, ids, lp
         texts, turn_ids, ended = [], [], {}
         for j, i in enumerate(rows):
             ids, n = sampled[j][: lengths[j]], lengths[j]
