@@ -79,6 +79,10 @@ def _field_ok(value, tp) -> bool:
         return isinstance(value, float) and math.isfinite(value)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, tuple):  # list[str] (lora_target_modules): the container, then each element
+        return isinstance(value, origin) and all(_field_ok(v, typing.get_args(tp)[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
     return isinstance(value, tp)
 
 
