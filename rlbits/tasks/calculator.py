@@ -47,6 +47,7 @@ import re
 from functools import cache
 
 from rlbits.envs import HERMES, ToolEnv, ToolRegistry, ToolResult, calculator
+from rlbits.tasks._common import check_pairs, disjoint_splits
 
 NAME = "calculator"
 SPLITS = ("train", "test")
@@ -91,16 +92,9 @@ def parse_prompt(prompt: str) -> tuple[int, int]:
 
 @cache
 def _splits() -> dict[str, tuple[str, ...]]:
-    test_rng, train_rng = random.Random(_TEST_SEED), random.Random(_TRAIN_SEED)
-    test: dict[tuple[int, int], None] = {}
-    while len(test) < N_TEST:
-        test[sample_operands(test_rng)] = None
-    train: dict[tuple[int, int], None] = {}
-    while len(train) < N_TRAIN:
-        pair = sample_operands(train_rng)
-        if pair not in test:
-            train[pair] = None
-    return {"test": tuple(_prompt(*p) for p in test), "train": tuple(_prompt(*p) for p in train)}
+    return disjoint_splits(
+        sample_operands, _prompt, n_test=N_TEST, n_train=N_TRAIN, test_seed=_TEST_SEED, train_seed=_TRAIN_SEED
+    )
 
 
 def prompts(split: str) -> list[str]:
@@ -113,19 +107,6 @@ def prompts(split: str) -> list[str]:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
     return list(_splits()[split])
-
-
-def _check_lists(prompts: list[str], responses: list[str]) -> None:
-    for name, value in (("prompts", prompts), ("responses", responses)):
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(f"{name} must be a list of str, got {type(value).__name__}")
-        bad = next((i for i, x in enumerate(value) if not isinstance(x, str)), None)
-        if bad is not None:
-            raise TypeError(f"{name} must be a list of str; {name}[{bad}] is {type(value[bad]).__name__}")
-    if len(prompts) != len(responses):
-        raise ValueError(
-            f"prompts and responses must have the same length, got {len(prompts)} and {len(responses)}"
-        )
 
 
 def final_answer(response: str) -> int | None:
@@ -157,7 +138,7 @@ def reward(prompts: list[str], responses: list[str]) -> list[float]:
         ValueError: the lists differ in length, or a prompt is not of the task's form (the message gives its
             index).
     """
-    _check_lists(prompts, responses)
+    check_pairs(prompts, responses)
     out = []
     for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
         try:

@@ -42,6 +42,7 @@ from functools import cache
 from typing import Any
 
 from rlbits.envs import Observation, StepResult, StopConditions
+from rlbits.tasks._common import check_pairs
 
 NAME = "guess_number"
 SPLITS = ("train", "test")
@@ -234,16 +235,7 @@ def reward(prompts: list[str], responses: list[str]) -> list[float]:
         ValueError: the lists differ in length, or a prompt is not of the task's form (the message gives its
             index).
     """
-    for name, value in (("prompts", prompts), ("responses", responses)):
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(f"{name} must be a list of str, got {type(value).__name__}")
-        bad = next((i for i, x in enumerate(value) if not isinstance(x, str)), None)
-        if bad is not None:
-            raise TypeError(f"{name} must be a list of str; {name}[{bad}] is {type(value[bad]).__name__}")
-    if len(prompts) != len(responses):
-        raise ValueError(
-            f"prompts and responses must have the same length, got {len(prompts)} and {len(responses)}"
-        )
+    check_pairs(prompts, responses)
     out = []
     for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
         try:

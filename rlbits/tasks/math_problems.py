@@ -37,8 +37,9 @@ import re
 from functools import cache
 from typing import Any
 
+from rlbits.tasks._common import check_pairs
 from rlbits.tasks.movie_reviews import missing_extra
-from rlbits.tasks.sentiment import _check_pairs, strip_eos
+from rlbits.tasks.sentiment import strip_eos
 
 NAME = "math"
 SPLITS = ("train", "test")
@@ -138,7 +139,7 @@ def reward(prompts: list[str], responses: list[str]) -> list[float]:
         TypeError: an argument is not a list of str. ValueError: the lists differ in length, or a prompt holds
             no question of this task.
     """
-    _check_pairs(prompts, responses)
+    check_pairs(prompts, responses)
     out = []
     for prompt, response in zip(prompts, responses, strict=True):
         ds, entry = find_problem(prompt)

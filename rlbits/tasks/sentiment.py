@@ -20,6 +20,7 @@ import random
 from functools import cache
 
 from rlbits.tasks import _deprecated_zoo_names
+from rlbits.tasks._common import check_pairs
 
 NAME = "sentiment"
 SPLITS = ("train", "test")
@@ -123,19 +124,6 @@ def _analyzer():
     return SentimentIntensityAnalyzer()
 
 
-def _check_pairs(prompts: list[str], responses: list[str]) -> None:
-    for name, value in (("prompts", prompts), ("responses", responses)):
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(f"{name} must be a list of str, got {type(value).__name__}")
-        bad = next((i for i, x in enumerate(value) if not isinstance(x, str)), None)
-        if bad is not None:
-            raise TypeError(f"{name} must be a list of str; {name}[{bad}] is {type(value[bad]).__name__}")
-    if len(prompts) != len(responses):
-        raise ValueError(
-            f"prompts and responses must have the same length, got {len(prompts)} and {len(responses)}"
-        )
-
-
 def strip_eos(response: str, eos: str = "<eos>") -> str:
     """``response`` up to its first ``eos`` string (text after EOS is not part of the response)."""
     return response.split(eos, 1)[0]
@@ -155,7 +143,7 @@ def reward(prompts: list[str], responses: list[str]) -> list[float]:
         TypeError: an argument is not a list of str.
         ValueError: the lists differ in length.
     """
-    _check_pairs(prompts, responses)
+    check_pairs(prompts, responses)
     analyzer = _analyzer()
     return [float(analyzer.polarity_scores(strip_eos(r))["compound"]) for r in responses]
 
