@@ -18,14 +18,13 @@ import json
 import re
 import statistics
 import time
-from collections import defaultdict
 
 import torch
 
 from rlbits.batch import chat_prompts
 from rlbits.tasks import get_task
 from rlbits.zoo import resolve_model
-from rlbits.zoo.pretrain import REAL_TASK_MAX_NEW_TOKENS
+from rlbits.zoo.pretrain import REAL_TASK_MAX_NEW_TOKENS, hf_responses
 
 _TERMS = re.compile(r"(\d+) ([+-]) (\d+) =\s*$")
 
@@ -46,34 +45,13 @@ def kind(question: str) -> str:
 def generate_greedy(
     model_path: str, prompts: list[str], max_new_tokens: int, batch_size: int = 64
 ) -> list[str]:
-    """Greedy responses (decoded text) of the causal LM in ``model_path`` to ``prompts`` as chat turns."""
+    """Greedy responses (decoded text) of the causal LM in ``model_path`` to ``prompts`` as chat turns
+    (``rlbits.zoo.pretrain.hf_responses``, what ``rlbits.zoo.evaluate`` runs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_path, use_safetensors=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    encoded = tokenizer(chat_prompts(tokenizer, prompts), add_special_tokens=False)["input_ids"]
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for i, ids in enumerate(encoded):
-        by_length[len(ids)].append(i)
-    responses = [""] * len(prompts)
-    with torch.no_grad():
-        for length, rows in sorted(by_length.items()):
-            for s in range(0, len(rows), batch_size):
-                chunk = rows[s : s + batch_size]
-                input_ids = torch.tensor([encoded[i] for i in chunk])
-                out = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    do_sample=False,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                )
-                for i, text in zip(
-                    chunk, tokenizer.batch_decode(out[:, length:], skip_special_tokens=True), strict=True
-                ):
-                    responses[i] = text
-    return responses
+    return hf_responses(model, tokenizer, chat_prompts(tokenizer, prompts), max_new_tokens, batch_size=batch_size)
 
 
 def main() -> None:

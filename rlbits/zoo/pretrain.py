@@ -45,6 +45,7 @@ import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -634,6 +635,49 @@ def ensure_base_model(task: str, *, lock_timeout: float | None = None) -> str:
     return str(out)
 
 
+def hf_responses(
+    model: Any,
+    tokenizer: Any,
+    texts: list[str],
+    max_new_tokens: int,
+    *,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    batch_size: int = 100,
+    seed: int = 0,
+) -> list[str]:
+    """The decoded continuation of each of ``texts`` (tokenised as they are, no special tokens added) by an
+    HF causal LM's ``generate``: texts of equal token length are batched together, so no padding is needed;
+    greedy, or pure temperature sampling (no top-k / top-p) seeded by ``seed`` without touching the global
+    RNG. What ``evaluate`` scores; ``benchmarks/eval_math.py`` keeps every response."""
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for i, ids in enumerate(encoded):
+        by_length[len(ids)].append(i)
+    responses = [""] * len(texts)
+    sampling = {} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for length in sorted(by_length):
+            rows = by_length[length]
+            for s in range(0, len(rows), batch_size):
+                chunk = rows[s : s + batch_size]
+                input_ids = torch.tensor([encoded[i] for i in chunk])
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    do_sample=not greedy,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    **sampling,
+                )
+                decoded = tokenizer.batch_decode(out[:, length:], skip_special_tokens=True)
+                for i, text in zip(chunk, decoded, strict=True):
+                    responses[i] = text
+    return responses
+
+
 def evaluate(
     model_path: str | os.PathLike,
     task: str,
@@ -691,31 +735,10 @@ def evaluate(
     from rlbits.batch import chat_prompts  # here: ``import rlbits`` imports this module and stays light
 
     texts = chat_prompts(tokenizer, prompts) if getattr(module, "CHAT", False) else prompts
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for i, ids in enumerate(encoded):
-        by_length[len(ids)].append(i)
-    responses = [""] * len(prompts)
-    sampling = {} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        for length in sorted(by_length):
-            rows = by_length[length]
-            for s in range(0, len(rows), batch_size):
-                chunk = rows[s : s + batch_size]
-                input_ids = torch.tensor([encoded[i] for i in chunk])
-                out = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    do_sample=not greedy,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    **sampling,
-                )
-                texts = tokenizer.batch_decode(out[:, length:], skip_special_tokens=True)
-                for i, text in zip(chunk, texts, strict=True):
-                    responses[i] = text
+    responses = hf_responses(
+        model, tokenizer, texts, max_new_tokens, greedy=greedy, temperature=temperature, batch_size=batch_size,
+        seed=seed,
+    )  # fmt: skip
     rewards = module.reward(prompts, responses)
     return dict(
         mean=statistics.fmean(rewards),
