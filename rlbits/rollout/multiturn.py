@@ -113,8 +113,6 @@ def _stopping(rows: list[int], envs: Sequence[Env], budgets: list[int], eos: int
     stops on EOS), or a stop string in the decoded text of the turn (special tokens kept)."""
     stops = [envs[i].stop.stop_strings for i in rows]
     on_eos = [envs[i].stop.stop_on_eos and eos is not None for i in rows]
-    # The tail of the turn that can hold a newly completed stop string (a character may take 4 byte tokens).
-    tails = [4 * max((len(s) for s in ss), default=0) + 4 for ss in stops]
 
     def stopping(responses: torch.Tensor) -> torch.Tensor:
         t = responses.shape[1]
@@ -122,10 +120,7 @@ def _stopping(rows: list[int], envs: Sequence[Env], budgets: list[int], eos: int
         ids = responses.tolist()
         for j, row in enumerate(ids):
             stop = t >= budgets[j] or (on_eos[j] and row[-1] == eos)
-            if not stop and stops[j]:
-                text = tokenizer.decode(row[-tails[j] :], skip_special_tokens=False)
-                stop = any(s in text for s in stops[j])
-            out.append(stop)
+            out.append(stop or _ends_with_stop(row, stops[j], tokenizer))
         return torch.tensor(out, dtype=torch.bool)
 
     return stopping
@@ -153,9 +148,10 @@ def _chunks(lengths: list[int], budgets: list[int], model_limit: int | None) -> 
 
 
 def _ends_with_stop(ids: list[int], stop_strings: Sequence[str], tokenizer: Any) -> bool:
+    """Whether a stop string is in the decoded tail of a turn that could hold one just completed."""
     if not stop_strings:
         return False
-    tail = 4 * max(len(s) for s in stop_strings) + 4
+    tail = 4 * max(len(s) for s in stop_strings) + 4  # a character may take 4 byte tokens
     text = tokenizer.decode(ids[-tail:], skip_special_tokens=False)
     return any(s in text for s in stop_strings)
 
