@@ -646,3 +646,29 @@ def test_compiled_decode_step_equals_eager(models, arch):
     compiled2 = generate(models[arch], td2, **kw, generator=_gen(11), compile=True)
     assert torch.equal(eager2["responses"], compiled2["responses"])
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_without_small_batch_head(models, monkeypatch):
+    """Where the eager decode step calls the policy as is (on CUDA, or above ``_SMALL_BATCH_HEAD_ROWS``
+    rows on CPU), ``compile=True`` still compiles the step with the split head, and samples what eager
+    decoding samples."""
+    import rlbits.rollout.generate as gen_module
+
+    monkeypatch.setattr(gen_module, "_SMALL_BATCH_HEAD_ROWS", 1)
+    td = _prompts([3, 6, 2], seed=12)
+    kw = dict(max_new_tokens=6, temperature=0.9, eos_token_id=EOS, pad_token_id=PAD, num_samples=2)
+    assert gen_module._small_batch_head(models["llama"], 6, torch.device("cpu")) is None
+    eager = generate(models["llama"], td, **kw, generator=_gen(13))
+    steps = []
+    original = gen_module.compiled_decode_step
+
+    def spy(device_type="cpu"):
+        step = original(device_type)
+        return lambda *args: steps.append(args) or step(*args)
+
+    monkeypatch.setattr(gen_module, "compiled_decode_step", spy)
+    compiled = generate(models["llama"], td, **kw, generator=_gen(13), compile=True)
+    assert len(steps) == kw["max_new_tokens"] - 1  # every decode step went through the compiled step
+    assert torch.equal(eager["responses"], compiled["responses"])
+    torch.testing.assert_close(eager["logprobs"], compiled["logprobs"], atol=1e-5, rtol=0)

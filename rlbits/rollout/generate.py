@@ -263,18 +263,21 @@ def _decode_step(backbone, weight, input_ids, attention_mask, position_ids, cach
     return _head_last(weight, out.last_hidden_state)
 
 
-_compiled_decode_step = None
+_compiled_decode_steps: dict[str, Callable] = {}
 
 
-def compiled_decode_step():
-    """``_decode_step`` under ``torch.compile(dynamic=False)``, built once per process. Parameters are
-    graph inputs (not constants), so optimizer steps need no recompilation; a new batch size or cache
-    length does (``generate`` rounds the cache length up to a multiple of ``_COMPILE_CACHE_BUCKET``).
-    Inductor's on-disk cache makes later processes compile faster."""
-    global _compiled_decode_step
-    if _compiled_decode_step is None:
-        _compiled_decode_step = torch.compile(_decode_step, dynamic=False)
-    return _compiled_decode_step
+def compiled_decode_step(device_type: str = "cpu"):
+    """``_decode_step`` under ``torch.compile(dynamic=False)``, built once per process and device type.
+    Parameters are graph inputs (not constants), so optimizer steps need no recompilation; a new batch size
+    or cache length does (``generate`` rounds the cache length up to a multiple of ``_COMPILE_CACHE_BUCKET``).
+    On CUDA it is compiled with ``mode="reduce-overhead"``: the step is captured as a CUDA graph and
+    replayed, one launch per token instead of hundreds of small kernels (gpt-fast, HF's static-cache
+    ``generate``); the KV cache is updated in place at its static address. Inductor's on-disk cache makes
+    later processes compile faster."""
+    if device_type not in _compiled_decode_steps:
+        mode = "reduce-overhead" if device_type == "cuda" else None
+        _compiled_decode_steps[device_type] = torch.compile(_decode_step, dynamic=False, mode=mode)
+    return _compiled_decode_steps[device_type]
 
 
 # --- generate -------------------------------------------------------------------------------------------
@@ -381,10 +384,10 @@ def generate(
             the host, so it costs one device sync per step; None (the default) adds nothing.
         return_entropy: also return ``entropy`` [B, R]: entropy of ``softmax(raw_logits / T)`` per step.
         compile: run each decode step through ``torch.compile`` (``compiled_decode_step``; gpt-fast's
-            approach: static shapes, static KV cache). Only where the static cache and the split head apply
-            (GPT-2/Llama/Mistral/Qwen2/Qwen3 families, no autocast, at most ``_SMALL_BATCH_HEAD_ROWS`` rows on
-            CPU); else ignored. The first call per batch size and cache length compiles (tens of seconds on
-            CPU); the samples equal the eager ones up to float rounding of the logits.
+            approach: static shapes, static KV cache; on CUDA replayed as a CUDA graph). Only where the
+            static cache and the split head apply (GPT-2/Llama/Mistral/Qwen2/Qwen3 families, no autocast);
+            else ignored. The first call per batch size and cache length compiles (tens of seconds); the
+            samples equal the eager ones up to float rounding of the logits.
 
     Returns:
         TensorDict with batch size [B * K]:
@@ -448,13 +451,15 @@ def generate(
     policy.eval()
     try:
         split = _small_batch_head(policy, B, device)
-        step_fn = None
+        step_fn = step_split = None
         cache_len = total
-        if compile and split is not None and _make_cache(policy, total) is not None:
+        if compile and _make_cache(policy, total) is not None:
+            step_split = split if split is not None else split_head(policy)
+        if step_split is not None:
             cache_len = -(-total // _COMPILE_CACHE_BUCKET) * _COMPILE_CACHE_BUCKET
             limit = _max_positions(policy)
             cache_len = min(cache_len, limit[1]) if limit is not None else cache_len
-            step_fn = compiled_decode_step()
+            step_fn = compiled_decode_step(device.type)
         cache = _make_cache(policy, cache_len)
         static = cache is not None
         # The attention mask spans the whole static cache (future columns 0), or grows with the dynamic one.
@@ -500,10 +505,12 @@ def generate(
             # Finished rows keep decoding (their outputs are discarded); their new token is masked out.
             new_ids = input_ids[:, P + t : P + t + 1]
             if step_fn is not None:
+                if device.type == "cuda":
+                    # A new replay of the CUDA graph; the last step's logits are no longer read.
+                    torch.compiler.cudagraph_mark_step_begin()
                 # contiguous: the slice's stride is P + max_new_tokens, a new graph for every prompt length
-                logits = step_fn(
-                    split[0], split[1].weight, new_ids.contiguous(), attention_mask, position + t, cache
-                )
+                backbone, weight = step_split[0], step_split[1].weight
+                logits = step_fn(backbone, weight, new_ids.contiguous(), attention_mask, position + t, cache)
                 continue
             logits, cache = _forward_last(
                 policy,
