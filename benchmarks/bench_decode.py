@@ -37,24 +37,51 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def measured_peaks(threads: int) -> dict:
-    """Matmul GFLOP/s (fp32, 2048^2 x 2048) and read bandwidth GB/s (sum of 1 GiB), best of 5."""
+def measured_peaks(threads: int, device: str = "cpu", dtype: str = "fp32") -> dict:
+    """Matmul GFLOP/s and memory GB/s of this machine, best of 5.
+
+    CPU: an fp32 2048^3 matmul, and the read bandwidth of summing 1 GiB. CUDA: an 8192^3 matmul in the
+    benchmark's dtype (timed with CUDA events), and a 2 GiB device-to-device copy counting bytes read plus
+    written."""
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    flops = []
-    for _ in range(5):
-        t = time.perf_counter()
-        a @ b
-        flops.append(2 * 2048**3 / (time.perf_counter() - t) / 1e9)
-    x = torch.ones(2**28)  # 1 GiB of float32
-    bw = []
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        bw.append(x.numel() * 4 / (time.perf_counter() - t) / 1e9)
-    return {"matmul_gflops": max(flops), "read_gbs": max(bw)}
+    if device == "cpu":
+        a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+        flops = []
+        for _ in range(5):
+            t = time.perf_counter()
+            a @ b
+            flops.append(2 * 2048**3 / (time.perf_counter() - t) / 1e9)
+        x = torch.ones(2**28)  # 1 GiB of float32
+        bw = []
+        for _ in range(5):
+            t = time.perf_counter()
+            x.sum()
+            bw.append(x.numel() * 4 / (time.perf_counter() - t) / 1e9)
+        return {"matmul_gflops": max(flops), "read_gbs": max(bw)}
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch_dtype)
+    b = torch.randn(n, n, device=device, dtype=torch_dtype)
+
+    def timed(fn) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()  # warm-up
+        best = float("inf")
+        for _ in range(5):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        return best
+
+    flops = 2 * n**3 / timed(lambda: a @ b) / 1e9
+    src = torch.randn(2**29, device=device)  # 2 GiB of float32
+    dst = torch.empty_like(src)
+    gbs = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src)) / 1e9
+    return {"matmul_gflops": flops, "read_gbs": gbs}
 
 
 def main() -> int:
@@ -66,7 +93,9 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--impls", default="hf,rlbits,rlbits_compile")
+    p.add_argument("--impls", default="hf,rlbits,rlbits_compile",
+                   help="hf, hf_static (HF generate with its static cache, compiled by transformers), rlbits, rlbits_compile")  # fmt: skip
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--peak", type=float, default=None, help="matmul GFLOP/s for the compute floor")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
     args = p.parse_args()
@@ -79,7 +108,11 @@ def main() -> int:
     from rlbits.rollout.generate import generate
 
     torch.set_num_threads(args.threads)
-    peaks = measured_peaks(args.threads)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    peaks = measured_peaks(args.threads, args.device, args.dtype)
+    if cuda:
+        torch.cuda.empty_cache()
     if args.peak:
         peaks["matmul_gflops"] = args.peak
     torch.manual_seed(0)
@@ -87,7 +120,7 @@ def main() -> int:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(smollm2_config())
-    model = model.eval()
+    model = model.eval().to(device)
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())
@@ -97,18 +130,23 @@ def main() -> int:
     rows = []
     for B in [int(b) for b in args.batch_sizes.split(",")]:
         g = torch.Generator().manual_seed(0)
-        prompts = torch.randint(3, vocab, (B, args.prompt_len), generator=g)
-        td = TensorDict(prompts=prompts, prompt_mask=torch.ones_like(prompts, dtype=torch.bool), batch_size=[B])
+        prompts = torch.randint(3, vocab, (B, args.prompt_len), generator=g).to(device)
+        td = TensorDict(
+            prompts=prompts, prompt_mask=torch.ones_like(prompts, dtype=torch.bool), batch_size=[B]
+        )
 
         def call(impl, B=B, prompts=prompts, td=td):
-            gen = torch.Generator().manual_seed(1)
+            gen = torch.Generator(device).manual_seed(1)
+            if cuda:
+                torch.cuda.synchronize()
             t = time.perf_counter()
             with torch.no_grad():
-                if impl == "hf":
+                if impl in ("hf", "hf_static"):
+                    static = {"cache_implementation": "static"} if impl == "hf_static" else {}
                     model.generate(
                         prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=None, top_p=None,
                         temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                        eos_token_id=None, pad_token_id=0,
+                        eos_token_id=None, pad_token_id=0, **static,
                     )  # fmt: skip
                 else:
                     out = generate(
@@ -116,15 +154,24 @@ def main() -> int:
                         generator=gen, compile=impl == "rlbits_compile",
                     )  # fmt: skip
                     assert out["responses"].shape == (B, args.new_tokens)
+            if cuda:
+                torch.cuda.synchronize()
             return time.perf_counter() - t
 
-        first = {impl: call(impl) for impl in impls}
+        first, peak_mib = {}, {}
+        for impl in impls:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            first[impl] = call(impl)
+            peak_mib[impl] = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
         times = {impl: [] for impl in impls}
         for _ in range(args.runs):
             for impl in impls:
                 times[impl].append(call(impl))
         tokens = B * args.new_tokens
-        compute_floor = 2 * n_params * B * (args.prompt_len + args.new_tokens) / (peaks["matmul_gflops"] * 1e9)
+        compute_floor = (
+            2 * n_params * B * (args.prompt_len + args.new_tokens) / (peaks["matmul_gflops"] * 1e9)
+        )
         memory_floor = weight_bytes * args.new_tokens / (peaks["read_gbs"] * 1e9)  # prefill + (N - 1) steps
         for impl in impls:
             med = statistics.median(times[impl])
@@ -132,11 +179,13 @@ def main() -> int:
                 "impl": impl, "batch": B, "median_s": med, "times_s": times[impl], "tokens_per_s": tokens / med,
                 "first_call_s": first[impl], "compute_floor_s": compute_floor, "memory_floor_s": memory_floor,
                 "x_compute_floor": med / compute_floor, "x_memory_floor": med / memory_floor,
+                "peak_memory_mib": peak_mib[impl],
             }  # fmt: skip
             if impl == "rlbits_compile":
                 row["compile_cost_s"] = first[impl] - med
             rows.append(row)
             extra = f"  compile {row['compile_cost_s']:.1f} s" if "compile_cost_s" in row else ""
+            extra += f"  peak {peak_mib[impl]:.0f} MiB" if cuda else ""
             print(
                 f"B={B:3d} {impl:15s} {med:7.3f} s  {tokens / med:7.1f} tok/s  "
                 f"{med / compute_floor:4.2f}x compute floor ({compute_floor:.3f} s)  "
@@ -147,14 +196,17 @@ def main() -> int:
         "command": " ".join(["python", "benchmarks/bench_decode.py", *sys.argv[1:]]),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "load_1min": os.getloadavg()[0],
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": args.threads},
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": args.threads,
+                    "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"},
         "model": args.model or "random init, SmolLM2-135M config", "dtype": args.dtype, "parameters": n_params,
         "weight_bytes": weight_bytes, "peaks": peaks, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "rows": rows,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"peaks: {peaks['matmul_gflops']:.0f} GFLOP/s, {peaks['read_gbs']:.1f} GB/s; load {result['load_1min']:.2f}")
+    print(
+        f"peaks: {peaks['matmul_gflops']:.0f} GFLOP/s, {peaks['read_gbs']:.1f} GB/s; load {result['load_1min']:.2f}"
+    )
     return 0
 
 

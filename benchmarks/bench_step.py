@@ -6,7 +6,12 @@ PPOTrainer (trl 1.12, ``trl.experimental.ppo``), side by side, on two workloads 
   prompts and 32 new tokens; one microbatch of 32 rows; GRPO, RLOO and PPO.
 - ``smollm2``: a random-init model of SmolLM2-135M's exact architecture (Llama, 30 layers, width 576,
   vocabulary 49,152; 134.5M parameters); 4 prompts x 4 generations of 10-word prompts and 24 new tokens;
-  microbatch 16; GRPO and RLOO.
+  microbatch 16; GRPO and RLOO. ``smollm2-large``: the same model at a GPU-sized batch, 32 prompts x 4
+  generations, 128 new tokens, microbatch 64.
+
+``--device cuda`` runs both frameworks on the GPU (TRL with ``use_cpu=False``; bf16 is autocast on both
+sides, rlbits decoding from a bfloat16 copy) and reports each worker's peak GPU memory
+(``torch.cuda.max_memory_allocated``); a step's time then ends after a ``torch.cuda.synchronize()``.
 
 Both: fp32 and bf16 (``torch.autocast`` on CPU: rlbits ``precision=bf16``, TRL ``bf16=True``), 2 threads,
 temperature 1 with EOS never sampled in practice, reward = fraction of response tokens with an even id,
@@ -97,6 +102,17 @@ def _major_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
+def _cuda() -> bool:
+    """True in a worker that runs on a GPU (the torch it imported has initialised CUDA)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _peak_cuda_mib() -> float | None:
+    """Peak GPU memory allocated by this worker so far (``torch.cuda.max_memory_allocated``), MiB."""
+    return sys.modules["torch"].cuda.max_memory_allocated() / 2**20 if _cuda() else None
+
+
 def _pin_memory() -> str:
     """``mlockall(MCL_CURRENT | MCL_FUTURE)``: keep every page of this worker resident (``--pin``).
 
@@ -126,13 +142,18 @@ class _Turns:
         self.faults = 0
 
     def step_done(self, extra: dict | None = None) -> None:
+        if _cuda():
+            sys.modules["torch"].cuda.synchronize()  # the step's kernels are part of its time
         now = time.perf_counter()
         self.count += 1
         faults = _major_faults() - self.faults
         if self.t0 is None:
             _send("ready", peak_rss_mib=_peak_rss_mib())
         else:
-            _send("step", seconds=now - self.t0, peak_rss_mib=_peak_rss_mib(), major_faults=faults, **(extra or {}))
+            _send(
+                "step", seconds=now - self.t0, peak_rss_mib=_peak_rss_mib(), peak_cuda_mib=_peak_cuda_mib(),
+                major_faults=faults, **(extra or {}),
+            )  # fmt: skip
         if self.count < self.total:
             line = sys.stdin.readline()
             if line.strip() != "go":
@@ -167,7 +188,7 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
         tensorboard=False,
         progress=False,
         log_samples=0,
-        device="cpu",
+        device=args.device,
         compile_generate=bool(args.compile_generate),
     )
     algo = args.worker.split("-")[1]
@@ -252,8 +273,8 @@ def _trl_reinforce_worker(args, folder: Path, out_dir: Path) -> None:
         logging_steps=1,
         save_strategy="no",
         report_to=[],
-        use_cpu=True,
-        bf16=args.precision == "bf16",  # on CPU: torch.autocast(bfloat16), as rlbits' precision=bf16
+        use_cpu=args.device == "cpu",
+        bf16=args.precision == "bf16",  # torch.autocast(bfloat16), as rlbits' precision=bf16
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=0,
@@ -327,7 +348,7 @@ def _trl_ppo_worker(args, folder: Path, out_dir: Path) -> None:
         logging_steps=1,
         save_strategy="no",
         report_to=[],
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
         bf16=False,
         dataloader_num_workers=0,
         disable_tqdm=True,
@@ -450,6 +471,8 @@ WORKLOADS = {
     # name: (prompts per step, prompt words, new tokens, microbatch rows, vocabulary, algorithms)
     "standard": (8, 16, 32, 32, 32000, ALGOS),
     "smollm2": (4, 10, 24, 16, 49152, ("grpo", "rloo")),
+    # a GPU-sized batch of the same model: 32 prompts x 4, 128 new tokens
+    "smollm2-large": (32, 10, 128, 64, 49152, ("grpo", "rloo")),
 }
 
 
@@ -464,7 +487,10 @@ def _summarise(alive, failed) -> dict:
             "times_s": secs,
             "major_faults": [m.get("major_faults") for m in steps],
             "peak_rss_mib": steps[-1]["peak_rss_mib"],
-            "loop_time_step_s": [m.get("loop_time_step") for m in steps if m.get("loop_time_step") is not None],
+            "peak_cuda_mib": steps[-1].get("peak_cuda_mib"),
+            "loop_time_step_s": [
+                m.get("loop_time_step") for m in steps if m.get("loop_time_step") is not None
+            ],
             "response_len": [m.get("response_len") for m in steps if m.get("response_len") is not None],
             "phases_last_step": steps[-1].get("phases"),
         }
@@ -482,17 +508,22 @@ def _table(results: dict, algos) -> list[str]:
                 r = results.get(name)
                 if r is None or "error" in r:
                     continue
-                ratio = trl["median_s"] / r["median_s"] if "median_s" in trl and not name.startswith("trl") else None
+                ratio = (
+                    trl["median_s"] / r["median_s"]
+                    if "median_s" in trl and not name.startswith("trl")
+                    else None
+                )
                 faults = sum(f or 0 for f in r.get("major_faults", []))
-                rows.append((name, r["median_s"], r["best_s"], r["peak_rss_mib"], faults, ratio))
+                gpu = r.get("peak_cuda_mib")
+                gpu = "" if gpu is None else f"{gpu:.0f}"
+                rows.append((name, r["median_s"], r["best_s"], r["peak_rss_mib"], gpu, faults, ratio))
     table = [
-        "| framework | median s/step | best s/step | peak RSS MiB | major faults | TRL / this (median) |",
-        "|---|---|---|---|---|---|",
+        "| framework | median s/step | best s/step | peak RSS MiB | peak GPU MiB | major faults | TRL / this (median) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, med, best, rss, faults, ratio in rows:
-        table.append(
-            f"| {name} | {med:.3f} | {best:.3f} | {rss:.0f} | {faults} | {'' if ratio is None else f'{ratio:.2f}x'} |"
-        )
+    for name, med, best, rss, gpu, faults, ratio in rows:
+        ratio = "" if ratio is None else f"{ratio:.2f}x"
+        table.append(f"| {name} | {med:.3f} | {best:.3f} | {rss:.0f} | {gpu} | {faults} | {ratio} |")
     return table
 
 
@@ -503,6 +534,7 @@ def main(argv=None) -> dict:
                    help="interleaved: all workers alive, one step each in turn; standalone: one framework at a time")  # fmt: skip
     p.add_argument("--steps", type=int, default=5, help="timed steps per framework (after one warm-up step)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both frameworks; bf16 = autocast on either)")
     p.add_argument("--trl116-python", default=DEFAULT_TRL116)
     p.add_argument("--trl112-python", default=DEFAULT_TRL112)
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 variants")
@@ -533,11 +565,13 @@ def main(argv=None) -> dict:
         folder = W.build_model_folder(Path(tempfile.gettempdir()) / "rlbits_bench_standard_model")
     else:
         folder = W.build_smollm2_folder(Path(tempfile.gettempdir()) / "rlbits_bench_smollm2_model")
-    out = args.out or HERE / "results" / ("bench_step.json" if args.workload == "standard" else f"bench_step_{args.workload}.json")
+    out = args.out or HERE / "results" / (
+        "bench_step.json" if args.workload == "standard" else f"bench_step_{args.workload}.json"
+    )
     shared = [f"--steps={args.steps}", f"--threads={args.threads}", f"--prompt-len={prompt_len}",
               f"--new-tokens={new_tokens}", f"--model-folder={folder}", f"--num-prompts={num_prompts}",
               f"--microbatch={microbatch}", f"--vocab={vocab}", f"--pin-memory={1 if args.pin else 0}",
-              f"--compile-generate={args.compile_generate}"]  # fmt: skip
+              f"--compile-generate={args.compile_generate}", f"--device={args.device}"]  # fmt: skip
     specs = []  # (name, python, precision)
     for algo in algos:
         trl_python = args.trl112_python if algo == "ppo" else args.trl116_python
@@ -550,7 +584,9 @@ def main(argv=None) -> dict:
             if Path(trl_python).exists():
                 specs.append((f"trl-{algo}{suffix}", trl_python, precision))
             else:
-                print(f"skipping trl-{algo}{suffix}: {trl_python} not found (see benchmarks/RESULTS.md to install)")
+                print(
+                    f"skipping trl-{algo}{suffix}: {trl_python} not found (see benchmarks/RESULTS.md to install)"
+                )
     if args.only:
         specs = [s for s in specs if s[0] in args.only]
     modes = ("standalone", "interleaved") if args.mode == "both" else (args.mode,)
@@ -562,7 +598,7 @@ def main(argv=None) -> dict:
         groups.setdefault(spec[0].split("-", 1)[1], []).append(spec)
     for mode in modes:
         loads, failed, alive = [], {}, []
-        for group in ([[spec] for spec in specs] if mode == "standalone" else list(groups.values())):
+        for group in [[spec] for spec in specs] if mode == "standalone" else list(groups.values()):
             workers: list[Worker] = []
             try:
                 label = "standalone step" if mode == "standalone" else "step"
@@ -597,9 +633,12 @@ def main(argv=None) -> dict:
             )
             versions[key] = proc.stdout.strip()
     report = {
-        "command": " ".join(["python", "benchmarks/bench_step.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            ["python", "benchmarks/bench_step.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "workload": args.workload,
         "threads": args.threads,
         "steps": args.steps,
@@ -607,7 +646,9 @@ def main(argv=None) -> dict:
         "idle_s": args.idle,
         "rlbits_compile_generate": bool(args.compile_generate),
         "versions": versions,
-        "load_average_1min": {mode: {"start": ls[0], "per_step": ls[1:]} for mode, ls in loads_by_mode.items()},
+        "load_average_1min": {
+            mode: {"start": ls[0], "per_step": ls[1:]} for mode, ls in loads_by_mode.items()
+        },
         "load_end": _load(),
         "results": by_mode,
         "tables": {mode: "\n".join(t) for mode, t in tables.items()},
