@@ -139,7 +139,8 @@ def score_rollout(batch: TensorDictBase, reward: Any) -> torch.Tensor:
     not called."""
     if "turn_rewards" in batch.keys():
         return batch["rewards"]
-    batch["rewards"] = score(batch, reward).to(torch.float32)
+    # ``score`` returns CPU rewards; the advantages are computed on the rollout's device.
+    batch["rewards"] = score(batch, reward).to(device=batch["responses"].device, dtype=torch.float32)
     return batch["rewards"]
 
 
