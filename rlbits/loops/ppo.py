@@ -446,7 +446,10 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
                 total = 0.0
                 if train_policy:
                     with autocast(state.policy, cfg):
-                        logprobs, entropy = policy_logprobs(state.policy, micro, temperature=cfg.temperature, return_entropy=True, **head_args(cfg))
+                        logprobs, entropy = policy_logprobs(
+                            state.policy, micro, temperature=cfg.temperature, return_entropy=True,
+                            entropy_grad=cfg.entropy_coef > 0, **head_args(cfg),
+                        )  # fmt: skip
                     logprobs, entropy = logprobs.float(), entropy.float()
                     actor, stats = ppo_loss_fn(
                         logprobs, micro["logprobs"], micro["advantages"], mask,
