@@ -84,6 +84,7 @@ from rlbits.loops.runtime import (
     autocast,
     build_policy,
     disable_dropout,
+    fused_gelu,
     generator,
     head_args,
     kernel,
@@ -245,7 +246,7 @@ def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> Value
         if not Path(cfg.critic_init).is_dir():
             raise ConfigError(f"critic_init must be 'policy' or an existing folder; {cfg.critic_init!r} is neither")
         critic = ValueModel.from_pretrained(cfg.critic_init, seed=cfg.seed)
-    critic = disable_dropout(critic)
+    critic = fused_gelu(disable_dropout(critic))
     with_lora(critic.backbone, cfg, "critic")  # in place; the value head stays fully trained
     return critic.to(env.device).train()
 
