@@ -148,6 +148,10 @@ def test_logprobs_bf16_logits_are_computed_in_float32():
     leaf_bf16 = logits.clone().requires_grad_(True)
     (g,) = grads(rlbits.logprobs_from_logits(leaf_bf16, tokens).sum(), leaf_bf16)
     assert g.dtype == torch.bfloat16 and torch.isfinite(g.float()).all()
+    got2, ent = rlbits.logprobs_from_logits(logits, tokens, return_entropy=True)
+    assert got2.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(got2.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref.entropy(logits.double()), atol=1e-5, rtol=1e-5)
 
 
 def test_logprobs_keeps_no_vocab_sized_tensor_for_backward():
