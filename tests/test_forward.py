@@ -303,12 +303,16 @@ def test_metric_entropy_equals_differentiable_entropy(models, head):
     batch = _batch()
     params = [p for p in model.parameters() if p.requires_grad]
     lp, ent = policy_logprobs(model, batch, temperature=0.8, return_entropy=True, head=head)
-    lp2, ent2 = policy_logprobs(model, batch, temperature=0.8, return_entropy=True, entropy_grad=False, head=head)
+    lp2, ent2 = policy_logprobs(
+        model, batch, temperature=0.8, return_entropy=True, entropy_grad=False, head=head
+    )
     assert torch.allclose(lp, lp2, atol=1e-6) and torch.allclose(ent, ent2, atol=1e-5)
     assert (ent2[~batch["action_mask"]] == 0).all() and ent2.abs().sum() > 0
     if head == "unfused":
         assert ent.requires_grad and not ent2.requires_grad
-    for x, y in zip(torch.autograd.grad(lp.sum(), params), torch.autograd.grad(lp2.sum(), params), strict=True):
+    for x, y in zip(
+        torch.autograd.grad(lp.sum(), params), torch.autograd.grad(lp2.sum(), params), strict=True
+    ):
         assert torch.allclose(x, y, atol=1e-6, rtol=1e-5)
 
 

@@ -303,7 +303,7 @@ def test_each_loop_trains_adapters_and_exports_them_merged(loop, tiny_path, tmp_
     assert [r["step"] for r in rows] == [0, 1, 2] and all(v == v for r in rows for v in r.values())
     trained = _checkpoint_model(loop, cfg, run_dir)
     base = load_policy(tiny_path)
-    if loop == "ilql":  # its fresh model comes from the loops' loader, which fuses GPT-2's GELU (other rounding)
+    if loop == "ilql":  # its model comes from the loops' loader, which fuses GPT-2's GELU (other rounding)
         base = fused_gelu(base)
     x = torch.randint(3, V, (3, 9))
     with torch.no_grad():
