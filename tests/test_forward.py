@@ -295,6 +295,27 @@ def test_head_paths_equal_logits_path(models, arch, monkeypatch, head):
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("head", ["fused", "unfused"])
+def test_metric_entropy_equals_differentiable_entropy(models, head):
+    """``entropy_grad=False`` (entropy as a metric only) gives the same logprobs, gradients and entropy
+    values as the differentiable entropy, and on the unfused path an entropy without a graph."""
+    model = models["gpt2"]
+    batch = _batch()
+    params = [p for p in model.parameters() if p.requires_grad]
+    lp, ent = policy_logprobs(model, batch, temperature=0.8, return_entropy=True, head=head)
+    lp2, ent2 = policy_logprobs(
+        model, batch, temperature=0.8, return_entropy=True, entropy_grad=False, head=head
+    )
+    assert torch.allclose(lp, lp2, atol=1e-6) and torch.allclose(ent, ent2, atol=1e-5)
+    assert (ent2[~batch["action_mask"]] == 0).all() and ent2.abs().sum() > 0
+    if head == "unfused":
+        assert ent.requires_grad and not ent2.requires_grad
+    for x, y in zip(
+        torch.autograd.grad(lp.sum(), params), torch.autograd.grad(lp2.sum(), params), strict=True
+    ):
+        assert torch.allclose(x, y, atol=1e-6, rtol=1e-5)
+
+
 def test_choose_head_by_memory_budget(models):
     # 3 copies of float32 logits: 3 * 4 * rows * R * V bytes against the budget in MiB.
     assert choose_head("auto", 4, 8, 1024, budget_mb=3 * 4 * 4 * 8 * 1024 / 2**20) == "unfused"

@@ -85,6 +85,38 @@ def test_logprobs_and_entropy_match_reference(batch, length, vocab, temperature,
     torch.testing.assert_close(rlbits.entropy_from_logits(logits, temperature).detach(), ref.entropy(logits, temperature), **F64)
 
 
+@given(st.integers(1, 3), st.integers(1, 5), st.integers(2, 9), st.sampled_from([1.0, 0.7, 1.3]), st.integers(0, 10**6))
+def test_logprobs_with_entropy_match_reference(batch, length, vocab, temperature, seed):
+    """``return_entropy=True``: the entropy of the same chunked pass, detached; the logprobs and their
+    gradient are those of the plain call."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = leaf(randn(gen, batch, length, vocab, scale=4.0))
+    tokens = torch.randint(0, vocab, (batch, length), generator=gen)
+    got, ent = rlbits.logprobs_from_logits(logits, tokens, temperature, return_entropy=True)
+    torch.testing.assert_close(got, ref.logprobs(logits, tokens, temperature), **F64)
+    torch.testing.assert_close(ent, ref.entropy(logits, temperature), **F64)
+    assert not ent.requires_grad and ent.shape == tokens.shape
+    weights = randn(gen, batch, length)
+    want = ref.logprobs(logits, tokens, temperature)
+    torch.testing.assert_close(
+        grads((got * weights).sum(), logits)[0], grads((want * weights).sum(), logits)[0], **F64
+    )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.9])
+def test_logprobs_entropy_chunked_float32(monkeypatch, temperature):
+    """The entropy of the chunked float32 pass (several chunks, a partial last one) equals the reference's."""
+    import rlbits.functional.logprobs as lp_module
+
+    gen = torch.Generator().manual_seed(3)
+    logits = randn(gen, 3, 7, 11, scale=3.0, dtype=torch.float32)
+    tokens = torch.randint(0, 11, (3, 7), generator=gen)
+    monkeypatch.setattr(lp_module, "_CHUNK_ELEMENTS", 11 * 4)  # 4 rows per chunk: 21 rows -> 6 chunks
+    lp, ent = rlbits.logprobs_from_logits(logits, tokens, temperature, return_entropy=True)
+    torch.testing.assert_close(lp, rlbits.logprobs_from_logits(logits, tokens, temperature), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, ref.entropy(logits.double(), temperature).float(), **F32)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.9])
 def test_logprobs_chunked_path_matches_unchunked(monkeypatch, temperature):
     """The eager chunked path (in-place backward per chunk) equals the one-pass path."""
@@ -116,6 +148,10 @@ def test_logprobs_bf16_logits_are_computed_in_float32():
     leaf_bf16 = logits.clone().requires_grad_(True)
     (g,) = grads(rlbits.logprobs_from_logits(leaf_bf16, tokens).sum(), leaf_bf16)
     assert g.dtype == torch.bfloat16 and torch.isfinite(g.float()).all()
+    got2, ent = rlbits.logprobs_from_logits(logits, tokens, return_entropy=True)
+    assert got2.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(got2.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref.entropy(logits.double()), atol=1e-5, rtol=1e-5)
 
 
 def test_logprobs_keeps_no_vocab_sized_tensor_for_backward():

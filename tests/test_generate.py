@@ -493,7 +493,8 @@ def test_errors(models):
 
 
 def test_small_batch_head_path_equals_policy_call(models, monkeypatch):
-    # the (W @ h.T).T decode path (B <= 64 on CPU) against calling the policy with logits_to_keep
+    # the split-head decode path (B <= 64 on CPU: backbone, then F.linear on the last position) against
+    # calling the policy with logits_to_keep
     for arch in ARCHS:
         model = models[arch]
         td = _prompts([3, 6, 2])

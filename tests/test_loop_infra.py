@@ -325,3 +325,41 @@ def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_no_half_checkpoint(tmp
     monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1"]
     assert verify_checkpoint(latest_checkpoint(tmp_path)) is None
+
+
+def test_reuse_freed_memory_serves_large_tensors_from_the_heap(monkeypatch):
+    """After ``reuse_freed_memory`` a 64 MiB tensor is a heap block, not a fresh mmap (glibc's ``mallinfo2``
+    counts mmapped blocks in ``hblks``), and a freed one stays in the heap; ``setup`` applies it on CPU only
+    when ``cpu_reuse_memory`` is on."""
+    import ctypes
+    import platform
+
+    import rlbits.loops.runtime as runtime
+    from rlbits.loops.reinforce import ReinforceConfig
+
+    if platform.libc_ver()[0] != "glibc":
+        assert runtime.reuse_freed_memory() is False
+        return
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )]  # fmt: skip
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    assert runtime.reuse_freed_memory() is True
+    before = libc.mallinfo2()
+    x = torch.ones(16 * 2**20)  # 64 MiB: above glibc's largest mmap threshold
+    during = libc.mallinfo2()
+    assert during.hblks == before.hblks and during.uordblks >= before.uordblks + x.numel() * 4
+    del x
+    after = libc.mallinfo2()
+    assert after.uordblks < during.uordblks and after.arena == during.arena  # freed, not trimmed back
+
+    calls = []
+    monkeypatch.setattr(runtime, "reuse_freed_memory", lambda: calls.append(1) or True)
+    runtime.setup(ReinforceConfig(device="cpu", cpu_reuse_memory=False, cpu_threads=0))
+    assert calls == []
+    runtime.setup(ReinforceConfig(device="cpu", cpu_threads=0))
+    assert calls == [1]

@@ -717,3 +717,41 @@ def test_heads_return_float32_tensors_that_are_not_views():
     assert ValueModel.from_policy(policy)(_ids())._base is None
     out = ILQLModel(policy)(_ids())
     assert all(out[k]._base is None and out[k].dtype == torch.float32 for k in ("q1", "q2", "v"))
+
+
+def test_fused_gelu_same_function_values_and_gradients(tmp_path):
+    """``fused_gelu`` swaps GPT-2's eight-op ``gelu_new`` for one ``F.gelu(approximate="tanh")`` kernel: the
+    formula written out here, and the model's logits and gradients, agree to float rounding; models
+    without ``gelu_new`` are left alone; the loops' loader applies it; a saved model still says ``gelu_new``."""
+    import math
+
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    from rlbits.distributed.env import DistEnv
+    from rlbits.loops.runtime import fused_gelu, load_policy_and_tokenizer
+
+    x = torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 4
+    formula = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    torch.testing.assert_close(GELUTanh()(x), formula, rtol=1e-12, atol=1e-12)
+
+    model = tiny_causal_lm("gpt2", seed=3).train()
+    fused = fused_gelu(tiny_causal_lm("gpt2", seed=3).train())
+    acts = [type(m) for m in fused.modules() if isinstance(m, (GELUTanh, NewGELUActivation))]
+    assert acts == [GELUTanh] * model.config.n_layer
+    ids = _ids()
+    out, out2 = model(ids).logits, fused(ids).logits
+    torch.testing.assert_close(out2, out, rtol=1e-5, atol=1e-5)
+    g = torch.autograd.grad(out.square().mean(), list(model.parameters()))
+    g2 = torch.autograd.grad(out2.square().mean(), list(fused.parameters()))
+    for a, b in zip(g, g2, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+    llama = tiny_causal_lm("llama", seed=3)
+    before = [type(m) for m in llama.modules()]
+    assert [type(m) for m in fused_gelu(llama).modules()] == before
+
+    save_pretrained(model, tiny_tokenizer(), tmp_path / "m")
+    loaded, _ = load_policy_and_tokenizer(str(tmp_path / "m"), DistEnv())
+    assert not any(isinstance(m, NewGELUActivation) for m in loaded.modules())
+    save_pretrained(loaded, None, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["activation_function"] == "gelu_new"

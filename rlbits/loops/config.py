@@ -105,6 +105,8 @@ class RunConfig:
     """``auto`` (CUDA if available), ``cpu`` or ``cuda``."""
     cpu_threads: int = 1
     """torch intra-op threads on CPU (``torch.set_num_threads``); 0 keeps torch's default. Small models are fastest on 1 (PPO on the sentiment base: 1.0 s/step with 1 thread, 10.9 with 2 on a loaded 2-core machine)."""
+    cpu_reuse_memory: bool = True
+    """On CPU with glibc (Linux): keep freed memory in the process heap for reuse (``rlbits.loops.runtime.reuse_freed_memory``) instead of mapping fresh, zero-filled pages for every large tensor; each [B, R, V] logits tensor otherwise pays its page faults anew (at the standard benchmark's size about 8% of an RLOO step). The process then keeps its peak memory until it exits."""
 
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16``: bfloat16 matmuls with fp32 master weights and optimizer states (``torch.autocast`` on one process; FSDP2 ``MixedPrecisionPolicy``, bf16 parameters and fp32 gradient reduction, under torchrun). Works on CPU and GPU."""

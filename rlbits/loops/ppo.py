@@ -84,6 +84,7 @@ from rlbits.loops.runtime import (
     autocast,
     build_policy,
     disable_dropout,
+    fused_gelu,
     generator,
     head_args,
     kernel,
@@ -245,7 +246,7 @@ def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> Value
         if not Path(cfg.critic_init).is_dir():
             raise ConfigError(f"critic_init must be 'policy' or an existing folder; {cfg.critic_init!r} is neither")
         critic = ValueModel.from_pretrained(cfg.critic_init, seed=cfg.seed)
-    critic = disable_dropout(critic)
+    critic = fused_gelu(disable_dropout(critic))
     with_lora(critic.backbone, cfg, "critic")  # in place; the value head stays fully trained
     return critic.to(env.device).train()
 
@@ -446,7 +447,10 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
                 total = 0.0
                 if train_policy:
                     with autocast(state.policy, cfg):
-                        logprobs, entropy = policy_logprobs(state.policy, micro, temperature=cfg.temperature, return_entropy=True, **head_args(cfg))
+                        logprobs, entropy = policy_logprobs(
+                            state.policy, micro, temperature=cfg.temperature, return_entropy=True,
+                            entropy_grad=cfg.entropy_coef > 0, **head_args(cfg),
+                        )  # fmt: skip
                     logprobs, entropy = logprobs.float(), entropy.float()
                     actor, stats = ppo_loss_fn(
                         logprobs, micro["logprobs"], micro["advantages"], mask,

@@ -425,7 +425,10 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorD
             for micro in pad_microbatches(list(split_microbatches(minibatch, cfg.microbatch_size)), env):
                 mask = micro["loss_mask"]
                 with autocast(policy, cfg):
-                    logprobs, entropy = policy_logprobs(policy, micro, temperature=cfg.temperature, return_entropy=True, **head_args(cfg))
+                    logprobs, entropy = policy_logprobs(
+                        policy, micro, temperature=cfg.temperature, return_entropy=True, entropy_grad=False,
+                        **head_args(cfg),
+                    )  # fmt: skip
                 logprobs, entropy = logprobs.float(), entropy.float()
                 loss, stats = policy_gradient_loss(logprobs, micro, cfg, num_tokens, num_seqs)
                 kl_loss = torch.zeros(())

@@ -8,7 +8,9 @@ accident (as ``seed + 1000 * rank`` once did for seed 1000 on rank 0 and seed 0 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import platform
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,9 +34,37 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+def reuse_freed_memory() -> bool:
+    """Make glibc's malloc serve every allocation from the heap and never hand freed heap memory back to the
+    kernel (``mallopt(M_MMAP_MAX, 0)``, ``mallopt(M_TRIM_THRESHOLD, 2**31 - 1)``): process-wide, from now on.
+
+    By default an allocation above 32 MiB (the most glibc's adaptive threshold reaches) is a fresh ``mmap``
+    and its ``free`` an ``munmap``, so each [B, R, V] logits tensor, and its gradient, page-faults and
+    zero-fills its pages again at every step: on the 2-core benchmark machine a fresh 131 MB tensor took
+    32 ms to fill against 9 ms for a reused one, and a [1024, 256] x [256, 32000] ``mm`` 86 ms against 58 ms.
+    Values are unchanged; the process keeps its peak memory until it exits.
+
+    Returns:
+        True when applied, False where the C library is not glibc (nothing is changed).
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def setup(cfg: RunConfig) -> DistEnv:
-    """Process group, CPU threads (``cfg.cpu_threads``), the global seeds (``derive_seed(seed, rank,
-    "global")``), quiet transformers progress bars. Returns the ``DistEnv``."""
+    """Process group, CPU threads (``cfg.cpu_threads``), heap reuse on CPU (``cfg.cpu_reuse_memory``), the
+    global seeds (``derive_seed(seed, rank, "global")``), quiet transformers progress bars. Returns the
+    ``DistEnv``."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -42,6 +72,8 @@ def setup(cfg: RunConfig) -> DistEnv:
     env = init(cfg.device)
     if env.device.type == "cpu" and cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
+    if env.device.type == "cpu" and cfg.cpu_reuse_memory:
+        reuse_freed_memory()
     seed_everything(derive_seed(cfg.seed, env.rank, "global"))
     return env
 
@@ -133,10 +165,27 @@ def loop_prompts(cfg: RunConfig, tokenizer: Any, prompts: Sequence[str] | None, 
     return chat_prompts(tokenizer, texts) if uses_chat(cfg) else texts
 
 
+def fused_gelu(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace every ``transformers`` ``NewGELUActivation`` (GPT-2's ``gelu_new``) in ``model`` by
+    ``GELUTanh``: the same function, ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``, as one
+    ``F.gelu(approximate="tanh")`` kernel instead of eight elementwise ops (and their backward). Equal to
+    float rounding (transformers documents the pair as equivalent); the config still says ``gelu_new``, so a
+    saved model loads back unchanged. On the standard benchmark (4-layer GPT-2, 2 CPU threads) it saves
+    about 7% of an RLOO step. In place; returns ``model``."""
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if type(child) is NewGELUActivation:
+                setattr(module, name, GELUTanh())
+    return model
+
+
 def load_policy_and_tokenizer(path: str, env: DistEnv) -> tuple[torch.nn.Module, Any]:
-    """An HF causal LM and its tokenizer from a local folder, dropout off, on ``env.device``."""
+    """An HF causal LM and its tokenizer from a local folder, dropout off, GELU fused (``fused_gelu``), on
+    ``env.device``."""
     policy, tokenizer = load_pretrained(path)
-    return disable_dropout(policy).to(env.device), tokenizer
+    return fused_gelu(disable_dropout(policy)).to(env.device), tokenizer
 
 
 def with_lora(model: torch.nn.Module, cfg: RunConfig, name: str = "policy") -> torch.nn.Module:
@@ -163,6 +212,7 @@ __all__ = [
     "build_policy",
     "derive_seed",
     "disable_dropout",
+    "fused_gelu",
     "generator",
     "head_args",
     "kernel",
@@ -170,6 +220,7 @@ __all__ = [
     "loop_prompts",
     "policy_path",
     "prepare",
+    "reuse_freed_memory",
     "seed_everything",
     "setup",
     "uses_chat",

@@ -17,8 +17,8 @@ and the step compilable; on CPU the speed is the same as ``DynamicCache`` within
 HF's ``DynamicCache``.
 
 On CPU with at most 64 rows, the decode step of GPT-2/Llama/Mistral/Qwen2/Qwen3 models runs the backbone
-and applies the LM head itself as ``(W @ h.T).T``, faster than ``F.linear`` for that skinny product
-(see ``_small_batch_head``); the logits agree to float rounding.
+and applies the LM head itself to the last position only (see ``_small_batch_head``): ``F.linear`` in the
+eager step, ``(W @ h.T).T`` in the compiled one; the logits agree to float rounding.
 
 The ``logprobs`` returned are the log-probabilities of the sampled tokens under
 ``softmax(raw_logits / temperature)``: the untruncated policy distribution, which is what a
@@ -47,7 +47,7 @@ _EOS_CHECK_EVERY = 8
 _EOS_CHECK_EVERY_CPU = 1
 # Block size of the two-level inverse-CDF sampler (see ``_sample``).
 _SAMPLE_BLOCK = 256
-# Most rows for which the decode step applies the LM head as ``(W @ h.T).T`` (see ``_small_batch_head``).
+# Most rows for which the decode step applies the LM head itself (see ``_small_batch_head``).
 _SMALL_BATCH_HEAD_ROWS = 64
 # With ``compile=True`` the static cache's length is rounded up to a multiple of this, so prompt batches of
 # different lengths reuse one compiled decode step.
@@ -212,14 +212,16 @@ def _repeat_rows(cache, k: int) -> None:
 
 
 def _small_batch_head(policy: torch.nn.Module, batch_size: int, device: torch.device):
-    """``(backbone, lm_head)`` when the decode step should apply the LM head itself as ``(W @ h.T).T``.
+    """``(backbone, lm_head)`` when the decode step should apply the LM head itself, to the last position.
 
-    On CPU with few rows, ``F.linear(h, W)`` for a [V, H] head picks a slow kernel for the skinny
-    [B, H] x [H, V] product. Measured on the 2-core benchmark machine (V = 32k, H = 256, float32, 2
-    threads; ``benchmarks/RESULTS.md``): ``W @ h.T`` takes 0.6-0.75x the time at 8-64 rows and about the
-    same at 128, so it is used up to ``_SMALL_BATCH_HEAD_ROWS`` = 64 rows. Only for models whose logits are
-    exactly ``lm_head(last_hidden_state)`` (``rlbits.models.forward.split_head``). Returns None to call
-    the policy as is.
+    The compiled step (``_decode_step``) applies it as ``(W @ h.T).T``: measured alone, repeated on the
+    2-core benchmark machine (V = 32k, H = 256, float32, 2 threads; ``benchmarks/RESULTS.md``), ``W @ h.T``
+    took 0.6-0.75x the time of ``F.linear(h, W)`` at 8-64 rows and about the same at 128. The eager step
+    (``_forward_last``) uses ``F.linear``, which inside the decode loop, where the 32 MB head weight has
+    left the cache between steps, was the faster one (rollout 0.35 -> 0.31 s at 32 rows, 0.20 -> 0.18 at 8).
+    Up to ``_SMALL_BATCH_HEAD_ROWS`` = 64 rows. Only for models whose logits are exactly
+    ``lm_head(last_hidden_state)`` (``rlbits.models.forward.split_head``). Returns None to call the policy
+    as is.
     """
     if device.type != "cpu" or batch_size > _SMALL_BATCH_HEAD_ROWS:
         return None
@@ -242,7 +244,10 @@ def _forward_last(policy, split, input_ids, attention_mask, position_ids, cache,
     if split is not None:
         backbone, head = split
         out = backbone(**kwargs)
-        return _head_last(head.weight, out.last_hidden_state), out.past_key_values
+        # F.linear, not _head_last's (W @ h.T).T: inside the decode loop (weights out of cache between
+        # steps) it took 0.88x the rollout time at 8, 32 and 64 rows (4-layer GPT-2, V = 32k, 2 CPU threads).
+        logits = torch.nn.functional.linear(out.last_hidden_state[:, -1], head.weight)
+        return logits.float(), out.past_key_values
     out = policy(**kwargs, logits_to_keep=1) if keep_last else policy(**kwargs)
     return out.logits[:, -1].float(), out.past_key_values
 
