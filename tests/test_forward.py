@@ -406,3 +406,44 @@ def test_errors(models):
         policy_logprobs(model, only_response)
     with pytest.raises(ValueError, match="value_model returned shape"):
         critic_values(lambda ids, **kw: torch.zeros(ids.shape[0]), batch)
+
+
+def test_sparse_tied_embedding_grad_equals_dense_and_restores(models):
+    """A tied input embedding gets a sparse gradient inside ``policy_logprobs`` (no [V, H] fill and add per
+    backward); the accumulated ``.grad`` is dense and equals the plain dense computation; the flag is
+    restored; untied, frozen or no-grad models are left alone."""
+    model = models["llama"]
+    emb = model.get_input_embeddings()
+    assert model.get_output_embeddings().weight is emb.weight  # tiny models tie their embeddings
+    batch = _batch()
+    weights = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(3))
+    model.zero_grad(set_to_none=True)
+    (policy_logprobs(model, batch, temperature=0.8) * weights).sum().backward()
+    assert emb.sparse is False and not emb.weight.grad.is_sparse
+    ours = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=position_ids_from_mask(batch["attention_mask"]),
+    ).logits
+    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
+    plain = torch.log_softmax(out[:, P - 1 : P - 1 + R] / 0.8, -1).gather(2, batch["responses"][..., None])
+    (torch.where(batch["action_mask"], plain.squeeze(-1), 0.0) * weights).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(ours[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+    model.zero_grad(set_to_none=True)
+    with forward_mod.sparse_tied_embedding_grad(model) as applied:
+        assert applied and emb.sparse
+    assert emb.sparse is False
+    with torch.no_grad(), forward_mod.sparse_tied_embedding_grad(model) as applied:
+        assert not applied and not emb.sparse
+    untied = tiny_causal_lm("llama", V, seed=5, tie_word_embeddings=False)
+    with forward_mod.sparse_tied_embedding_grad(untied) as applied:
+        assert not applied and not untied.get_input_embeddings().sparse
+    emb.weight.requires_grad_(False)
+    try:
+        with forward_mod.sparse_tied_embedding_grad(model) as applied:
+            assert not applied
+    finally:
+        emb.weight.requires_grad_(True)
