@@ -106,6 +106,18 @@ def test_microbatches_equal_one_pass(models):
             assert torch.allclose(policy_logprobs(model, batch, microbatch_size=mb), full, atol=1e-6)
 
 
+def _plain_logprobs(model, batch, temperature):
+    """The obviously-right path: the model's full logits, log_softmax, gather, 0 off the action mask."""
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=position_ids_from_mask(batch["attention_mask"]),
+    ).logits
+    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
+    plain = torch.log_softmax(out[:, P - 1 : P - 1 + R] / temperature, -1).gather(2, batch["responses"][..., None])
+    return torch.where(batch["action_mask"], plain.squeeze(-1), 0.0)
+
+
 def test_policy_logprobs_gradient_matches_plain_forward(models):
     model = models["gpt2"]
     batch = _batch()
@@ -113,20 +125,7 @@ def test_policy_logprobs_gradient_matches_plain_forward(models):
     params = [p for p in model.parameters() if p.requires_grad]
     lp = policy_logprobs(model, batch, temperature=0.9, microbatch_size=2)
     ours = torch.autograd.grad((lp * weights).sum(), params)
-    # plain: full logits, log_softmax, gather
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=position_ids_from_mask(batch["attention_mask"]),
-    ).logits
-    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
-    plain = (
-        torch.log_softmax(out[:, P - 1 : P - 1 + R] / 0.9, -1)
-        .gather(2, batch["responses"][..., None])
-        .squeeze(-1)
-    )
-    plain = torch.where(batch["action_mask"], plain, 0.0)
-    ref = torch.autograd.grad((plain * weights).sum(), params)
+    ref = torch.autograd.grad((_plain_logprobs(model, batch, 0.9) * weights).sum(), params)
     for a, b in zip(ours, ref, strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
@@ -422,14 +421,7 @@ def test_sparse_tied_embedding_grad_equals_dense_and_restores(models):
     assert emb.sparse is False and not emb.weight.grad.is_sparse
     ours = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=position_ids_from_mask(batch["attention_mask"]),
-    ).logits
-    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
-    plain = torch.log_softmax(out[:, P - 1 : P - 1 + R] / 0.8, -1).gather(2, batch["responses"][..., None])
-    (torch.where(batch["action_mask"], plain.squeeze(-1), 0.0) * weights).sum().backward()
+    (_plain_logprobs(model, batch, 0.8) * weights).sum().backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(ours[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
     model.zero_grad(set_to_none=True)
