@@ -14,6 +14,8 @@ prompts, 24 new tokens, temperature 1.
 - ``heads``: the fused and unfused output layers of ``policy_logprobs`` give the same values and gradients.
 - ``functional_compile``: ``torch.compile(fullgraph=True)`` of the loss and advantage kernels on CUDA
   tensors equals eager, values and gradients.
+- ``loop_*``: ``rlbits.train`` for 2 steps of GRPO, RLOO with KL, PPO and bf16 GRPO with the compiled
+  decode, on a 2-layer random GPT-2 on the device: every logged loss is finite.
 - ``fsdp2_world1``: one process, an NCCL group of 1, the model sharded with ``fully_shard`` per block
   and on the root as ``rlbits.distributed.parallelize.shard`` does at world size > 1: the logprobs, loss
   gradient norm and the weights after one SGD step equal the unsharded model's.
@@ -237,6 +239,48 @@ def main() -> int:
         dist.destroy_process_group()
     except Exception as exc:
         record("fsdp2_world1", False, error=f"{type(exc).__name__}: {exc}"[:300])
+
+    # loops: each online loop's real path on the device, as a user calls it (a device mismatch between the
+    # reward and the rollout once failed every rlbits step on CUDA while every CPU test passed)
+    import math
+    import tempfile
+
+    import _workload as W
+
+    folder = Path(tempfile.gettempdir()) / "rlbits_gpu_checks_model"
+    folder = W.build_model_folder(folder, layers=2, width=64, heads=2)
+    prompts = W.prompts(64, length=8, seed=1)
+    for name, extra in (
+        ("grpo", {"loop": "reinforce", "baseline": "grpo"}),
+        ("rloo_kl", {"loop": "reinforce", "baseline": "rloo", "kl_in_reward": True, "kl_coef": 0.05}),
+        ("ppo", {"loop": "ppo", "kl_in_reward": True, "kl_coef": 0.05, "ppo_epochs": 2}),
+        ("grpo_bf16_compiled", {"loop": "reinforce", "precision": "bf16", "compile_generate": True}),
+    ):
+        seen = []
+
+        class Seen:
+            def on_metrics(self, step, metrics, seen=seen):
+                seen.append(metrics)
+
+        try:
+            with tempfile.TemporaryDirectory() as run_dir:
+                rlbits.train(
+                    reward_fn=W.rlbits_reward, prompts=prompts, callbacks=[Seen()],
+                    config=dict(
+                        policy=str(folder), run_dir=run_dir, device=dev.type, max_num_steps=2, max_new_tokens=8,
+                        num_prompts_per_step=4, num_generations_per_prompt=4, val_period=0, val_at_start=False,
+                        val_at_end=False, save_period=0, tensorboard=False, progress=False, log_samples=0, **extra,
+                    ),
+                )  # fmt: skip
+            losses = [v for m in seen for k, v in m.items() if k.endswith("loss") and isinstance(v, float)]
+            record(
+                f"loop_{name}",
+                bool(losses) and all(map(math.isfinite, losses)),
+                steps=len(seen),
+                losses=len(losses),
+            )
+        except Exception as exc:
+            record(f"loop_{name}", False, error=f"{type(exc).__name__}: {exc}"[:300])
 
     failures = sum(not r["ok"] for r in RESULTS)
     args.out.parent.mkdir(parents=True, exist_ok=True)
