@@ -1,9 +1,31 @@
-"""Pieces the task modules share: the argument check of ``reward`` and disjoint train/test problem splits."""
+"""Pieces the task modules share: the argument checks of ``prompts`` and ``reward``, and disjoint train/test
+problem splits."""
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator, Sequence
+
+
+def check_split(split: str, splits: Sequence[str]) -> None:
+    """The argument check of every task's ``prompts(split)``.
+
+    Raises:
+        ValueError: ``split`` is not one of ``splits``.
+    """
+    if split not in splits:
+        raise ValueError(f"split must be one of {', '.join(map(repr, splits))}, got {split!r}")
+
+
+@contextlib.contextmanager
+def at_prompt(i: int) -> Iterator[None]:
+    """Re-raise a ``ValueError`` from the block as ``ValueError("prompts[i]: ...")``: which prompt of a
+    ``reward`` call was bad."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"prompts[{i}]: {e}") from None
 
 
 def check_pairs(prompts: list[str], responses: list[str]) -> None:

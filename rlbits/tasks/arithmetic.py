@@ -31,7 +31,7 @@ import re
 from functools import cache
 
 from rlbits.tasks import _deprecated_zoo_names
-from rlbits.tasks._common import check_pairs, disjoint_splits
+from rlbits.tasks._common import at_prompt, check_pairs, check_split, disjoint_splits
 
 NAME = "arithmetic"
 SPLITS = ("train", "test")
@@ -103,8 +103,7 @@ def prompts(split: str) -> list[str]:
     Raises:
         ValueError: ``split`` is not ``"train"`` or ``"test"``.
     """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
+    check_split(split, SPLITS)
     return list(_splits()[split])
 
 
@@ -134,10 +133,8 @@ def reward(prompts: list[str], responses: list[str]) -> list[float]:
     check_pairs(prompts, responses)
     out = []
     for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-        try:
+        with at_prompt(i):
             a, b = parse_prompt(prompt)
-        except ValueError as e:
-            raise ValueError(f"prompts[{i}]: {e}") from None
         answer = response.split("<eos>", 1)[0].strip()
         out.append(1.0 if answer == str(a + b) else 0.0)
     return out

@@ -47,7 +47,7 @@ import re
 from functools import cache
 
 from rlbits.envs import HERMES, ToolEnv, ToolRegistry, ToolResult, calculator
-from rlbits.tasks._common import check_pairs, disjoint_splits
+from rlbits.tasks._common import at_prompt, check_pairs, check_split, disjoint_splits
 
 NAME = "calculator"
 SPLITS = ("train", "test")
@@ -104,8 +104,7 @@ def prompts(split: str) -> list[str]:
     Raises:
         ValueError: ``split`` is not ``"train"`` or ``"test"``.
     """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
+    check_split(split, SPLITS)
     return list(_splits()[split])
 
 
@@ -141,10 +140,8 @@ def reward(prompts: list[str], responses: list[str]) -> list[float]:
     check_pairs(prompts, responses)
     out = []
     for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-        try:
+        with at_prompt(i):
             a, b = parse_prompt(prompt)
-        except ValueError as e:
-            raise ValueError(f"prompts[{i}]: {e}") from None
         out.append(1.0 if final_answer(response) == a * b else 0.0)
     return out
 

@@ -42,7 +42,7 @@ from functools import cache
 from typing import Any
 
 from rlbits.envs import Observation, StepResult, StopConditions
-from rlbits.tasks._common import check_pairs
+from rlbits.tasks._common import at_prompt, check_pairs, check_split
 
 NAME = "guess_number"
 SPLITS = ("train", "test")
@@ -104,8 +104,7 @@ def prompts(split: str) -> list[str]:
     Raises:
         ValueError: ``split`` is not ``"train"`` or ``"test"``.
     """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
+    check_split(split, SPLITS)
     return list(_splits()[split])
 
 
@@ -238,10 +237,8 @@ def reward(prompts: list[str], responses: list[str]) -> list[float]:
     check_pairs(prompts, responses)
     out = []
     for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-        try:
+        with at_prompt(i):
             out.append(play(prompt, response).reward)
-        except ValueError as e:
-            raise ValueError(f"prompts[{i}]: {e}") from None
     return out
 
 

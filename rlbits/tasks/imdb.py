@@ -24,6 +24,7 @@ import random
 from functools import cache
 
 from rlbits.tasks import movie_reviews
+from rlbits.tasks._common import check_split
 from rlbits.tasks.sentiment import reward as _vader_reward
 
 NAME = "imdb"
@@ -63,8 +64,7 @@ def prompts(split: str) -> list[str]:
         ValueError: another split.
         ImportError: the ``movie-reviews`` package is missing (names the ``real`` extra).
     """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
+    check_split(split, SPLITS)
     return list(_splits()[split])
 
 

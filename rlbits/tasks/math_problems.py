@@ -37,7 +37,7 @@ import re
 from functools import cache
 from typing import Any
 
-from rlbits.tasks._common import check_pairs
+from rlbits.tasks._common import check_pairs, check_split
 from rlbits.tasks.movie_reviews import missing_extra
 from rlbits.tasks.sentiment import strip_eos
 
@@ -92,8 +92,7 @@ def problems(split: str) -> list[dict]:
     Raises:
         ValueError: another split. ImportError: ``reasoning-gym`` missing (names the ``real`` extra).
     """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
+    check_split(split, SPLITS)
     return list(_problems()[0][split])
 
 
