@@ -91,8 +91,9 @@ def sparse_tied_embedding_grad(model: torch.nn.Module) -> Iterator[bool]:
     SmolLM2-135M (V = 49,152, H = 576: 113 MB per [V, H] tensor) it took a sixth off a backward on one CPU
     thread with glibc's default allocator; with the loops' heap reuse (``cpu_reuse_memory``), where the
     fill no longer page-faults, the GRPO update on 2 threads moved within noise (1.89-1.93 s -> 1.83-1.89
-    s), and what stays is one [V, H] temporary fewer. Only for an unsharded model whose tied weight requires grad (else nothing changes); the flag
-    is read at forward time, so the block need not cover ``backward()``.
+    s), and what stays is one [V, H] temporary fewer. Only for an unsharded model whose tied weight requires
+    grad (else nothing changes); the flag is read at forward time, so the block need not cover
+    ``backward()``.
     """
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

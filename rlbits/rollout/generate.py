@@ -456,15 +456,16 @@ def generate(
     policy.eval()
     try:
         split = _small_batch_head(policy, B, device)
-        step_fn = step_split = None
+        step_fn = None
         cache_len = total
-        if compile and _make_cache(policy, total) is not None:
-            step_split = split if split is not None else split_head(policy)
+        # The compiled step applies the head itself, wherever the static cache applies (any row count).
+        step_split = split_head(policy) if compile and _make_cache(policy, total) is not None else None
         if step_split is not None:
             cache_len = -(-total // _COMPILE_CACHE_BUCKET) * _COMPILE_CACHE_BUCKET
             limit = _max_positions(policy)
             cache_len = min(cache_len, limit[1]) if limit is not None else cache_len
             step_fn = compiled_decode_step(device.type)
+            step_backbone, step_weight = step_split[0], step_split[1].weight
         cache = _make_cache(policy, cache_len)
         static = cache is not None
         # The attention mask spans the whole static cache (future columns 0), or grows with the dynamic one.
@@ -514,8 +515,8 @@ def generate(
                     # A new replay of the CUDA graph; the last step's logits are no longer read.
                     torch.compiler.cudagraph_mark_step_begin()
                 # contiguous: the slice's stride is P + max_new_tokens, a new graph for every prompt length
-                backbone, weight = step_split[0], step_split[1].weight
-                logits = step_fn(backbone, weight, new_ids.contiguous(), attention_mask, position + t, cache)
+                args = (new_ids.contiguous(), attention_mask, position + t, cache)
+                logits = step_fn(step_backbone, step_weight, *args)
                 continue
             logits, cache = _forward_last(
                 policy,
