@@ -47,12 +47,21 @@ def measured_peaks(threads: int, device: str = "cpu", dtype: str = "fp32") -> di
 
     torch.set_num_threads(threads)
     if device == "cpu":
+        from rlbits.models.packed import packing_available
+
         a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+        # Both of PyTorch's CPU matmul libraries (MKL for a @ b, oneDNN for the packed decode); the faster
+        # one sets the floor.
+        matmuls = [lambda: a @ b]
+        if packing_available():
+            matmuls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
         flops = []
-        for _ in range(5):
-            t = time.perf_counter()
-            a @ b
-            flops.append(2 * 2048**3 / (time.perf_counter() - t) / 1e9)
+        for matmul in matmuls:
+            matmul()
+            for _ in range(5):
+                t = time.perf_counter()
+                matmul()
+                flops.append(2 * 2048**3 / (time.perf_counter() - t) / 1e9)
         x = torch.ones(2**28)  # 1 GiB of float32
         bw = []
         for _ in range(5):
@@ -94,7 +103,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--impls", default="hf,rlbits,rlbits_compile",
-                   help="hf, hf_static (HF generate with its static cache, compiled by transformers), rlbits, rlbits_compile")  # fmt: skip
+                   help="hf, hf_static (HF generate with its static cache, compiled by transformers), rlbits, "
+                        "rlbits_unpacked (pack_weights=False: MKL's F.linear), rlbits_compile")  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--peak", type=float, default=None, help="matmul GFLOP/s for the compute floor")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
@@ -152,6 +162,7 @@ def main() -> int:
                     out = generate(
                         model, td, max_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=0,
                         generator=gen, compile=impl == "rlbits_compile",
+                        pack_weights=False if impl == "rlbits_unpacked" else None,
                     )  # fmt: skip
                     assert out["responses"].shape == (B, args.new_tokens)
             if cuda:

@@ -358,8 +358,10 @@ def test_one_lora_update_on_two_fsdp_ranks_equals_one_process(tmp_path):
     _run([*torchrun, "tests/lora_worker.py", str(two)])
     a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
     assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    # Adam's first step divides each gradient entry by its own size, so the two reduction orders' rounding
+    # in an entry near Adam's eps shows at up to lr x 1e-4 = 5e-6 (seen on an AVX-512 AMD machine).
     for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-5), k
+        assert torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-5), k
     base = tiny_causal_lm("gpt2", 48, seed=0).state_dict()  # the worker's V = 48: the base did not move
     assert all(torch.equal(a[k], base[k.replace(".base_layer", "")]) for k in a if "lora_" not in k)
     for out in (one, two):  # the reference is the base model, sharded or not

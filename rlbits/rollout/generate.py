@@ -30,6 +30,7 @@ OpenRLHF and verl). Greedy decoding (``temperature=0``) reports logprobs at temp
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ from tensordict import TensorDict
 from rlbits.batch import build_batch, decode, group_ids, tokenize_prompts
 from rlbits.functional import entropy_from_logits
 from rlbits.models.forward import accepts_logits_to_keep, position_ids_from_mask, split_head
+from rlbits.models.packed import packed_linears
 
 # Steps between host-side "all rows finished?" checks. On an accelerator each check stalls the launch
 # queue, so it runs every few steps (the extra steps it may decode are trimmed from the output); on CPU
@@ -244,9 +246,10 @@ def _forward_last(policy, split, input_ids, attention_mask, position_ids, cache,
     if split is not None:
         backbone, head = split
         out = backbone(**kwargs)
-        # F.linear, not _head_last's (W @ h.T).T: inside the decode loop (weights out of cache between
-        # steps) it took 0.88x the rollout time at 8, 32 and 64 rows (4-layer GPT-2, V = 32k, 2 CPU threads).
-        logits = torch.nn.functional.linear(out.last_hidden_state[:, -1], head.weight)
+        # The head's own forward (F.linear, or oneDNN under packed_linears), not _head_last's (W @ h.T).T:
+        # inside the decode loop (weights out of cache between steps) F.linear took 0.88x the rollout time
+        # at 8, 32 and 64 rows (4-layer GPT-2, V = 32k, 2 CPU threads).
+        logits = head(out.last_hidden_state[:, -1])
         return logits.float(), out.past_key_values
     out = policy(**kwargs, logits_to_keep=1) if keep_last else policy(**kwargs)
     return out.logits[:, -1].float(), out.past_key_values
@@ -351,6 +354,7 @@ def generate(
     stopping: StoppingFn | None = None,
     return_entropy: bool = False,
     compile: bool = False,
+    pack_weights: bool | None = None,
 ) -> TensorDict:
     """Sample ``num_samples`` responses per prompt with a KV cache.
 
@@ -393,6 +397,11 @@ def generate(
             static cache and the split head apply (GPT-2/Llama/Mistral/Qwen2/Qwen3 families, no autocast);
             else ignored. The first call per batch size and cache length compiles (tens of seconds); the
             samples equal the eager ones up to float rounding of the logits.
+        pack_weights: run the eager decode's linear layers through oneDNN on weights reordered once per
+            call (``rlbits.models.packed.packed_linears``): on CPU several times faster matmuls at decode
+            batch sizes, the same logits to float rounding, one extra copy of the weights in memory during
+            the call. None (default): on for a CPU policy without ``compile``; False: never; True: wherever
+            it applies (CPU, float32 or bfloat16 weights, eager steps).
 
     Returns:
         TensorDict with batch size [B * K]:
@@ -454,7 +463,12 @@ def generate(
 
     was_training = policy.training
     policy.eval()
+    if pack_weights is None:
+        pack_weights = device.type == "cpu" and not compile and not torch.is_autocast_enabled("cpu")
+    packing = contextlib.ExitStack()
     try:
+        if pack_weights:
+            packing.enter_context(packed_linears(policy, batch_size=B))
         split = _small_batch_head(policy, B, device)
         step_fn = None
         cache_len = total
@@ -528,6 +542,7 @@ def generate(
                 keep_last,
             )
     finally:
+        packing.close()
         policy.train(was_training)
 
     action_mask = attention_mask[:, P : P + steps]
