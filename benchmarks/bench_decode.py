@@ -107,6 +107,8 @@ def main() -> int:
                         "rlbits_unpacked (pack_weights=False: MKL's F.linear), rlbits_compile")  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--peak", type=float, default=None, help="matmul GFLOP/s for the compute floor")
+    p.add_argument("--no-reuse-memory", action="store_true",
+                   help="keep glibc's default malloc (the loops' cpu_reuse_memory: false)")  # fmt: skip
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
     args = p.parse_args()
 
@@ -115,9 +117,13 @@ def main() -> int:
     from tensordict import TensorDict
     from transformers import AutoModelForCausalLM
 
+    from rlbits.loops.runtime import reuse_freed_memory
     from rlbits.rollout.generate import generate
 
     torch.set_num_threads(args.threads)
+    # As the loops do by default on CPU (cpu_reuse_memory): the packed weights and the [B, V] logits reuse
+    # heap pages instead of page-faulting fresh ones at every call.
+    reused = args.device == "cpu" and not args.no_reuse_memory and reuse_freed_memory()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     peaks = measured_peaks(args.threads, args.device, args.dtype)
@@ -210,7 +216,7 @@ def main() -> int:
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": args.threads,
                     "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"},
         "model": args.model or "random init, SmolLM2-135M config", "dtype": args.dtype, "parameters": n_params,
-        "weight_bytes": weight_bytes, "peaks": peaks, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "weight_bytes": weight_bytes, "peaks": peaks, "reuse_freed_memory": reused, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "rows": rows,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

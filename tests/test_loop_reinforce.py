@@ -173,6 +173,25 @@ def test_dynamic_sampling_keeps_only_informative_groups(tiny_path, tmp_path):
     assert batch["group"].tolist() == torch.arange(batch.batch_size[0] // k).repeat_interleave(k).tolist()
 
 
+def test_pack_decode_weights_reaches_generate(tiny_path, tmp_path, monkeypatch):
+    """``pack_decode_weights`` decides whether the rollout packs the policy's weights (on CPU), and the
+    samples are the same either way."""
+    import rlbits.rollout.generate as gen_module
+
+    calls = []
+    original = gen_module.packed_linears
+    monkeypatch.setattr(gen_module, "packed_linears", lambda *a, **k: calls.append(1) or original(*a, **k))
+    batches = []
+    for flag in (True, False):
+        cfg = make_cfg(tiny_path, tmp_path / str(flag), pack_decode_weights=flag)
+        state = init_state(cfg, DistEnv())
+        before = len(calls)
+        batches.append(sample_batch(state, cfg, length_reward)[0])
+        assert (len(calls) > before) == flag
+    assert torch.equal(batches[0]["responses"], batches[1]["responses"])
+    torch.testing.assert_close(batches[0]["logprobs"], batches[1]["logprobs"], atol=1e-5, rtol=0)
+
+
 def test_reinforce_and_unclipped_ppo_give_the_same_gradient(tiny_path, tmp_path):
     cfg = make_cfg(tiny_path, tmp_path)
     state = init_state(cfg, DistEnv())

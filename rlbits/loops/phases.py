@@ -47,9 +47,11 @@ def rollout(
     generator: torch.Generator | None = None,
     logits_processor: Callable | None = None,
     compile: bool = False,
+    pack_weights: bool | None = None,
 ) -> TensorDictBase:
     """``generate_texts`` (tokenize, sample ``num_samples`` responses each, decode) with a sharded policy
-    gathered for the whole call; ``compile``: a compiled decode step (``generate(compile=True)``).
+    gathered for the whole call; ``compile``: a compiled decode step (``generate(compile=True)``);
+    ``pack_weights``: as ``generate`` (None: oneDNN on packed weights on CPU).
 
     Returns the batch of docs/batch.md (``prompts`` ... ``logprobs``, ``group``, ``prompt_text``,
     ``response_text``) with behaviour logprobs at ``temperature`` (greedy when ``temperature == 0``).
@@ -58,6 +60,7 @@ def rollout(
         return generate_texts(
             policy, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
             num_samples=num_samples, generator=generator, logits_processor=logits_processor, compile=compile,
+            pack_weights=pack_weights,
         )  # fmt: skip
 
 
@@ -72,6 +75,7 @@ def episodes(
     num_samples: int = 1,
     generator: torch.Generator | None = None,
     compile: bool = False,
+    pack_weights: bool | None = None,
 ) -> TensorDictBase:
     """The rollout of a multi-turn task: ``num_samples`` episodes per prompt (groups contiguous), each with its
     own env ``make_env(prompt, **cfg.env_options)``, run by ``generate_episodes`` with ``cfg``'s
@@ -89,7 +93,7 @@ def episodes(
             policy, tokenizer, envs, rows, temperature=temperature, generator=generator,
             max_episode_tokens=cfg.max_episode_tokens, reward_placement=cfg.turn_reward,
             max_env_workers=cfg.max_env_workers, env_timeout_s=cfg.env_timeout_s, compile=compile,
-            group_size=num_samples,
+            group_size=num_samples, pack_weights=pack_weights,
         )  # fmt: skip
 
 
@@ -116,6 +120,11 @@ def bf16_copy(policy: torch.nn.Module, copy: torch.nn.Module | None = None) -> t
             for dst, src in zip(copy.parameters(), policy.parameters(), strict=True):
                 dst.copy_(src)
     return copy
+
+
+def pack_weights(cfg: RunConfig) -> bool | None:
+    """``generate``'s ``pack_weights`` from ``cfg.pack_decode_weights``: None (its CPU default) or False."""
+    return None if cfg.pack_decode_weights else False
 
 
 @contextlib.contextmanager

@@ -316,12 +316,13 @@ def rollout(state: State, batch: TensorDictBase, cfg: PPOConfig, *, policy: torc
                 policy if policy is not None else model, state.tokenizer, phases.prompt_texts(batch),
                 state.make_env, cfg, temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt,
                 generator=state.sampling_generator, compile=cfg.compile_generate,
+                pack_weights=phases.pack_weights(cfg),
             )  # fmt: skip
         return phases.rollout(
             policy if policy is not None else model, state.tokenizer, phases.prompt_texts(batch),
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
             num_samples=cfg.num_generations_per_prompt, compile=cfg.compile_generate,
-            generator=state.sampling_generator,
+            pack_weights=phases.pack_weights(cfg), generator=state.sampling_generator,
         )  # fmt: skip
 
 

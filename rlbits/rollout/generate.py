@@ -569,6 +569,7 @@ def generate_texts(
     generator: torch.Generator | None = None,
     logits_processor: Callable | None = None,
     compile: bool = False,
+    pack_weights: bool | None = None,
 ) -> TensorDict:
     """``generate`` from prompt strings: tokenize them (``tokenize_prompts``), sample ``num_samples``
     responses each with the policy in eval mode and no gradient, decode the texts (``decode``).
@@ -594,6 +595,7 @@ def generate_texts(
                 generator=generator,
                 logits_processor=logits_processor,
                 compile=compile,
+                pack_weights=pack_weights,
             )
     finally:
         policy.train(was_training)

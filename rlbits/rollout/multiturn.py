@@ -171,6 +171,7 @@ def generate_episodes(
     compile: bool = False,
     logits_processor: LogitsProcessor | None = None,
     group_size: int = 1,
+    pack_weights: bool | None = None,
 ) -> TensorDict:
     """Run one episode per env, all turns of the batch decoded together; return one batch row per episode.
 
@@ -216,6 +217,7 @@ def generate_episodes(
         compile: ``generate(compile=True)`` for each turn's decoding.
         logits_processor: as ``generate`` (changes sampling, not ``logprobs``).
         group_size: rows ``i*K .. i*K+K-1`` (K = ``group_size``) are samples of one prompt: ``group`` = i.
+        pack_weights: as ``generate`` (None: oneDNN on packed weights for a CPU policy without ``compile``).
 
     Returns:
         TensorDict, batch size [B] (B = ``len(envs)``), on the policy's device, with the keys of
@@ -315,6 +317,7 @@ def generate_episodes(
                 generator=generator,
                 stopping=_stopping([rows[j] for j in chunk], envs, [budgets[j] for j in chunk], eos, tokenizer),
                 compile=compile,
+                pack_weights=pack_weights,
             )
             for j, n, ids, lp in zip(
                 chunk, out["action_mask"].sum(-1).tolist(), out["responses"].tolist(), out["logprobs"].tolist(),
