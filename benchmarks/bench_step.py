@@ -190,6 +190,7 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
         log_samples=0,
         device=args.device,
         compile_generate=bool(args.compile_generate),
+        pack_decode_weights=bool(args.pack_decode_weights),
     )
     algo = args.worker.split("-")[1]
     if algo == "ppo":
@@ -553,6 +554,8 @@ def main(argv=None) -> dict:
     p.add_argument("--pin-memory", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--compile-generate", type=int, default=0,
                    help="1: rlbits decodes with a compiled step (compile_generate; compiled in the warm-up step)")  # fmt: skip
+    p.add_argument("--pack-decode-weights", type=int, default=1,
+                   help="0: rlbits decodes with F.linear, not oneDNN on packed weights (pack_decode_weights)")  # fmt: skip
     args = p.parse_args(argv)
     if args.worker:
         _worker(args)
@@ -571,7 +574,8 @@ def main(argv=None) -> dict:
     shared = [f"--steps={args.steps}", f"--threads={args.threads}", f"--prompt-len={prompt_len}",
               f"--new-tokens={new_tokens}", f"--model-folder={folder}", f"--num-prompts={num_prompts}",
               f"--microbatch={microbatch}", f"--vocab={vocab}", f"--pin-memory={1 if args.pin else 0}",
-              f"--compile-generate={args.compile_generate}", f"--device={args.device}"]  # fmt: skip
+              f"--compile-generate={args.compile_generate}", f"--device={args.device}",
+              f"--pack-decode-weights={args.pack_decode_weights}"]  # fmt: skip
     specs = []  # (name, python, precision)
     for algo in algos:
         trl_python = args.trl112_python if algo == "ppo" else args.trl116_python
@@ -645,6 +649,7 @@ def main(argv=None) -> dict:
         "pinned": bool(args.pin),
         "idle_s": args.idle,
         "rlbits_compile_generate": bool(args.compile_generate),
+        "rlbits_pack_decode_weights": bool(args.pack_decode_weights),
         "versions": versions,
         "load_average_1min": {
             mode: {"start": ls[0], "per_step": ls[1:]} for mode, ls in loads_by_mode.items()
