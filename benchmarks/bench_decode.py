@@ -1,17 +1,19 @@
 """Benchmark: decoding a 135M-parameter model (SmolLM2-135M's architecture) on the CPU, against its floors.
 
 Implementations, per batch size (default 8, 16, 32): HF ``model.generate(do_sample=True)`` (its default
-dynamic cache), rlbits ``generate`` eager, and rlbits ``generate(compile=True)`` (one decode step under
-``torch.compile``, static KV cache). 16-token prompts, 24 new tokens (the SmolLM2 RL workload of
+dynamic cache), rlbits ``generate`` eager (on CPU its default: linear layers through oneDNN on packed
+weights), ``rlbits_unpacked`` (eager with ``pack_weights=False``: MKL's ``F.linear``), and rlbits
+``generate(compile=True)`` (one decode step under ``torch.compile``, static KV cache). 16-token prompts, 24 new tokens (the SmolLM2 RL workload of
 ``bench_step.py``), EOS never sampled (``eos_token_id=None``), temperature 1, fp32 (``--dtype bf16``
 casts the weights), 2 threads. Each implementation is warmed up once, then they alternate for ``--runs``
 timed calls each and the median is kept.
 
 Floors, per call: compute = 2 x parameters x (B x prompt tokens + B x new tokens) FLOPs at the machine's
-measured matmul rate (a large square fp32 matmul, ``--peak`` to override); memory = every weight read once
-per decode step (new tokens - 1 steps) plus the prefill's, at the measured read bandwidth (the sum of a
-1 GiB tensor). At batch 16, decoding reads 538 MB of fp32 weights per step for 4.3 GFLOP, so on this
-machine it is bound by memory bandwidth, not arithmetic.
+measured matmul rate (a large square fp32 matmul, the faster of MKL and oneDNN; ``--peak`` to override);
+memory = every weight read once per decode step (new tokens - 1 steps) plus the prefill's, at the measured
+read bandwidth (the sum of a 1 GiB tensor). At batch 16, decoding reads 538 MB of fp32 weights per step for
+4.3 GFLOP: about balanced on the 2-core machines this was measured on (24-36 GB/s, 220-364 GFLOP/s), so
+whichever floor is higher binds.
 
 Compile cost: the wall time of the first ``compile=True`` call minus a steady call, in this process.
 Inductor caches compiled code on disk (``TORCHINDUCTOR_CACHE_DIR``, by default under /tmp), so a second
@@ -19,8 +21,9 @@ run of this script shows the warm-cache cost.
 
     python benchmarks/bench_decode.py                         # random-init SmolLM2 shape, fp32
     python benchmarks/bench_decode.py --model ~/.cache/rlbits/models/smollm2-135m --batch-sizes 16
+    python benchmarks/bench_decode.py --matmuls               # the step's matmuls alone: MKL vs oneDNN packed
 
-Writes ``benchmarks/results/bench_decode.json`` (``--out`` to change).
+Writes ``benchmarks/results/bench_decode.json`` (``--out`` to change; ``--matmuls``: ``..._matmuls.json``).
 """
 
 from __future__ import annotations
@@ -93,6 +96,52 @@ def measured_peaks(threads: int, device: str = "cpu", dtype: str = "fp32") -> di
     return {"matmul_gflops": flops, "read_gbs": gbs}
 
 
+def _best_of_5(fn, *args) -> float:
+    fn(*args)  # warm-up
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _mkl_linears(x, weights) -> list:
+    import torch.nn.functional as F
+
+    return [F.linear(x, w) for w in weights]
+
+
+def _onednn_linears(x, packed) -> list:
+    import torch
+
+    return [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in packed]
+
+
+def matmul_rates(batch_sizes: list[int], threads: int) -> list[dict]:
+    """GFLOP/s of one decode step's matmuls, per SmolLM2-135M weight shape and row count: MKL's ``F.linear``
+    against oneDNN on packed weights (what ``generate(pack_weights=...)`` runs). Each shape is a list of
+    distinct weights totalling about 400 MB, so that they come from memory as in a decode loop; best of 5."""
+    import torch
+
+    torch.set_num_threads(threads)
+    rows = []
+    for n_out, n_in in ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)):
+        weights = [torch.randn(n_out, n_in) for _ in range(max(1, int(400e6 / (n_out * n_in * 4))))]
+        for B in batch_sizes:
+            x = torch.randn(B, n_in)
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, B) for w in weights]
+            flops = 2 * B * n_out * n_in * len(weights)
+            rate = {
+                "mkl_f_linear": flops / _best_of_5(_mkl_linears, x, weights) / 1e9,
+                "onednn_packed": flops / _best_of_5(_onednn_linears, x, packed) / 1e9,
+            }
+            rows.append({"shape": [n_out, n_in], "rows": B, **rate})
+            print(f"[{n_out:5d}, {n_in:4d}] x {B:3d} rows: MKL F.linear {rate['mkl_f_linear']:6.1f} GFLOP/s, "
+                  f"oneDNN packed {rate['onednn_packed']:6.1f}", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="local HF folder (default: random init, SmolLM2-135M shape)")
@@ -109,8 +158,21 @@ def main() -> int:
     p.add_argument("--peak", type=float, default=None, help="matmul GFLOP/s for the compute floor")
     p.add_argument("--no-reuse-memory", action="store_true",
                    help="keep glibc's default malloc (the loops' cpu_reuse_memory: false)")  # fmt: skip
+    p.add_argument("--matmuls", action="store_true",
+                   help="only the decode step's matmuls: MKL F.linear vs oneDNN packed, per weight shape")  # fmt: skip
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
     args = p.parse_args()
+    if args.matmuls:
+        sizes = [int(b) for b in args.batch_sizes.split(",")]
+        result = {
+            "command": " ".join(["python", "benchmarks/bench_decode.py", *sys.argv[1:]]),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load_1min": os.getloadavg()[0],
+            "threads": args.threads, "rows": matmul_rates(sizes, args.threads),
+        }  # fmt: skip
+        out = Path(args.out).with_name(Path(args.out).stem + "_matmuls.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        return 0
 
     import torch
     from _workload import smollm2_config

@@ -6,9 +6,10 @@ the speed of the matrix library's small-M kernel. PyTorch's CPU build ships two 
 weights it has reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` and
 ``_linear_pointwise``, the ops of inductor's ``mkldnn_fusion`` pass). Measured on the 2-core AVX-512
 benchmark machine (AMD EPYC, float32, 2 threads, weights out of cache as in a decode loop;
-``benchmarks/bench_decode.py --matmul``): at 16 rows and SmolLM2's shapes (576 -> 1536, 1536 -> 576,
-576 -> 49,152) MKL ran 41-77 GFLOP/s and oneDNN on packed weights 107-156 GFLOP/s; the same to float
-rounding (the same products summed in another order).
+``benchmarks/bench_decode.py --matmuls``; ``benchmarks/RESULTS.md`` 1c): at 16 rows and SmolLM2-135M's
+five weight shapes MKL ran 50-73 GFLOP/s and oneDNN on packed weights 68-151 GFLOP/s (the output layer
+50 against 151); the same to float rounding (the same products summed in another order). Decoding 16 rows
+of that model took 2.07 s instead of 3.23 s.
 
 ``packed_linears(model)`` reorders every ``nn.Linear`` and GPT-2 ``Conv1D`` weight of ``model`` once
 and routes those layers' forward through oneDNN until the block ends. The reorder costs about one pass

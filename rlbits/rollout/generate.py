@@ -17,8 +17,11 @@ and the step compilable; on CPU the speed is the same as ``DynamicCache`` within
 HF's ``DynamicCache``.
 
 On CPU with at most 64 rows, the decode step of GPT-2/Llama/Mistral/Qwen2/Qwen3 models runs the backbone
-and applies the LM head itself to the last position only (see ``_small_batch_head``): ``F.linear`` in the
-eager step, ``(W @ h.T).T`` in the compiled one; the logits agree to float rounding.
+and applies the LM head itself to the last position only (see ``_small_batch_head``): the head's own forward
+in the eager step, ``(W @ h.T).T`` in the compiled one; the logits agree to float rounding. On CPU the eager
+steps run every linear layer through oneDNN on weights reordered once per call (``pack_weights``,
+``rlbits.models.packed.packed_linears``): at 16 rows MKL's ``F.linear`` ran SmolLM2-135M's shapes at 50-73
+GFLOP/s and oneDNN on packed weights at 68-151 (2 AVX-512 cores, float32; ``benchmarks/RESULTS.md`` 1c).
 
 The ``logprobs`` returned are the log-probabilities of the sampled tokens under
 ``softmax(raw_logits / temperature)``: the untruncated policy distribution, which is what a
