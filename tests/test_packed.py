@@ -98,3 +98,24 @@ def test_generate_packed_equals_unpacked(arch):
     assert torch.equal(plain["responses"], packed["responses"])
     torch.testing.assert_close(plain["logprobs"], packed["logprobs"], atol=1e-5, rtol=0)
     assert all("forward" not in vars(m) for m in _layers(model))
+
+
+def test_a_failed_reorder_restores_the_layers_already_packed(monkeypatch):
+    """If packing fails part-way (here the third layer's reorder), the error propagates and every layer
+    packed before it gets its own forward back: nothing is left patched."""
+    import rlbits.models.packed as packed_mod
+
+    model = tiny_causal_lm("llama", V, seed=1)
+    original, calls = packed_mod._reorder, []
+
+    def failing(weight, batch_size):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("reorder failed")
+        return original(weight, batch_size)
+
+    monkeypatch.setattr(packed_mod, "_reorder", failing)
+    with pytest.raises(RuntimeError, match="reorder failed"), packed_linears(model):
+        pass
+    assert len(calls) == 3
+    assert all("forward" not in vars(m) for m in _layers(model))

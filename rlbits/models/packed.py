@@ -69,32 +69,38 @@ def packed_linears(model: torch.nn.Module, *, batch_size: int | None = None) -> 
         batch_size: the row count the layout is tuned for (oneDNN's hint; any row count works).
     """
     patched: list[torch.nn.Module] = []
-    # FSDP2: a local shard is not the weight, and the unshard hooks must run; a sharded model is left alone.
-    if packing_available() and not any(_is_sharded(m) for m in model.modules()):
-        conv1d = _conv1d_type()
-        with torch.no_grad():
-            for module in model.modules():
-                weight = getattr(module, "weight", None)
-                is_linear = type(module) is torch.nn.Linear
-                is_conv1d = conv1d is not None and type(module) is conv1d
-                if not (is_linear or is_conv1d) or not isinstance(weight, torch.Tensor):
-                    continue
-                if (
-                    weight.device.type != "cpu"
-                    or weight.dtype not in _PACKED_DTYPES
-                    or "forward" in vars(module)
-                ):
-                    continue
-                bias = module.bias
-                if bias is not None and bias.dtype != weight.dtype:
-                    continue
-                # oneDNN takes the [out, in] weight of nn.Linear; Conv1D stores [in, out].
-                w = weight.detach() if is_linear else weight.detach().t().contiguous()
-                packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_size)
-                module.forward = functools.partial(_packed_forward, module, module.forward, packed)
-                patched.append(module)
     try:
+        # FSDP2: a local shard is not the weight, and the unshard hooks must run; a sharded model is left alone.
+        if packing_available() and not any(_is_sharded(m) for m in model.modules()):
+            with torch.no_grad():
+                for module, weight in _packable(model):
+                    packed = _reorder(weight, batch_size)
+                    module.forward = functools.partial(_packed_forward, module, module.forward, packed)
+                    patched.append(module)
         yield len(patched)
-    finally:
+    finally:  # also when packing a later layer failed: every patched layer gets its own forward back
         for module in patched:
             del module.forward
+
+
+def _packable(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, torch.Tensor]]:
+    """``(layer, [out, in] weight)`` for each CPU float32/bfloat16 ``nn.Linear`` / ``Conv1D`` of ``model``
+    whose forward is not already replaced."""
+    conv1d = _conv1d_type()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        is_linear = type(module) is torch.nn.Linear
+        is_conv1d = conv1d is not None and type(module) is conv1d
+        if not (is_linear or is_conv1d) or not isinstance(weight, torch.Tensor):
+            continue
+        if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES or "forward" in vars(module):
+            continue
+        if module.bias is not None and module.bias.dtype != weight.dtype:
+            continue
+        # oneDNN takes the [out, in] weight of nn.Linear; Conv1D stores [in, out].
+        yield module, (weight.detach() if is_linear else weight.detach().t().contiguous())
+
+
+def _reorder(weight: torch.Tensor, batch_size: int | None) -> torch.Tensor:
+    """oneDNN's blocked copy of an [out, in] weight (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_size)
