@@ -224,8 +224,9 @@ def _small_batch_head(policy: torch.nn.Module, batch_size: int, device: torch.de
     The compiled step (``_decode_step``) applies it as ``(W @ h.T).T``: measured alone, repeated on the
     2-core benchmark machine (V = 32k, H = 256, float32, 2 threads; ``benchmarks/RESULTS.md``), ``W @ h.T``
     took 0.6-0.75x the time of ``F.linear(h, W)`` at 8-64 rows and about the same at 128. The eager step
-    (``_forward_last``) uses ``F.linear``, which inside the decode loop, where the 32 MB head weight has
-    left the cache between steps, was the faster one (rollout 0.35 -> 0.31 s at 32 rows, 0.20 -> 0.18 at 8).
+    (``_forward_last``) calls the head module (``F.linear``, or oneDNN under ``packed_linears``): inside the
+    decode loop, where the 32 MB head weight has left the cache between steps, ``F.linear`` was the faster
+    one (rollout 0.35 -> 0.31 s at 32 rows, 0.20 -> 0.18 at 8).
     Up to ``_SMALL_BATCH_HEAD_ROWS`` = 64 rows. Only for models whose logits are exactly
     ``lm_head(last_hidden_state)`` (``rlbits.models.forward.split_head``). Returns None to call the policy
     as is.
@@ -474,7 +475,6 @@ def generate(
         # saved per step), so a call of a few tokens runs unpacked.
         pack_weights = (
             device.type == "cpu"
-            and not compile
             and not torch.is_autocast_enabled("cpu")
             and max_new_tokens >= _PACK_MIN_NEW_TOKENS
         )
