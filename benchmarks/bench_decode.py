@@ -8,12 +8,20 @@ weights), ``rlbits_unpacked`` (eager with ``pack_weights=False``: MKL's ``F.line
 casts the weights), 2 threads. Each implementation is warmed up once, then they alternate for ``--runs``
 timed calls each and the median is kept.
 
-Floors, per call: compute = 2 x parameters x (B x prompt tokens + B x new tokens) FLOPs at the machine's
-measured matmul rate (a large square fp32 matmul, the faster of MKL and oneDNN; ``--peak`` to override);
+``--num-samples K`` samples K responses per prompt from B / K distinct prompts, as the GRPO step's rollout
+does (``--batch-sizes 16 --num-samples 4 --prompt-len 10``): rlbits prefills each prompt once, HF's
+``num_return_sequences`` every row.
+
+Floors, per call: compute = 2 x parameters x (B / K x prompt tokens + B x new tokens) FLOPs at the
+machine's measured matmul rate (a large square fp32 matmul, the faster of MKL and oneDNN; ``--peak`` to override);
 memory = every weight read once per decode step (new tokens - 1 steps) plus the prefill's, at the measured
 read bandwidth (the sum of a 1 GiB tensor). At batch 16, decoding reads 538 MB of fp32 weights per step for
 4.3 GFLOP: about balanced on the 2-core machines this was measured on (24-36 GB/s, 220-364 GFLOP/s), so
 whichever floor is higher binds.
+
+``--profile`` runs one more call per implementation under ``torch.profiler`` and reports its matmul
+kernels' own time and FLOPs (``_profile.py``): that time over the compute floor is the best ratio those
+kernels allow, whatever else is removed.
 
 Compile cost: the wall time of the first ``compile=True`` call minus a steady call, in this process.
 Inductor caches compiled code on disk (``TORCHINDUCTOR_CACHE_DIR``, by default under /tmp), so a second
@@ -22,6 +30,7 @@ run of this script shows the warm-cache cost.
     python benchmarks/bench_decode.py                         # random-init SmolLM2 shape, fp32
     python benchmarks/bench_decode.py --model ~/.cache/rlbits/models/smollm2-135m --batch-sizes 16
     python benchmarks/bench_decode.py --matmuls               # the step's matmuls alone: MKL vs oneDNN packed
+    python benchmarks/bench_decode.py --batch-sizes 16 --num-samples 4 --prompt-len 10 --profile  # GRPO's rollout
 
 Writes ``benchmarks/results/bench_decode.json`` (``--out`` to change; ``--matmuls``: ``..._matmuls.json``).
 """
@@ -148,6 +157,10 @@ def main() -> int:
     p.add_argument("--batch-sizes", default="8,16,32")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--num-samples", type=int, default=1,
+                   help="K samples per prompt (B / K distinct prompts; the GRPO step's rollout: 4)")  # fmt: skip
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more call per implementation: time and GFLOP of its matmul kernels")  # fmt: skip
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
@@ -175,6 +188,7 @@ def main() -> int:
         return 0
 
     import torch
+    from _profile import matmul_summary, profiler
     from _workload import smollm2_config
     from tensordict import TensorDict
     from transformers import AutoModelForCausalLM
@@ -206,11 +220,14 @@ def main() -> int:
     vocab = model.config.vocab_size
     impls = args.impls.split(",")
     rows = []
+    K = args.num_samples
     for B in [int(b) for b in args.batch_sizes.split(",")]:
+        if B % K:
+            raise SystemExit(f"--batch-sizes {B} is not a multiple of --num-samples {K}")
         g = torch.Generator().manual_seed(0)
-        prompts = torch.randint(3, vocab, (B, args.prompt_len), generator=g).to(device)
+        prompts = torch.randint(3, vocab, (B // K, args.prompt_len), generator=g).to(device)
         td = TensorDict(
-            prompts=prompts, prompt_mask=torch.ones_like(prompts, dtype=torch.bool), batch_size=[B]
+            prompts=prompts, prompt_mask=torch.ones_like(prompts, dtype=torch.bool), batch_size=[B // K]
         )
 
         def call(impl, B=B, prompts=prompts, td=td):
@@ -224,12 +241,12 @@ def main() -> int:
                     model.generate(
                         prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=None, top_p=None,
                         temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                        eos_token_id=None, pad_token_id=0, **static,
+                        eos_token_id=None, pad_token_id=0, num_return_sequences=K, **static,
                     )  # fmt: skip
                 else:
                     out = generate(
                         model, td, max_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=0,
-                        generator=gen, compile=impl == "rlbits_compile",
+                        generator=gen, compile=impl == "rlbits_compile", num_samples=K,
                         pack_weights=False if impl == "rlbits_unpacked" else None,
                     )  # fmt: skip
                     assert out["responses"].shape == (B, args.new_tokens)
@@ -248,9 +265,16 @@ def main() -> int:
             for impl in impls:
                 times[impl].append(call(impl))
         tokens = B * args.new_tokens
+        # Each distinct prompt is prefilled once (HF generate prefills every row; rlbits once per prompt).
         compute_floor = (
-            2 * n_params * B * (args.prompt_len + args.new_tokens) / (peaks["matmul_gflops"] * 1e9)
+            2 * n_params * (B // K * args.prompt_len + B * args.new_tokens) / (peaks["matmul_gflops"] * 1e9)
         )
+        matmuls = {}
+        if args.profile:
+            for impl in impls:
+                with profiler() as prof:
+                    seconds = call(impl)
+                matmuls[impl] = {"profiled_call_s": seconds, **matmul_summary(prof)}
         memory_floor = weight_bytes * args.new_tokens / (peaks["read_gbs"] * 1e9)  # prefill + (N - 1) steps
         for impl in impls:
             med = statistics.median(times[impl])
@@ -262,9 +286,20 @@ def main() -> int:
             }  # fmt: skip
             if impl == "rlbits_compile":
                 row["compile_cost_s"] = first[impl] - med
+            if impl in matmuls:
+                row["matmuls"] = matmuls[impl]
+                # No overhead removal beats the matmul kernels' own time: the best ratio these kernels allow.
+                row["x_compute_floor_matmuls_only"] = matmuls[impl]["matmul_s"] / compute_floor
             rows.append(row)
             extra = f"  compile {row['compile_cost_s']:.1f} s" if "compile_cost_s" in row else ""
             extra += f"  peak {peak_mib[impl]:.0f} MiB" if cuda else ""
+            if impl in matmuls:
+                mm = matmuls[impl]
+                extra += (
+                    f"\n      profiled call {mm['profiled_call_s']:.3f} s: matmul kernels {mm['matmul_s']:.3f} s "
+                    f"({mm['matmul_gflop']:.0f} GFLOP at {mm['matmul_gflops']:.0f} GFLOP/s) = "
+                    f"{row['x_compute_floor_matmuls_only']:.2f}x compute floor by themselves"
+                )
             print(
                 f"B={B:3d} {impl:15s} {med:7.3f} s  {tokens / med:7.1f} tok/s  "
                 f"{med / compute_floor:4.2f}x compute floor ({compute_floor:.3f} s)  "
@@ -279,6 +314,7 @@ def main() -> int:
                     "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"},
         "model": args.model or "random init, SmolLM2-135M config", "dtype": args.dtype, "parameters": n_params,
         "weight_bytes": weight_bytes, "peaks": peaks, "reuse_freed_memory": reused, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "num_samples": K,
         "rows": rows,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

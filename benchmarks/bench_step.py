@@ -48,7 +48,14 @@ workers' memory as an experiment). Still, with the other worker alive both frame
 slower than alone (cause not found), so the headline ratios are the standalone ones, with the
 interleaved ones beside them.
 
+``--profile-matmuls 1``: each rlbits worker runs one more step after its timed ones, under
+``torch.profiler`` (not counted in the medians), and reports its matmul kernels' own time and GFLOP per
+loop phase (``_profile.py``). The floor of a phase is its executed matmul GFLOP at the machine's peak
+(``--peak``, or measured as ``bench_decode.py`` does), and "matmuls alone / floor" is the best ratio to it
+those kernels allow, however little else the step did.
+
     python benchmarks/bench_step.py                           # standard workload, both modes, ~15 min quiet
+    python benchmarks/bench_step.py --mode standalone --only rlbits-ppo --no-bf16 --profile-matmuls 1
     python benchmarks/bench_step.py --workload smollm2        # the 135M model, ~25 min quiet
     python benchmarks/bench_step.py --steps 3 --only rlbits-grpo trl-grpo --mode interleaved
 
@@ -75,6 +82,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _workload as W  # noqa: E402
+from _profile import matmul_summary, profiler  # noqa: E402
+from bench_decode import measured_peaks  # noqa: E402
 
 ALGOS = ("grpo", "rloo", "ppo")
 DEFAULT_TRL116 = "/work/venv-trl116/bin/python"
@@ -175,7 +184,7 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
     common = dict(
         policy=str(folder),
         run_dir=str(run_dir),
-        max_num_steps=total,
+        max_num_steps=total + (1 if args.profile_matmuls else 0),  # + the profiled step, not timed
         max_new_tokens=args.new_tokens,
         temperature=1.0,
         microbatch_size=args.microbatch,
@@ -223,17 +232,28 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
         else:  # older loops: wrap the whole run in CPU autocast, what the precision field does
             autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     turns = _Turns(total)
+    prof = None
 
     class Callback:
         def on_metrics(self, step, metrics):
-            if "time/step" in metrics:
-                turns.step_done(
-                    {
-                        "loop_time_step": metrics["time/step"],
-                        "phases": {k: v for k, v in metrics.items() if k.startswith("time/")},
-                        "response_len": metrics.get("response_len"),
-                    }
-                )
+            nonlocal prof
+            if "time/step" not in metrics:
+                return
+            phases = {k: v for k, v in metrics.items() if k.startswith("time/")}
+            if prof is not None:  # the extra step after the timed ones, under the profiler
+                prof.stop()
+                _send("profile", seconds=metrics["time/step"], phases=phases, **matmul_summary(prof))
+                return
+            turns.step_done(
+                {
+                    "loop_time_step": metrics["time/step"],
+                    "phases": phases,
+                    "response_len": metrics.get("response_len"),
+                }
+            )
+            if args.profile_matmuls and turns.count == total:
+                prof = profiler()
+                prof.start()
 
     prompts = W.prompts(args.num_prompts * (total + 2), length=args.prompt_len, vocab=args.vocab, seed=1)
     with autocast:
@@ -495,6 +515,9 @@ def _summarise(alive, failed) -> dict:
             "response_len": [m.get("response_len") for m in steps if m.get("response_len") is not None],
             "phases_last_step": steps[-1].get("phases"),
         }
+        profiled = [m for m in w.messages if m["kind"] == "profile"]
+        if profiled:
+            results[w.name]["profiled_step"] = {k: v for k, v in profiled[0].items() if k != "kind"}
     for name, err in failed.items():
         results[name] = {"error": err[-2000:]}
     return results
@@ -528,6 +551,47 @@ def _table(results: dict, algos) -> list[str]:
     return table
 
 
+def _matmul_rows(by_mode: dict, peak: float) -> list[dict]:
+    """Per profiled rlbits worker and phase: matmul kernel seconds and GFLOP, the floor (GFLOP / peak) and
+    the best ratio to it those kernels allow (their own seconds / floor), next to the timed median."""
+    rows = []
+    for results in by_mode.values():
+        for name, r in results.items():
+            prof = r.get("profiled_step")
+            if prof is None:
+                continue
+            phases = {"step": {k: prof[k] for k in ("matmul_s", "matmul_gflop", "matmul_gflops")}}
+            phases.update(prof["by_phase"])
+            for phase, m in phases.items():
+                if m["matmul_gflop"] < 0.01:  # e.g. advantages: no matmul worth a floor
+                    continue
+                floor = m["matmul_gflop"] / peak
+                last = r.get("phases_last_step") or {}
+                timed = r["median_s"] if phase == "step" else last.get(f"time/{phase}")
+                profiled_s = prof["seconds"] if phase == "step" else prof["phases"].get(f"time/{phase}")
+                rows.append({"worker": name, "phase": phase, "timed_s": timed, "profiled_s": profiled_s, **m,
+                             "floor_s": floor,
+                             "x_floor_timed": timed / floor if timed and floor else None,
+                             "x_floor_matmuls_only": m["matmul_s"] / floor if floor else None})  # fmt: skip
+    return rows
+
+
+def _matmul_table(rows: list[dict], peak: float) -> list[str]:
+    table = [
+        f"| worker | phase | timed s | profiled s | its matmul kernels s | GFLOP | GFLOP/s | floor s at {peak:.0f} GFLOP/s | timed / floor | matmuls alone / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    for r in rows:
+        table.append(
+            f"| {r['worker']} | {r['phase']} | {fmt(r['timed_s'], '.3f')} | {fmt(r['profiled_s'], '.3f')} | "
+            f"{r['matmul_s']:.3f} | "
+            f"{r['matmul_gflop']:.1f} | {r['matmul_gflops']:.0f} | {r['floor_s']:.3f} | "
+            f"{fmt(r['x_floor_timed'], '.2f')} | {fmt(r['x_floor_matmuls_only'], '.2f')} |"
+        )
+    return table
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=tuple(WORKLOADS), default="standard")
@@ -554,6 +618,11 @@ def main(argv=None) -> dict:
     p.add_argument("--pin-memory", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--compile-generate", type=int, default=0,
                    help="1: rlbits decodes with a compiled step (compile_generate; compiled in the warm-up step)")  # fmt: skip
+    p.add_argument("--profile-matmuls", type=int, default=0,
+                   help="1: each rlbits worker runs one more step under torch.profiler (not timed) and reports "
+                        "its matmul kernels' time and GFLOP per phase, against the arithmetic floor")  # fmt: skip
+    p.add_argument("--peak", type=float, default=None,
+                   help="matmul GFLOP/s for --profile-matmuls' floor (default: measured, as bench_decode.py)")  # fmt: skip
     p.add_argument("--pack-decode-weights", type=int, default=1,
                    help="0: rlbits decodes with F.linear, not oneDNN on packed weights (pack_decode_weights)")  # fmt: skip
     args = p.parse_args(argv)
@@ -575,7 +644,8 @@ def main(argv=None) -> dict:
               f"--new-tokens={new_tokens}", f"--model-folder={folder}", f"--num-prompts={num_prompts}",
               f"--microbatch={microbatch}", f"--vocab={vocab}", f"--pin-memory={1 if args.pin else 0}",
               f"--compile-generate={args.compile_generate}", f"--device={args.device}",
-              f"--pack-decode-weights={args.pack_decode_weights}"]  # fmt: skip
+              f"--pack-decode-weights={args.pack_decode_weights}",
+              f"--profile-matmuls={args.profile_matmuls}"]  # fmt: skip
     specs = []  # (name, python, precision)
     for algo in algos:
         trl_python = args.trl112_python if algo == "ppo" else args.trl116_python
@@ -617,6 +687,11 @@ def main(argv=None) -> dict:
         by_mode[mode] = _summarise(alive, failed)
         loads_by_mode[mode] = loads
     tables = {mode: _table(res, algos) for mode, res in by_mode.items()}
+    matmul_report = None
+    if args.profile_matmuls:
+        peak = args.peak or measured_peaks(args.threads, args.device)["matmul_gflops"]
+        matmul_report = {"peak_gflops": peak, "rows": _matmul_rows(by_mode, peak)}
+        tables["matmuls"] = _matmul_table(matmul_report["rows"], peak)
     for mode, table in tables.items():
         print(f"\n{mode}:\n" + "\n".join(table))
     if len(by_mode) == 2:
@@ -656,6 +731,7 @@ def main(argv=None) -> dict:
         },
         "load_end": _load(),
         "results": by_mode,
+        "matmuls": matmul_report,
         "tables": {mode: "\n".join(t) for mode, t in tables.items()},
     }
     out.parent.mkdir(parents=True, exist_ok=True)

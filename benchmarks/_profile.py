@@ -1,0 +1,71 @@
+"""How much of a measured call is matrix multiplication: time and FLOPs of its matmul kernels, from
+``torch.profiler``. Shared by ``bench_decode.py --profile`` and ``bench_step.py --profile-matmuls``.
+
+The point is a bound no overhead removal can beat: a step whose matmuls alone take ``matmul_s`` can never
+run faster than that with the same kernels, so ``matmul_s / floor`` is the best ratio to the arithmetic
+floor this machine's matmul libraries allow at the step's shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Leaf matmul kernels on CPU (MKL through aten, oneDNN on packed weights). Wrappers such as aten::linear
+# and aten::matmul are left out: their self time is dispatch, and their FLOPs are their children's.
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
+
+
+def _flops(event) -> float:
+    """FLOPs of one profiled call: the profiler's own count for aten ops; for oneDNN's packed linear (no
+    formula in the profiler) 2 x rows x out x in from the input [..., in] and weight [out, in] shapes."""
+    if event.name != "mkldnn::_linear_pointwise":
+        return float(event.flops or 0)
+    x_shape, w_shape = event.input_shapes[0], event.input_shapes[1]
+    return 2.0 * math.prod(x_shape[:-1]) * w_shape[0] * w_shape[1]
+
+
+def _phase(event) -> str:
+    """The rlbits loop phase a call ran in (the ``rlbits/<phase>`` range of ``PhaseTimer``), or "-"."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("rlbits/"):
+            return parent.name.removeprefix("rlbits/")
+        parent = parent.cpu_parent
+    return "-"
+
+
+def _totals(rows: dict) -> dict:
+    seconds = sum(r["s"] for r in rows.values())
+    gflop = sum(r["gflop"] for r in rows.values())
+    return {"matmul_s": seconds, "matmul_gflop": gflop, "matmul_gflops": gflop / seconds if seconds else 0.0}
+
+
+def matmul_summary(prof) -> dict:
+    """Time and FLOPs of the matmul kernels of a finished ``profiler()``: ``{"matmul_s", "matmul_gflop",
+    "matmul_gflops", "by_op": {op: {"s", "gflop", "calls"}}, "by_phase": {phase: {"matmul_s", ...}}}``.
+    Times are each kernel's own CPU time (self time); phases are the loops' ``rlbits/<phase>`` ranges."""
+    by_op: dict[str, dict] = {}
+    by_phase: dict[str, dict] = {}
+    for event in prof.events():
+        if event.name not in MATMUL_OPS:
+            continue
+        seconds, gflop = event.self_cpu_time_total / 1e6, _flops(event) / 1e9
+        for table, key in ((by_op, event.name), (by_phase, _phase(event))):
+            row = table.setdefault(key, {"s": 0.0, "gflop": 0.0, "calls": 0})
+            row["s"] += seconds
+            row["gflop"] += gflop
+            row["calls"] += 1
+    return {
+        **_totals(by_op),
+        "by_op": by_op,
+        "by_phase": {phase: _totals({phase: row}) for phase, row in by_phase.items()},
+    }
+
+
+def profiler():
+    """A CPU profiler recording what ``matmul_summary`` needs (shapes and FLOPs), not stacks."""
+    import torch
+
+    return torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True, with_flops=True
+    )
