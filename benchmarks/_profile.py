@@ -9,6 +9,7 @@ floor this machine's matmul libraries allow at the step's shapes.
 from __future__ import annotations
 
 import math
+import time
 
 # Leaf matmul kernels on CPU (MKL through aten, oneDNN on packed weights). Wrappers such as aten::linear
 # and aten::matmul are left out: their self time is dispatch, and their FLOPs are their children's.
@@ -60,6 +61,70 @@ def matmul_summary(prof) -> dict:
         "by_op": by_op,
         "by_phase": {phase: _totals({phase: row}) for phase, row in by_phase.items()},
     }
+
+
+def matmul_calls(prof) -> list[tuple[str, str, list]]:
+    """The matmul kernel calls of a finished ``profiler()``, in order: ``(phase, op, input shapes)``."""
+    events = sorted((e for e in prof.events() if e.name in MATMUL_OPS), key=lambda e: e.time_range.start)
+    return [(_phase(e), e.name, [list(s) for s in e.input_shapes]) for e in events]
+
+
+def replay_seconds(calls: list[tuple[str, str, list]], *, repeats: int = 3, pool_mb: int = 128) -> dict:
+    """Seconds per phase of the same matmul calls run again in order without the profiler (best of
+    ``repeats``), on float32 operands of the recorded shapes: a profiler-free measure of what the kernels
+    alone cost. Each distinct call shape cycles through copies of its operands up to ``pool_mb`` (so 30
+    layers' distinct decode weights come from memory, as in a real decode, not from the cache); packed
+    linears get weights reordered for their row count, as ``packed_linears`` does."""
+    import torch
+
+    pools: dict[tuple, list] = {}
+    counts: dict[tuple, int] = {}
+    for _, op, shapes in calls:
+        key = (op, str(shapes))
+        counts[key] = counts.get(key, 0) + 1
+    for _, op, shapes in calls:
+        key = (op, str(shapes))
+        if key in pools:
+            continue
+        tensor_shapes = [sh for sh in shapes if sh]
+        nbytes = 4 * sum(math.prod(sh) for sh in tensor_shapes)
+        copies = max(1, min(counts[key], pool_mb * 2**20 // max(nbytes, 1)))
+        made = []
+        for _ in range(copies):
+            ts = [torch.randn(sh) for sh in tensor_shapes]
+            if op == "mkldnn::_linear_pointwise":
+                rows = math.prod(shapes[0][:-1])
+                ts[1] = torch.ops.mkldnn._reorder_linear_weight(ts[1], rows)
+                ts = ts[:3] if len(ts) >= 3 else [*ts, None]
+            made.append(ts)
+        pools[key] = made
+
+    def run(op, ts):
+        if op == "aten::mm":
+            return torch.mm(*ts)
+        if op == "aten::addmm":
+            return torch.addmm(*ts)
+        if op == "aten::bmm":
+            return torch.bmm(*ts)
+        if op == "aten::baddbmm":
+            return torch.baddbmm(*ts)
+        return torch.ops.mkldnn._linear_pointwise(ts[0], ts[1], ts[2], "none", [], "")
+
+    best: dict[str, float] = {}
+    with torch.no_grad():
+        for _ in range(repeats):
+            seconds: dict[str, float] = {}
+            cursor = dict.fromkeys(pools, 0)
+            for phase, op, shapes in calls:
+                key = (op, str(shapes))
+                ts = pools[key][cursor[key] % len(pools[key])]
+                cursor[key] += 1
+                t = time.perf_counter()
+                run(op, ts)
+                seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t
+            for phase, sec in seconds.items():
+                best[phase] = min(best.get(phase, float("inf")), sec)
+    return best
 
 
 def profiler():

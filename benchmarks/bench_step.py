@@ -51,8 +51,9 @@ interleaved ones beside them.
 ``--profile-matmuls 1``: each rlbits worker runs one more step after its timed ones, under
 ``torch.profiler`` (not counted in the medians), and reports its matmul kernels' own time and GFLOP per
 loop phase (``_profile.py``). The floor of a phase is its executed matmul GFLOP at the machine's peak
-(``--peak``, or measured as ``bench_decode.py`` does), and "matmuls alone / floor" is the best ratio to it
-those kernels allow, however little else the step did.
+(``--peak``, or measured as ``bench_decode.py`` does), and "kernels / floor" is the best ratio to it those
+kernels allow, however little else the step did. The same calls are then replayed in order without the
+profiler ("replayed alone": the profiler's own cost cannot inflate it).
 
     python benchmarks/bench_step.py                           # standard workload, both modes, ~15 min quiet
     python benchmarks/bench_step.py --mode standalone --only rlbits-ppo --no-bf16 --profile-matmuls 1
@@ -82,7 +83,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _workload as W  # noqa: E402
-from _profile import matmul_summary, profiler  # noqa: E402
+from _profile import matmul_calls, matmul_summary, profiler, replay_seconds  # noqa: E402
 from bench_decode import measured_peaks  # noqa: E402
 
 ALGOS = ("grpo", "rloo", "ppo")
@@ -242,7 +243,9 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
             phases = {k: v for k, v in metrics.items() if k.startswith("time/")}
             if prof is not None:  # the extra step after the timed ones, under the profiler
                 prof.stop()
-                _send("profile", seconds=metrics["time/step"], phases=phases, **matmul_summary(prof))
+                replayed = replay_seconds(matmul_calls(prof))
+                _send("profile", seconds=metrics["time/step"], phases=phases, replay_s_by_phase=replayed,
+                      **matmul_summary(prof))  # fmt: skip
                 return
             turns.step_done(
                 {
@@ -560,8 +563,10 @@ def _matmul_rows(by_mode: dict, peak: float) -> list[dict]:
             prof = r.get("profiled_step")
             if prof is None:
                 continue
+            replayed = prof["replay_s_by_phase"]
             phases = {"step": {k: prof[k] for k in ("matmul_s", "matmul_gflop", "matmul_gflops")}}
-            phases.update(prof["by_phase"])
+            phases["step"]["replay_s"] = sum(replayed.values())
+            phases.update({ph: {**m, "replay_s": replayed.get(ph)} for ph, m in prof["by_phase"].items()})
             for phase, m in phases.items():
                 if m["matmul_gflop"] < 0.01:  # e.g. advantages: no matmul worth a floor
                     continue
@@ -572,22 +577,24 @@ def _matmul_rows(by_mode: dict, peak: float) -> list[dict]:
                 rows.append({"worker": name, "phase": phase, "timed_s": timed, "profiled_s": profiled_s, **m,
                              "floor_s": floor,
                              "x_floor_timed": timed / floor if timed and floor else None,
-                             "x_floor_matmuls_only": m["matmul_s"] / floor if floor else None})  # fmt: skip
+                             "x_floor_matmuls_only": m["matmul_s"] / floor if floor else None,
+                             "x_floor_replayed": m["replay_s"] / floor if floor and m["replay_s"] else None})  # fmt: skip
     return rows
 
 
 def _matmul_table(rows: list[dict], peak: float) -> list[str]:
     table = [
-        f"| worker | phase | timed s | profiled s | its matmul kernels s | GFLOP | GFLOP/s | floor s at {peak:.0f} GFLOP/s | timed / floor | matmuls alone / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| worker | phase | timed s | floor s at {peak:.0f} GFLOP/s | timed / floor | profiled s | its matmul "
+        "kernels s | GFLOP | GFLOP/s | kernels / floor | kernels replayed alone s | replayed / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     for r in rows:
         table.append(
-            f"| {r['worker']} | {r['phase']} | {fmt(r['timed_s'], '.3f')} | {fmt(r['profiled_s'], '.3f')} | "
-            f"{r['matmul_s']:.3f} | "
-            f"{r['matmul_gflop']:.1f} | {r['matmul_gflops']:.0f} | {r['floor_s']:.3f} | "
-            f"{fmt(r['x_floor_timed'], '.2f')} | {fmt(r['x_floor_matmuls_only'], '.2f')} |"
+            f"| {r['worker']} | {r['phase']} | {fmt(r['timed_s'], '.3f')} | {r['floor_s']:.3f} | "
+            f"{fmt(r['x_floor_timed'], '.2f')} | {fmt(r['profiled_s'], '.3f')} | {r['matmul_s']:.3f} | "
+            f"{r['matmul_gflop']:.1f} | {r['matmul_gflops']:.0f} | {fmt(r['x_floor_matmuls_only'], '.2f')} | "
+            f"{fmt(r['replay_s'], '.3f')} | {fmt(r['x_floor_replayed'], '.2f')} |"
         )
     return table
 

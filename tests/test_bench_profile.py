@@ -66,6 +66,9 @@ def test_packed_linear_flops_come_from_its_shapes():
     summary = bench_profile.matmul_summary(prof)
     assert list(summary["by_op"]) == ["mkldnn::_linear_pointwise"]
     assert summary["matmul_gflop"] * 1e9 == pytest.approx(_matmul_flops(12, 48, 32))
+    calls = bench_profile.matmul_calls(prof)
+    assert calls == [("-", "mkldnn::_linear_pointwise", [[6, 2, 32], [48, 32], [48], [], [], []])]
+    assert 0 < bench_profile.replay_seconds(calls, repeats=1)["-"] < 1
 
 
 def test_phase_timer_names_its_profiler_ranges_and_still_times():
@@ -76,3 +79,23 @@ def test_phase_timer_names_its_profiler_ranges_and_still_times():
     names = {e.name for e in prof.events()}
     assert "rlbits/reference" in names
     assert timer.metrics()["time/reference"] > 0
+
+
+def test_replay_runs_the_recorded_calls_per_phase_without_the_profiler():
+    layer = torch.nn.Linear(32, 48)
+    timer = PhaseTimer()
+    with bench_profile.profiler() as prof:
+        with timer("update"):
+            layer(torch.randn(10, 32)).sum().backward()
+        with timer("rollout"), torch.no_grad():
+            layer(torch.randn(4, 32))
+    calls = bench_profile.matmul_calls(prof)
+    assert [(phase, op) for phase, op, _ in calls] == [
+        ("update", "aten::addmm"),  # forward
+        ("update", "aten::mm"),  # weight gradient
+        ("rollout", "aten::addmm"),
+    ]
+    assert calls[1][2] == [[48, 10], [10, 32]]
+    replayed = bench_profile.replay_seconds(calls, repeats=2)
+    assert set(replayed) == {"update", "rollout"}
+    assert all(0 < s < 1 for s in replayed.values())
