@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 
 # Leaf matmul kernels on CPU (MKL through aten, oneDNN on packed weights). Wrappers such as aten::linear
 # and aten::matmul are left out: their self time is dispatch, and their FLOPs are their children's.
@@ -35,9 +36,9 @@ def _phase(event) -> str:
     return "-"
 
 
-def _totals(rows: dict) -> dict:
-    seconds = sum(r["s"] for r in rows.values())
-    gflop = sum(r["gflop"] for r in rows.values())
+def _totals(rows: list[dict]) -> dict:
+    seconds = sum(r["s"] for r in rows)
+    gflop = sum(r["gflop"] for r in rows)
     return {"matmul_s": seconds, "matmul_gflop": gflop, "matmul_gflops": gflop / seconds if seconds else 0.0}
 
 
@@ -57,9 +58,9 @@ def matmul_summary(prof) -> dict:
             row["gflop"] += gflop
             row["calls"] += 1
     return {
-        **_totals(by_op),
+        **_totals(list(by_op.values())),
         "by_op": by_op,
-        "by_phase": {phase: _totals({phase: row}) for phase, row in by_phase.items()},
+        "by_phase": {phase: _totals([row]) for phase, row in by_phase.items()},
     }
 
 
@@ -77,13 +78,10 @@ def replay_seconds(calls: list[tuple[str, str, list]], *, repeats: int = 3, pool
     linears get weights reordered for their row count, as ``packed_linears`` does."""
     import torch
 
+    keys = [(op, str(shapes)) for _, op, shapes in calls]
+    counts = Counter(keys)
     pools: dict[tuple, list] = {}
-    counts: dict[tuple, int] = {}
-    for _, op, shapes in calls:
-        key = (op, str(shapes))
-        counts[key] = counts.get(key, 0) + 1
-    for _, op, shapes in calls:
-        key = (op, str(shapes))
+    for key, (_, op, shapes) in zip(keys, calls, strict=True):
         if key in pools:
             continue
         tensor_shapes = [sh for sh in shapes if sh]
@@ -115,8 +113,7 @@ def replay_seconds(calls: list[tuple[str, str, list]], *, repeats: int = 3, pool
         for _ in range(repeats):
             seconds: dict[str, float] = {}
             cursor = dict.fromkeys(pools, 0)
-            for phase, op, shapes in calls:
-                key = (op, str(shapes))
+            for key, (phase, op, _) in zip(keys, calls, strict=True):
                 ts = pools[key][cursor[key] % len(pools[key])]
                 cursor[key] += 1
                 t = time.perf_counter()

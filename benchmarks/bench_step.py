@@ -567,11 +567,11 @@ def _matmul_rows(by_mode: dict, peak: float) -> list[dict]:
             phases = {"step": {k: prof[k] for k in ("matmul_s", "matmul_gflop", "matmul_gflops")}}
             phases["step"]["replay_s"] = sum(replayed.values())
             phases.update({ph: {**m, "replay_s": replayed.get(ph)} for ph, m in prof["by_phase"].items()})
+            last = r.get("phases_last_step") or {}
             for phase, m in phases.items():
                 if m["matmul_gflop"] < 0.01:  # e.g. advantages: no matmul worth a floor
                     continue
                 floor = m["matmul_gflop"] / peak
-                last = r.get("phases_last_step") or {}
                 timed = r["median_s"] if phase == "step" else last.get(f"time/{phase}")
                 profiled_s = prof["seconds"] if phase == "step" else prof["phases"].get(f"time/{phase}")
                 rows.append({"worker": name, "phase": phase, "timed_s": timed, "profiled_s": profiled_s, **m,
