@@ -1,4 +1,5 @@
-"""The sandboxed Python tool against escape attempts, and the exact calculator.
+"""The sandboxed Python tool, under both sandboxes (``bwrap`` and ``unsafe_local``), and the exact calculator.
+The escape attempts against ``bwrap`` are tests/test_sandbox_escape.py.
 
 Every attempt is small and bounded even if a limit failed: the fork test forks at most once (a real fork
 bomb is never run), the memory test asks for 10 GiB in one allocation (refused by RLIMIT_AS before any page is
@@ -7,13 +8,25 @@ touched), the loops run under a 1 s CPU limit and a 3 s wall-clock timeout."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import tempfile
+import time
 import uuid
 from pathlib import Path
 
 import pytest
+from sandbox_support import require_bwrap
 
-from rlbits.envs.sandbox import calculator, python, run_python
+from rlbits.envs import sandbox as sandbox_module
+from rlbits.envs.sandbox import (
+    SandboxUnavailableError,
+    calculator,
+    check_sandbox,
+    python,
+    python_tool,
+    run_python,
+)
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the sandbox's limits are Linux's"
@@ -23,21 +36,49 @@ REPO = Path(__file__).resolve().parents[1]
 FAST = {"timeout_s": 3.0, "cpu_seconds": 1}
 
 
-def test_runs_code_and_cleans_up(tmp_path):
-    r = run_python("import math, fractions\nprint(math.factorial(20), fractions.Fraction(1, 3) * 3)", **FAST)
-    assert r.ok and r.stdout == "2432902008176640000 1\n", r
-    r = run_python("import os\nopen('note.txt', 'w').write('hi')\nprint(os.getcwd())", **FAST)
+@pytest.fixture(params=["bwrap", "unsafe_local"])
+def sandbox(request) -> str:
+    if request.param == "bwrap":
+        require_bwrap()
+    return request.param
+
+
+def test_runs_code_and_cleans_up(sandbox):
+    code = "import math, fractions\nprint(math.factorial(20), fractions.Fraction(1, 3) * 3)"
+    r = run_python(code, sandbox=sandbox, **FAST)
+    assert r.ok and r.stdout == "2432902008176640000 1\n" and r.sandbox == sandbox, r
+    r = run_python(
+        "import os\nopen('note.txt', 'w').write('hi')\nprint(os.getcwd())", sandbox=sandbox, **FAST
+    )
     assert r.ok, r
-    assert not os.path.exists(r.stdout.strip()), "the working directory must be deleted afterwards"
+    assert not os.path.exists(os.path.join(r.stdout.strip(), "note.txt")), (
+        "the work dir must be gone afterwards"
+    )
 
 
-def test_exception_is_reported_not_raised():
-    r = run_python("1 / 0", **FAST)
+def test_files_inside_the_work_dir(sandbox):
+    # remove, mkdir, rename and rmdir inside the work dir: CPython passes dir_fd=-1 to the audit hook
+    code = (
+        "import os\n"
+        "open('a', 'w').write('x')\n"
+        "os.rename('a', 'b')\n"
+        "os.remove('b')\n"
+        "os.mkdir('d')\n"
+        "os.rename('d', 'e')\n"
+        "os.rmdir('e')\n"
+        "print(sorted(os.listdir('.')))\n"
+    )
+    r = run_python(code, sandbox=sandbox, **FAST)
+    assert r.ok and r.stdout == "[]\n", r
+
+
+def test_exception_is_reported_not_raised(sandbox):
+    r = run_python("1 / 0", sandbox=sandbox, **FAST)
     assert r.returncode == 1 and "ZeroDivisionError" in r.stderr and not r.timed_out
 
 
 @pytest.mark.parametrize("target", ["/tmp", "repo"])
-def test_cannot_write_outside_its_dir(target):
+def test_cannot_write_outside_its_dir(target, sandbox):
     path = str((Path("/tmp") if target == "/tmp" else REPO) / f"rlbits-escape-{uuid.uuid4().hex}")
     attempts = [
         f"open({path!r}, 'w').write('x')",
@@ -47,31 +88,41 @@ def test_cannot_write_outside_its_dir(target):
     ]
     try:
         for code in attempts:
-            r = run_python(code, **FAST)
-            assert r.returncode != 0 and "PermissionError" in r.stderr, (code, r)
-            assert not os.path.exists(path), code
+            for hooks in (True, False) if sandbox == "bwrap" else (True,):
+                r = run_python(code, sandbox=sandbox, _audit_hooks=hooks, **FAST)
+                assert not os.path.lexists(path), (code, r)
+                # The hook refuses first (bwrap's /tmp is a link to the work dir: allowed, and harmless). Without
+                # the hook (bwrap) the host path is simply not in the sandbox's view.
+                if hooks and not (sandbox == "bwrap" and target == "/tmp"):
+                    assert r.returncode != 0 and "PermissionError" in r.stderr, (code, r)
     finally:
         if os.path.lexists(path):
             os.remove(path) if not os.path.isdir(path) else os.rmdir(path)
 
 
-def test_cannot_read_other_processes_environment(monkeypatch):
+def test_cannot_read_other_processes_environment(monkeypatch, sandbox):
     monkeypatch.setenv("RLBITS_TEST_SECRET", "hunter2")
-    r = run_python("import os\nprint(sorted(os.environ))", **FAST)
+    r = run_python("import os\nprint(sorted(os.environ))", sandbox=sandbox, **FAST)
     assert r.ok and "RLBITS_TEST_SECRET" not in r.stdout and "hunter2" not in r.stdout, r
-    # Python's own locale coercion may set LC_CTYPE; nothing of the parent's environment arrives.
-    assert set(eval(r.stdout)) <= {"LC_CTYPE"}, r.stdout
-    r = run_python(f"print(open('/proc/{os.getpid()}/environ').read())", **FAST)
-    assert r.returncode != 0 and "hunter2" not in r.stdout and "PermissionError" in r.stderr, r
+    # Python's own locale coercion may set LC_CTYPE (and bwrap PWD); nothing of the parent's arrives.
+    assert set(eval(r.stdout)) <= {"LC_CTYPE", "PWD"}, r.stdout
+    code = f"print(open('/proc/{os.getpid()}/environ').read())"
+    r = run_python(code, sandbox=sandbox, **FAST)
+    assert r.returncode != 0 and "hunter2" not in r.stdout and "PermissionError" in r.stderr, r  # the hook
+    if sandbox == "bwrap":  # without the hook: no /proc in the sandbox
+        r = run_python(code, sandbox=sandbox, _audit_hooks=False, **FAST)
+        assert r.returncode != 0 and "hunter2" not in r.stdout and "FileNotFoundError" in r.stderr, r
 
 
-def test_cannot_open_a_socket():
-    r = run_python("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)", **FAST)
+def test_cannot_open_a_socket(sandbox):
+    r = run_python(
+        "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)", sandbox=sandbox, **FAST
+    )
     assert r.returncode != 0 and "socket" in r.stderr and "not allowed" in r.stderr, r
 
 
-def test_network_namespace_holds_without_the_hook():
-    r = run_python("print(1)", **FAST)
+def test_network_namespace_holds_without_the_hook(sandbox):
+    r = run_python("print(1)", sandbox=sandbox, **FAST)
     if not r.network_namespace:
         pytest.skip("unshare -n is not available here: only the audit hook blocks the network")
     code = (
@@ -83,22 +134,22 @@ def test_network_namespace_holds_without_the_hook():
         "    except OSError as e:\n"
         "        print('refused', host, e.errno)\n"
     )
-    r = run_python(code, _audit_hooks=False, **FAST)
+    r = run_python(code, sandbox=sandbox, _audit_hooks=False, **FAST)
     assert "connected" not in r.stdout and r.stdout.count("refused") == 2, r
 
 
-def test_infinite_loop_is_stopped_by_the_cpu_limit():
-    r = run_python("while True:\n    pass", timeout_s=4.0, cpu_seconds=1)
+def test_infinite_loop_is_stopped_by_the_cpu_limit(sandbox):
+    r = run_python("while True:\n    pass", sandbox=sandbox, timeout_s=4.0, cpu_seconds=1)
     assert not r.ok and r.returncode < 0 and "killed" in r.reason(), r
     assert r.seconds < 4.0
 
 
-def test_sleep_is_stopped_by_the_wall_clock():
-    r = run_python("import time\ntime.sleep(60)", timeout_s=1.0, cpu_seconds=1)
+def test_sleep_is_stopped_by_the_wall_clock(sandbox):
+    r = run_python("import time\ntime.sleep(60)", sandbox=sandbox, timeout_s=1.0, cpu_seconds=1)
     assert r.timed_out and r.reason() == "killed: wall-clock timeout" and r.seconds < 3, r
 
 
-def test_fork_is_refused():
+def test_fork_is_refused(sandbox):
     # One fork at most, its child exits at once: safe even if every limit failed.
     code = (
         "import os\n"
@@ -112,15 +163,15 @@ def test_fork_is_refused():
         "    os.waitpid(pid, 0)\n"
         "    print('forked')\n"
     )
-    r = run_python(code, **FAST)
+    r = run_python(code, sandbox=sandbox, **FAST)
     assert r.stdout.startswith("refused PermissionError"), r  # the audit hook
-    r = run_python(code, _audit_hooks=False, **FAST)
+    r = run_python(code, sandbox=sandbox, _audit_hooks=False, **FAST)
     assert r.stdout.startswith("refused BlockingIOError"), r  # RLIMIT_NPROC alone: EAGAIN
-    r = run_python("import subprocess\nsubprocess.run(['true'])", **FAST)
+    r = run_python("import subprocess\nsubprocess.run(['true'])", sandbox=sandbox, **FAST)
     assert r.returncode != 0 and "not allowed" in r.stderr, r
 
 
-def test_fork_bomb_is_stopped():
+def test_fork_bomb_is_stopped(sandbox):
     # The classic bomb (every process forks again), under RLIMIT_NPROC = 0 set before the first line runs; the
     # hook is left out so the kernel limit is what stops it: the first fork fails with EAGAIN. For safety it
     # refuses to start unless the limit is in place and it is not root, and it is bounded to 6 generations
@@ -131,28 +182,55 @@ def test_fork_bomb_is_stopped():
         "for _ in range(6):\n"
         "    os.fork()\n"
     )
-    r = run_python(code, _audit_hooks=False, timeout_s=3.0, cpu_seconds=1)
+    r = run_python(code, sandbox=sandbox, _audit_hooks=False, timeout_s=3.0, cpu_seconds=1)
     assert r.returncode == 1 and "BlockingIOError" in r.stderr and not r.timed_out, r
 
 
-def test_memory_limit():
-    r = run_python("x = bytearray(10 * 1024**3)", **FAST)
+def test_memory_limit(sandbox):
+    r = run_python("x = bytearray(10 * 1024**3)", sandbox=sandbox, **FAST)
     assert r.returncode == 1 and "MemoryError" in r.stderr, r
 
 
-def test_huge_output_is_truncated():
+def test_huge_output_is_truncated(sandbox):
+    # 1 GB written to stdout: the parent keeps 400 characters and drains the rest from its pipe until the
+    # child ends (here the wall clock stops it: writing to a pipe is not limited by RLIMIT_FSIZE).
     r = run_python(
-        "import sys\nfor _ in range(10**6):\n    sys.stdout.write('x' * 1000)", max_output_chars=400, **FAST
+        "import sys\nfor _ in range(10**6):\n    sys.stdout.write('x' * 1000)",
+        sandbox=sandbox,
+        max_output_chars=400,
+        timeout_s=2.0,
+        cpu_seconds=1,
     )
     assert r.truncated and len(r.stdout) < 600 and "truncated" in r.stdout, r
-    # RLIMIT_FSIZE stopped the writing at 1 MiB: the child got EFBIG, not the parent a 1 GB file.
-    assert r.returncode == 1 and "File too large" in r.stderr, r
+    assert r.stdout.startswith("x" * 400) and r.seconds < 4, r
 
 
-def test_python_tool_text():
-    assert python("print(6 * 7)") == "42"
-    out = python("raise ValueError('boom')")
+def test_disk_is_bounded_in_total():
+    # Many files each under RLIMIT_FSIZE: the tmpfs of max_disk_bytes is the total bound.
+    require_bwrap()
+    code = (
+        "import os\n"
+        "n = 0\n"
+        "try:\n"
+        "    for i in range(1000):\n"
+        "        with open(f'f{i}', 'wb') as f:\n"
+        "            f.write(b'x' * (512 * 1024))\n"
+        "        n += 512 * 1024\n"
+        "except OSError as e:\n"
+        "    print(n, e.errno)\n"
+    )
+    r = run_python(code, max_disk_bytes=4 << 20, max_open_files=16, **FAST)
+    written, errno = map(int, r.stdout.split())
+    assert written <= 4 << 20 and errno == 28, r  # ENOSPC
+
+
+def test_python_tool_text(sandbox):
+    tool = python_tool(sandbox)
+    assert tool("print(6 * 7)") == "42"
+    out = tool("raise ValueError('boom')")
     assert "ValueError: boom" in out and "[exit status 1]" in out
+    if sandbox == "bwrap":
+        assert python("print(6 * 7)") == "42"
 
 
 def test_run_python_bad_input():
@@ -160,6 +238,96 @@ def test_run_python_bad_input():
         run_python(b"print(1)")
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         run_python("print(1)", timeout_s=0)
+    with pytest.raises(ValueError, match="sandbox must be one of bwrap, unsafe_local; got 'docker'"):
+        run_python("print(1)", sandbox="docker")
+    with pytest.raises(TypeError, match="memory_gb"):
+        python_tool("unsafe_local", memory_gb=1)
+
+
+def test_no_bwrap_no_tool_code(monkeypatch, tmp_path):
+    # Without bubblewrap (missing, or failing its self-test), tool code does not run under "bwrap".
+    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name, *a, **k: None)
+    with pytest.raises(SandboxUnavailableError, match="not installed.*apt-get install bubblewrap"):
+        run_python("print(1)")
+    with pytest.raises(SandboxUnavailableError, match="unsafe_local"):
+        python_tool()
+    assert run_python("print(1)", sandbox="unsafe_local", **FAST).stdout == "1\n"  # explicit: still runs
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name, *a, **k: str(fake))
+    with pytest.raises(SandboxUnavailableError, match="failed its self-test.*No permissions"):
+        check_sandbox("bwrap")
+
+
+def test_kill_9_of_the_parent_leaves_nothing():
+    # A parent running run_python is killed with SIGKILL: the sandboxed child dies with it (bwrap
+    # --die-with-parent and its PID namespace) and nothing is left on the host (the work dir was a tmpfs).
+    require_bwrap()
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from rlbits.envs.sandbox import run_python\n"
+        "print('started', flush=True)\n"
+        'run_python(\'import time\\nopen("x", "w").write("x")\\ntime.sleep(60)\', timeout_s=60, cpu_seconds=60)\n'
+    )
+    before = set(os.listdir(tempfile.gettempdir()))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "started\n"
+        deadline = time.monotonic() + 20
+        while not any(b"-X\0utf8" in cmd for cmd in _descendants(proc.pid).values()):
+            assert time.monotonic() < deadline, "the sandboxed child never started"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        tree = _descendants(proc.pid)  # bwrap, its init in the PID namespace, the sandboxed python
+        assert len(tree) >= 2, tree
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while _alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(tree), "the sandboxed child outlived its parent"
+    finally:
+        proc.kill()
+        proc.wait()
+    left = [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("rlbits-sandbox")]
+    assert not left, left
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of a live process, None when gone (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else (int(fields[1]), int(fields[19]))
+
+
+def _descendants(root: int) -> dict[tuple[int, int], bytes]:
+    """Every live descendant of ``root``: (pid, start time) -> command line."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (st := _stat(int(name))) is not None:
+            children.setdefault(st[0], []).append(int(name))
+    out, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        st = _stat(pid)
+        if st is None:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out[(pid, st[1])] = f.read()
+        except OSError:
+            continue
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _alive(tree: dict[tuple[int, int], bytes]) -> list[int]:
+    return [pid for pid, start in tree if (st := _stat(pid)) is not None and st[1] == start]
 
 
 # --------------------------------------------------------------------------------------------------------
