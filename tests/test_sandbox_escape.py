@@ -10,7 +10,8 @@ is an error (non-zero status, timeout) or says ``refused``. And nothing escapes:
 root-only file, the repository's files) appears in the output, no file appears outside the sandbox, and
 nothing connects to a listening socket of the host.
 
-Where bubblewrap is missing the suite skips, except under CI (``CI`` set), where it fails.
+Where bubblewrap is missing the suite skips, except under CI (``CI`` or ``RLBITS_REQUIRE_BWRAP`` set, as
+``.ci/run`` does), where it fails.
 """
 
 from __future__ import annotations
