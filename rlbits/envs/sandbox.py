@@ -2,9 +2,9 @@
 
 ``run_python(code)`` runs ``code`` in a fresh interpreter (``python -I -S``: no site-packages, no ``PYTHON*``
 variables) inside an operating-system sandbox and returns a :class:`SandboxResult`; ``python(code)`` is the
-same as a tool (it returns text for the model), and ``python_tool(sandbox=...)`` builds that tool for a chosen
-sandbox, checking at once that the sandbox works. ``calculator(expression)`` evaluates arithmetic by walking the
-``ast``; it never calls ``eval``.
+same as a tool (it returns text for the model), and ``python_tool(sandbox=...)`` builds that tool for a
+chosen sandbox, checking at once that the sandbox works. ``calculator(expression)`` evaluates arithmetic by
+walking the ``ast``; it never calls ``eval``.
 
 Two sandboxes (the ``sandbox`` argument; a run config's ``sandbox`` field):
 
@@ -12,18 +12,23 @@ Two sandboxes (the ``sandbox`` argument; a run config's ``sandbox`` field):
   ``bubblewrap``). Where ``bwrap`` is missing or fails its self-test, no tool code runs:
   :class:`SandboxUnavailableError`, saying how to install it.
 - ``"unsafe_local"``: no OS isolation. Only the rlimits, a ``nobody`` uid (root parent), ``unshare -n`` (where
-  it works) and the audit hook, which code that gets past Python's own rules defeats. Chosen explicitly only.
+  it works), a host temporary work dir (left behind if the parent is killed with kill -9) and the audit hook
+  (``sys.addaudithook``: file access outside the work dir and the stdlib, sockets, processes, ``ctypes``),
+  which code that gets past Python's own rules defeats. Output also comes through pipes. Chosen explicitly
+  only.
 
-What ``"bwrap"`` guarantees (Linux; each item says what enforces it; ``tests/test_sandbox_escape.py`` tries each):
+What ``"bwrap"`` guarantees (Linux; each item says what enforces it; ``tests/test_sandbox_escape.py`` tries
+each):
 
 - **The boundary does not depend on the code's good will.** Everything below is set up by ``bwrap`` and the
   kernel before the user code runs; the audit hook inside (see ``unsafe_local``) is defence in depth only.
 - **Files.** A new mount namespace holding only, read-only: ``/usr/lib*`` and ``/lib*`` (shared libraries),
   the interpreter's prefix (its standard library), a minimal ``/dev`` (``null``, ``zero``, ``urandom``, ...;
-  read-only apart from the devices) and an empty read-only root. No ``/proc``, ``/etc``, ``/home``, ``/root``
-  (beyond the interpreter's prefix), ``/tmp``, no repository, no run directory, no shell. The only writable
-  place is the call's own work dir ``/sandbox`` (``/tmp`` links to it): a fresh tmpfs that exists only in that
-  namespace, gone when the call ends or its parent dies (nothing is left on the host).
+  read-only apart from the devices), ``/etc/ld.so.cache`` and an empty read-only root. No ``/proc``,
+  ``/sys``, no other ``/etc``, ``/home``, ``/root`` (beyond the interpreter's prefix), ``/run``, host
+  ``/tmp``, repository, run directory or shell. The only writable place is the call's own work dir ``/sandbox`` (``/tmp`` links to
+  it): a fresh tmpfs that exists only in that namespace, gone when the call ends or its parent dies (nothing
+  is left on the host).
 - **Disk.** The work dir is a tmpfs of ``max_disk_bytes`` (``bwrap --size``): the total a call can write,
   across all files. ``RLIMIT_FSIZE`` caps each file at ``max_file_bytes``, ``RLIMIT_NOFILE`` its open files.
 - **Output.** stdout and stderr are pipes the parent owns; it keeps at most ``max_output_chars`` characters of
@@ -34,10 +39,10 @@ What ``"bwrap"`` guarantees (Linux; each item says what enforces it; ``tests/tes
 - **Processes.** A new PID namespace (the child sees no host process, so it can signal or ptrace none).
   ``RLIMIT_NPROC = 0``: ``fork``/``clone``/threads fail with EAGAIN (the kernel applies this limit to a
   non-root uid: under a root parent the child becomes ``nobody``, 65534, before any user code runs; it keeps
-  no capability, and ``no_new_privs`` is set). ``--die-with-parent`` and the PID namespace: the child dies with
-  the parent, also on kill -9.
-- **Network.** A new, empty network namespace (a down loopback only): no connection to anything, 127.0.0.1
-  and abstract unix sockets of the host included. New IPC and UTS namespaces too.
+  no capability, and ``no_new_privs`` is set). ``--die-with-parent`` and the PID namespace: the child dies
+  with the parent, also on kill -9.
+- **Network.** A new network namespace with only its own loopback: no connection to anything outside, the
+  host's 127.0.0.1 and abstract unix sockets included. New IPC and UTS namespaces too.
 - **Environment.** Empty (``--clearenv``, and ``bwrap`` itself is started with an empty environment, so no
   process in the sandbox holds the parent's variables).
 - **Kernel surface** (when ``libseccomp`` is installed, Debian ``libseccomp2``): a seccomp filter refuses
