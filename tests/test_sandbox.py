@@ -69,6 +69,13 @@ def test_files_inside_the_work_dir(sandbox):
     assert r.ok and r.stdout == "[]\n", r
 
 
+def test_large_code_goes_in_through_stdin(sandbox):
+    # The code reaches the child on a pipe the parent writes as the child reads (more than a pipe's buffer).
+    code = f"s = {'x' * 300_000!r}\nprint(len(s), 'é')"
+    r = run_python(code, sandbox=sandbox, **FAST)
+    assert r.ok and r.stdout == "300000 é\n", r
+
+
 def test_exception_is_reported_not_raised(sandbox):
     r = run_python("1 / 0", sandbox=sandbox, **FAST)
     assert r.returncode == 1 and "ZeroDivisionError" in r.stderr and not r.timed_out

@@ -408,52 +408,52 @@ def _collect(
         close_fds=True,
         pass_fds=pass_fds,
     )
-    out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
-    bufs = {out_fd: bytearray(), err_fd: bytearray()}
-    totals = {out_fd: 0, err_fd: 0}
-    pending = memoryview(code)
-    timed_out = False
-    with selectors.DefaultSelector() as sel:
-        sel.register(out_fd, selectors.EVENT_READ)
-        sel.register(err_fd, selectors.EVENT_READ)
-        os.set_blocking(in_fd, False)
-        sel.register(in_fd, selectors.EVENT_WRITE)
-        while len(sel.get_map()) > 0:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            for key, _ in sel.select(left):
-                if key.fd == in_fd:
-                    try:
-                        pending = pending[os.write(in_fd, pending[:65536]) :]
-                    except BlockingIOError:
+    try:
+        out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
+        bufs = {out_fd: bytearray(), err_fd: bytearray()}
+        totals = {out_fd: 0, err_fd: 0}
+        pending = memoryview(code)
+        timed_out = False
+        with selectors.DefaultSelector() as sel:
+            sel.register(out_fd, selectors.EVENT_READ)
+            sel.register(err_fd, selectors.EVENT_READ)
+            os.set_blocking(in_fd, False)
+            sel.register(in_fd, selectors.EVENT_WRITE)
+            while len(sel.get_map()) > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                for key, _ in sel.select(left):
+                    if key.fd == in_fd:
+                        try:
+                            pending = pending[os.write(in_fd, pending[:65536]) :]
+                        except BlockingIOError:
+                            continue
+                        except OSError:  # the child closed its stdin
+                            pending = pending[:0]
+                        if not pending:
+                            sel.unregister(in_fd)
+                            proc.stdin.close()
                         continue
-                    except OSError:  # the child closed its stdin
-                        pending = pending[:0]
-                    if not pending:
-                        sel.unregister(in_fd)
-                        proc.stdin.close()
-                    continue
-                data = os.read(key.fd, 65536)
-                if not data:
-                    sel.unregister(key.fd)
-                    continue
-                totals[key.fd] += len(data)
-                room = keep - len(bufs[key.fd])
-                if room > 0:
-                    bufs[key.fd] += data[:room]
+                    data = os.read(key.fd, 65536)
+                    if not data:
+                        sel.unregister(key.fd)
+                        continue
+                    totals[key.fd] += len(data)
+                    room = keep - len(bufs[key.fd])
+                    if room > 0:
+                        bufs[key.fd] += data[:room]
+    except BaseException:  # an interrupt or an OS error while reading: leave nothing running
+        _kill(proc)
+        raise
     if not timed_out:
         try:  # both pipes closed: the child may still be running (it closed them itself)
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
     if timed_out:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        _kill(proc)
     for f in (proc.stdin, proc.stdout, proc.stderr):
         f.close()
     seconds = time.monotonic() - start
@@ -466,6 +466,15 @@ def _collect(
         timed_out,
         seconds,
     )
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (under bwrap its PID namespace goes with it) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _text(data: bytes, total: int, limit: int) -> tuple[str, bool]:
