@@ -188,7 +188,16 @@ def test_env_runs_a_call():
             "Error: calculator raised ZeroDivisionError: division by zero",
         ),
         (call("slow", seconds=1), "Error: slow timed out after 0.2 s"),
+        (
+            "<tool_call>" + "[" * 5000 + "</tool_call>",
+            "Error: malformed tool call: the call's JSON is nested too deeply",
+        ),
+        (
+            '<tool_call>{"name": "add", "arguments": ' + "[" * 5000 + "]" * 5000 + "}</tool_call>",
+            "Error: malformed tool call: the call's JSON is nested too deeply",
+        ),
     ],
+    ids=lambda x: x[:40] if isinstance(x, str) else None,
 )
 def test_env_failures_are_observations(action, message):
     r = plain_env().step(action)

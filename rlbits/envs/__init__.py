@@ -6,7 +6,16 @@ Python / exact calculator tool (``sandbox``), plain Python without torch; and th
 import importlib
 
 from rlbits.envs.base import Env, Observation, StepResult, StopConditions, map_ordered, step_all
-from rlbits.envs.sandbox import SandboxResult, calculator, python, run_python
+from rlbits.envs.sandbox import (
+    SANDBOXES,
+    SandboxResult,
+    SandboxUnavailableError,
+    calculator,
+    check_sandbox,
+    python,
+    python_tool,
+    run_python,
+)
 from rlbits.envs.tools import (
     HERMES,
     Tool,
@@ -29,9 +38,11 @@ _LAZY = {
 
 __all__ = [
     "HERMES",
+    "SANDBOXES",
     "Env",
     "Observation",
     "SandboxResult",
+    "SandboxUnavailableError",
     "StepResult",
     "StopConditions",
     "Tool",
@@ -41,6 +52,7 @@ __all__ = [
     "ToolRegistry",
     "ToolResult",
     "calculator",
+    "check_sandbox",
     "episode_buffer",
     "episode_to_batch",
     "history_to_batch",
@@ -48,6 +60,7 @@ __all__ = [
     "parse_tool_calls",
     "plain_tools_prompt",
     "python",
+    "python_tool",
     "run_python",
     "step_all",
     "template_has_tools",

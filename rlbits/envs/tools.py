@@ -118,6 +118,8 @@ def _parse_one(raw: str) -> ToolCall:
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
         return ToolCall(None, {}, raw, f"the call is not valid JSON ({e.msg} at character {e.pos})")
+    except RecursionError:
+        return ToolCall(None, {}, raw, "the call's JSON is nested too deeply")
     if not isinstance(obj, dict):
         return ToolCall(None, {}, raw, 'the call must be a JSON object {"name": ..., "arguments": {...}}')
     name = obj.get("name")

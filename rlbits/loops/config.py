@@ -140,6 +140,8 @@ class RunConfig:
 
     env_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Multi-turn tasks (a task module with ``make_env``): keyword options passed to ``make_env(prompt, **env_options)`` for every episode (e.g. ``{max_turns: 4}``). Ignored by single-turn tasks."""
+    sandbox: Literal["bwrap", "unsafe_local"] = "bwrap"
+    """Multi-turn tasks whose ``make_env`` takes a ``sandbox`` keyword (tools that run code, e.g. ``rlbits.envs.python_tool``): where that code runs, passed as ``make_env(prompt, sandbox=...)``. ``bwrap``: isolated by the operating system through bubblewrap (docs/reliability.md); without a working ``bwrap`` the run stops with an error saying how to install it (``apt-get install bubblewrap``). ``unsafe_local``: a plain subprocess under rlimits and an audit hook, not a security boundary (trusted code only)."""
     max_episode_tokens: int | None = None
     """Multi-turn tasks: most tokens an episode (prompt + every turn and observation) may hold; an episode that would exceed it ends with ``stop_reason`` ``context``. None = the model's context length."""
     turn_reward: Literal["token", "sequence"] = "token"
@@ -178,6 +180,8 @@ class RunConfig:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if not isinstance(self.env_options, dict) or not all(isinstance(k, str) for k in self.env_options):
             raise ConfigError(f"env_options must be a mapping of option names to values, got {self.env_options!r}")
+        if "sandbox" in self.env_options:
+            raise ConfigError("env_options must not set sandbox: use the top-level sandbox field (bwrap or unsafe_local)")
         if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
             raise ConfigError(f"max_episode_tokens must be >= 2 or null, got {self.max_episode_tokens} ({field_docs(type(self))['max_episode_tokens']})")
         if self.max_env_workers < 1:

@@ -7,6 +7,7 @@ The loops' own phases (``rlbits.loops.ppo.rollout`` etc.) have the uniform signa
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -64,6 +65,19 @@ def rollout(
         )  # fmt: skip
 
 
+def env_options(make_env: Callable[..., Any], cfg: RunConfig) -> dict[str, Any]:
+    """The keyword options of ``make_env`` for every episode: ``cfg.env_options``, plus ``sandbox=cfg.sandbox``
+    when ``make_env`` has a ``sandbox`` parameter (a task whose tools run code)."""
+    options = dict(cfg.env_options)
+    try:
+        params = inspect.signature(make_env).parameters
+    except (TypeError, ValueError):  # a callable without a signature takes no sandbox
+        return options
+    if "sandbox" in params:
+        options["sandbox"] = cfg.sandbox
+    return options
+
+
 def episodes(
     policy: torch.nn.Module,
     tokenizer: Any,
@@ -78,7 +92,7 @@ def episodes(
     pack_weights: bool | None = None,
 ) -> TensorDictBase:
     """The rollout of a multi-turn task: ``num_samples`` episodes per prompt (groups contiguous), each with its
-    own env ``make_env(prompt, **cfg.env_options)``, run by ``generate_episodes`` with ``cfg``'s
+    own env ``make_env(prompt, **env_options(make_env, cfg))``, run by ``generate_episodes`` with ``cfg``'s
     ``max_episode_tokens``, ``turn_reward``, ``max_env_workers`` and ``env_timeout_s`` (a sharded policy is
     gathered for the whole call). The envs' ``StopConditions`` bound each turn; ``cfg.max_new_tokens`` is
     not used.
@@ -87,7 +101,8 @@ def episodes(
     turn rewards), ``turn_rewards``, ``turn_index``, ``num_turns``, ``stop_reason``.
     """
     rows = [p for p in prompts for _ in range(num_samples)]
-    envs = [make_env(p, **cfg.env_options) for p in rows]
+    options = env_options(make_env, cfg)
+    envs = [make_env(p, **options) for p in rows]
     with unsharded(policy):
         return generate_episodes(
             policy, tokenizer, envs, rows, temperature=temperature, generator=generator,
