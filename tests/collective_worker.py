@@ -109,7 +109,9 @@ def main(scenarios: str, policy: str, out: str) -> None:
 
             def truncating(state, batch, cfg):
                 out_batch = plain_reinforce_rollout(state, batch, cfg)
-                out_batch["truncated"] = out_batch["truncated"].new_full(out_batch["truncated"].shape, RANK == 1)
+                out_batch["truncated"] = out_batch["truncated"].new_full(
+                    out_batch["truncated"].shape, RANK == 1
+                )
                 return out_batch
 
             reinforce.rollout = truncating
@@ -122,7 +124,7 @@ def main(scenarios: str, policy: str, out: str) -> None:
                 reward=get_task("arithmetic").reward, prompts=get_task("arithmetic").prompts,
                 make_env=lambda prompt, **_: TurnsEnv(prompt, turns=1 + 2 * RANK),
             )  # fmt: skip
-            reinforce.get_task = lambda name: task
+            reinforce.get_task = lambda name, task=task: task
         elif scenario == "validation":
             extra = dict(val_period=1, val_at_start=True, val_at_end=True, max_val_samples=3)
         elif scenario == "timeout":

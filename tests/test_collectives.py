@@ -87,11 +87,15 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def test_a_failed_gloo_collective_becomes_a_collective_error_naming_step_and_phase():
     gloo = "[/x/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv"
-    with pytest.raises(CollectiveError, match=r"^step 7, phase rollout: a collective timed out after 3 s") as e:
+    with pytest.raises(
+        CollectiveError, match=r"^step 7, phase rollout: a collective timed out after 3 s"
+    ) as e:
         with collective_errors(7, "rollout", 3.0):
             raise RuntimeError(f"step 7, phase rollout: {gloo}")  # in_phase's prefix is not repeated
     assert e.value.args[0].count("step 7") == 1 and "Timed out waiting 3000ms" in e.value.args[0]
-    with pytest.raises(CollectiveError, match=r"^step 2, phase update: a collective failed; another rank died"):
+    with pytest.raises(
+        CollectiveError, match=r"^step 2, phase update: a collective failed; another rank died"
+    ):
         with collective_errors(2, "update", 3.0):
             raise RuntimeError("[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
     with pytest.raises(RuntimeError, match="^plain$"):  # not a collective's error: untouched
@@ -171,5 +175,7 @@ def test_sigterm_ends_ranks_blocked_in_a_collective_within_seconds(tiny_path, tm
     assert elapsed < 12, elapsed
     for r in (0, 1):
         text = (tmp_path / f"rank{r}.log").read_text()
-        assert "rlbits: SIGTERM received; step 2, phase score did not end within stop_grace_s=2 s" in text, logs
+        assert "rlbits: SIGTERM received; step 2, phase score did not end within stop_grace_s=2 s" in text, (
+            logs
+        )
     assert not (tmp_path / "hang" / "checkpoints" / "step_2").exists()

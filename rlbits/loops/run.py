@@ -98,9 +98,12 @@ def collective_errors(step: int, phase: str, timeout_s: float | None = None) -> 
         text = text.split(": ", 2)[-1] if text.startswith("step ") else text  # in_phase's prefix, once
         if "timed out" in text.lower() or "timeout" in text.lower():
             after = f" after {timeout_s:g} s (collective_timeout_s)" if timeout_s is not None else ""
-            what = f"a collective timed out{after}; the ranks disagree about which collectives to run, or a rank died or is stuck"
+            what = (
+                f"a collective timed out{after}; the ranks disagree about which collectives to run, "
+                "or a rank died or is stuck"
+            )
         else:
-            what = "a collective failed; another rank died, or the ranks disagree about which collectives to run"
+            what = "a collective failed; another rank died, or the ranks disagree about which collectives run"
         raise CollectiveError(f"{prefix}{what} ({text[:300]})") from e
 
 
@@ -343,9 +346,8 @@ class Run:
         and save when due. Returns the logged values."""
         state.step += 1
         with collective_errors(state.step, "log", self.cfg.collective_timeout_s):
-            num_tokens = (
-                int(global_count(batch["action_mask"], self.env).item()) if "action_mask" in batch.keys() else 0
-            )
+            has_actions = "action_mask" in batch.keys()
+            num_tokens = int(global_count(batch["action_mask"], self.env).item()) if has_actions else 0
             state.total_valid_tokens += num_tokens
             if hasattr(state, "epoch"):
                 state.metrics.same("epoch", float(state.epoch))

@@ -62,7 +62,8 @@ def reuse_freed_memory() -> bool:
 
 
 def setup(cfg: RunConfig) -> DistEnv:
-    """Process group (collectives time out after ``cfg.collective_timeout_s``), CPU threads (``cfg.cpu_threads``), heap reuse on CPU (``cfg.cpu_reuse_memory``), the
+    """Process group (its collectives time out after ``cfg.collective_timeout_s``), CPU threads
+    (``cfg.cpu_threads``), heap reuse on CPU (``cfg.cpu_reuse_memory``), the
     global seeds (``derive_seed(seed, rank, "global")``), quiet transformers progress bars. Returns the
     ``DistEnv``."""
     import transformers
