@@ -85,6 +85,14 @@ def init(device: str = "auto", timeout_s: float | None = None) -> DistEnv:
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
+def is_collective_failure(error: BaseException) -> bool:
+    """True for the error a failed collective raises: a ``torch.distributed.DistError`` (NCCL, the store) or
+    a gloo ``RuntimeError`` (a timeout, a peer that closed its connection)."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and "/gloo/" in str(error)
+
+
 def barrier(env: DistEnv) -> None:
     if env.world_size > 1:
         dist.barrier()

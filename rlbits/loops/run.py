@@ -46,7 +46,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.distributed.checkpoint import export_model, load_checkpoint, resume_checkpoint, save_checkpoint
-from rlbits.distributed.env import DistEnv
+from rlbits.distributed.env import DistEnv, is_collective_failure
 from rlbits.distributed.reduce import any_rank, global_count
 from rlbits.loops.config import RunConfig
 from rlbits.loops.logger import RunLogger, elastic_restart, read_metrics
@@ -69,16 +69,6 @@ class CollectiveError(RuntimeError):
     """Under torchrun, a collective failed: it timed out (``collective_timeout_s``) because the ranks disagree
     about which collectives to run or one is stuck, or another rank died. The message names the step and
     phase; the exception it was raised from is the backend's own."""
-
-
-def is_collective_failure(error: BaseException) -> bool:
-    """True for the error a failed collective raises: a ``torch.distributed.DistError`` (NCCL, the store) or
-    a gloo ``RuntimeError`` (a timeout, a peer that closed its connection)."""
-    import torch.distributed as dist
-
-    if isinstance(error, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(error, RuntimeError) and "/gloo/" in str(error)
 
 
 @contextlib.contextmanager
@@ -455,7 +445,6 @@ __all__ = [
     "collective_errors",
     "elastic_restart",
     "in_phase",
-    "is_collective_failure",
     "read_metrics",
     "sample_rows",
     "total_steps",
