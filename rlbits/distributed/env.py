@@ -53,7 +53,7 @@ def _elastic_store(rank: int, world_size: int) -> dict:
     return {"store": dist.PrefixStore(f"rlbits/attempt_{attempt}", store), "rank": rank, "world_size": world_size}
 
 
-def init(device: str = "auto") -> DistEnv:
+def init(device: str = "auto", timeout_s: float | None = None) -> DistEnv:
     """Return ``(rank, world_size, device)`` from the torchrun environment, initialising the process group.
 
     Without torchrun (no ``WORLD_SIZE`` in the environment, or 1) no process group is created and the
@@ -61,6 +61,9 @@ def init(device: str = "auto") -> DistEnv:
 
     Args:
         device: ``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda``, or a device string.
+        timeout_s: how long a collective waits for the other ranks before it fails (gloo raises in the
+            waiting call; NCCL's watchdog aborts the process); None: torch's default (10 minutes for NCCL,
+            30 for gloo). Only applies when this call creates the process group.
 
     Returns:
         A ``DistEnv``.
@@ -72,11 +75,22 @@ def init(device: str = "auto") -> DistEnv:
     if world_size > 1 and not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", **_elastic_store(rank, world_size))
+        timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo", **timeout, **_elastic_store(rank, world_size)
+        )
         # Without it, gloo's threads can outlive the interpreter: "terminate called without an active
         # exception" (SIGABRT) at exit after a finished run (seen once, in tutorial 08 under CI).
         atexit.register(_destroy)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """True for the error a failed collective raises: a ``torch.distributed.DistError`` (NCCL, the store) or
+    a gloo ``RuntimeError`` (a timeout, a peer that closed its connection)."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and "/gloo/" in str(error)
 
 
 def barrier(env: DistEnv) -> None:

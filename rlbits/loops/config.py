@@ -126,6 +126,10 @@ class RunConfig:
     """What a checkpoint's manifest checksums: ``small`` (sha256 of files under 1 MiB: state, RNG states, metadata, tokenizer; sizes of all files) or ``all`` (sha256 of every file, weights included: catches a flipped byte on resume, at the cost of reading every checkpoint back on save and resume)."""
     checkpoint_hf_folders: bool = False
     """Also write each model as an HF folder (``from_pretrained``) inside every checkpoint, for inspection (one process only). Training state always lives in ``dcp/``; ``final/`` is always an HF folder."""
+    collective_timeout_s: float = 600.0
+    """Under torchrun: seconds a collective (all-reduce, FSDP all-gather, barrier) may wait for the other ranks before the run fails with ``CollectiveError`` naming the step and phase (ranks that disagree about a collective, or a rank that died). Passed to ``init_process_group``; on gloo the waiting call raises, on NCCL the process-group watchdog aborts the process. Make it longer than the slowest phase one rank may spend alone (a validation of many prompts, a checkpoint save to a slow disk)."""
+    stop_grace_s: float = 30.0
+    """Under torchrun: after SIGTERM or SIGINT, seconds the current step (or the next, if the signal came between steps) has to end and save its checkpoint; past it (a rank blocked in a collective, or a step longer than this) the process exits at once with a message naming the step and phase and without a checkpoint (the newest one stays). 0: no bound, wait for the step as on one process."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of storing them (less memory, ~1/3 more compute)."""
 
@@ -186,6 +190,10 @@ class RunConfig:
             raise ConfigError(f"max_episode_tokens must be >= 2 or null, got {self.max_episode_tokens} ({field_docs(type(self))['max_episode_tokens']})")
         if self.max_env_workers < 1:
             raise ConfigError(f"max_env_workers must be >= 1, got {self.max_env_workers} ({field_docs(type(self))['max_env_workers']})")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s} ({field_docs(type(self))['collective_timeout_s']})")
+        if not self.stop_grace_s >= 0:
+            raise ConfigError(f"stop_grace_s must be >= 0, got {self.stop_grace_s} ({field_docs(type(self))['stop_grace_s']})")
         if not self.env_timeout_s > 0:
             raise ConfigError(f"env_timeout_s must be > 0, got {self.env_timeout_s} ({field_docs(type(self))['env_timeout_s']})")
         if not self.learning_rate > 0:

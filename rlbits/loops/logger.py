@@ -13,8 +13,10 @@ import math
 import os
 import shutil
 import signal
+import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ class RunLogger:
         self._bar = None
         self._t0 = time.perf_counter()
         self._old_handlers: dict[int, Any] = {}
+        self._watchdog: StopWatchdog | None = None
         if not self.env.is_main:
             return
         restarted = elastic_restart(self.dir)  # restarted by torchrun before any checkpoint: start over
@@ -109,8 +112,13 @@ class RunLogger:
 
     # --- signals: SIGINT/SIGTERM finish the current step, then checkpoint and exit ---------------------
 
-    def install_signal_handlers(self) -> None:
-        """On SIGINT/SIGTERM set the stop flag instead of dying mid-step (a second SIGINT interrupts)."""
+    def install_signal_handlers(self, where: Callable[[], str] | None = None) -> None:
+        """On SIGINT/SIGTERM set the stop flag instead of dying mid-step (a second SIGINT interrupts).
+
+        Under torchrun (world size > 1) also start a ``StopWatchdog`` with ``cfg.stop_grace_s`` (unless 0): a
+        rank blocked in a collective never runs a Python signal handler, so the watchdog ends the process if
+        the step does not reach the stop within the grace period. ``where()`` says where the run is, for its
+        message (``Run.where``)."""
 
         def handler(signum, frame):
             if self._stop_requested and signum == signal.SIGINT:
@@ -122,9 +130,18 @@ class RunLogger:
                 self._old_handlers[sig] = signal.signal(sig, handler)
             except ValueError:  # not the main thread (e.g. some notebook set-ups): rely on callbacks
                 pass
+        if self.env.world_size > 1 and self.cfg.stop_grace_s > 0 and self._old_handlers:
+            self._watchdog = StopWatchdog(self.cfg.stop_grace_s, where=where)
+            self._watchdog.start()
 
     def request_stop(self) -> None:
         self._stop_requested = True
+
+    def honor_stop(self) -> None:
+        """The run has reached the point where it saves and ends: a pending or later stop signal no longer
+        starts the watchdog's countdown."""
+        if self._watchdog is not None:
+            self._watchdog.honor()
 
     @property
     def should_stop(self) -> bool:
@@ -134,6 +151,8 @@ class RunLogger:
             if hasattr(cb, "should_stop") and cb.should_stop():
                 self._stop_requested = True
         self._stop_requested = any_rank(self._stop_requested, self.env)
+        if self._stop_requested:
+            self.honor_stop()  # every rank reached the stop: it saves and ends now
         return self._stop_requested
 
     # --- writing ------------------------------------------------------------------------------------
@@ -193,6 +212,9 @@ class RunLogger:
         self._bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items()}, refresh=False)
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
         for sig, old in self._old_handlers.items():
             signal.signal(sig, old)
         self._old_handlers.clear()
@@ -202,6 +224,68 @@ class RunLogger:
             self._writer.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class StopWatchdog:
+    """Ends this process when a stop signal (SIGTERM, SIGINT) is not honoured within ``grace_s`` seconds.
+
+    A rank blocked in a collective (another rank never entered it, or died) is inside C++ code: Python runs
+    no signal handler there, so the stop flag is never read and SIGTERM alone cannot end the job. The
+    watchdog does not need the main thread: ``signal.set_wakeup_fd`` makes the interpreter's C-level handler
+    write each signal's number to a pipe, which a daemon thread reads. On SIGTERM or SIGINT it waits
+    ``grace_s`` seconds for ``honor()`` (the run reached its stop: it saves and ends); if that does not come,
+    it writes one line to stderr naming the signal and ``where()`` and exits with ``os._exit(128 + signal)``,
+    without a checkpoint (the state mid-step is not one; the newest checkpoint stays). ``close()`` restores
+    the previous wakeup fd and stops the thread. Start it from the main thread, after the Python handlers.
+    """
+
+    def __init__(self, grace_s: float, where: Callable[[], str] | None = None) -> None:
+        self.grace_s = grace_s
+        self.where = where or (lambda: "")
+        self._honored = threading.Event()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._old_fd: int | None = None
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="rlbits-stop-watchdog")
+
+    def start(self) -> None:
+        self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread.start()
+
+    def honor(self) -> None:
+        self._honored.set()
+
+    def _watch(self) -> None:
+        stops = {int(signal.SIGTERM), int(signal.SIGINT)}
+        try:
+            while True:
+                data = os.read(self._read, 64)
+                if not data:  # closed
+                    return
+                signum = next((b for b in data if b in stops), None)
+                if signum is None or self._honored.is_set():
+                    continue
+                if self._honored.wait(self.grace_s):
+                    continue
+                where = self.where()
+                sys.stderr.write(
+                    f"rlbits: {signal.Signals(signum).name} received; {where or 'the step'} did not end within "
+                    f"stop_grace_s={self.grace_s:g} s (a rank may be blocked in a collective): exiting without a "
+                    "checkpoint\n"
+                )
+                sys.stderr.flush()
+                os._exit(128 + signum)
+        finally:
+            os.close(self._read)
+
+    def close(self) -> None:
+        if self._old_fd is not None:
+            try:
+                signal.set_wakeup_fd(self._old_fd)
+            except ValueError:  # not the main thread
+                pass
+            self._old_fd = None
+        os.close(self._write)  # the thread reads EOF and ends
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

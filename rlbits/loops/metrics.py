@@ -78,7 +78,7 @@ class StepMetrics:
         summed = self.td.select(*[k for k in _SUMMED if k in self.td.keys()])
         if not summed.is_empty():
             flat = summed.flatten_keys(".")
-            keys = list(flat.keys())
+            keys = sorted(flat.keys())  # one order on every rank, whatever order the phases added them in
             totals = all_reduce_sum(torch.stack([flat[k].to(env.device) for k in keys]), env).cpu().tolist()
             totals = dict(zip(keys, totals, strict=True))
             world = float(env.world_size)
@@ -92,7 +92,7 @@ class StepMetrics:
                     out[name] = value / world
         if "max" in self.td.keys():
             flat = self.td["max"]
-            keys = list(flat.keys())
+            keys = sorted(flat.keys())
             maxima = all_reduce_max(torch.stack([flat[k].to(env.device) for k in keys]), env).cpu().tolist()
             out.update(zip(keys, maxima, strict=True))
         return dict(sorted(out.items()))

@@ -299,28 +299,36 @@ def dynamic_sampling(state: State, batch: TensorDictBase, cfg: ReinforceConfig) 
     score more batches of prompts from ``state.stream`` until ``num_prompts_per_step`` groups are kept or
     ``dynamic_sampling_max_gen_batches`` batches ran. Without ``cfg.dynamic_sampling`` returns ``batch``.
 
-    Under torchrun every rank draws until no rank needs more, so the prompt stream stays in step across
-    ranks (a rank that is full joins each round's collectives without generating). If no group at all is
-    informative, the last batch is trained on (only a KL loss can move it). Adds ``kept_groups`` (all
-    ranks) and ``gen_batches``.
+    Under torchrun the ranks agree before every round whether it is drawn (one all-reduce of "this rank still
+    needs groups"), then every rank draws its prompts from the stream, so the stream stays in step across
+    ranks. A rank that is already full does not generate: it enters the collectives of the round's rollout
+    (``join_rollout``: the all-gather of the sharded policy) and of its scoring (the agreement on a
+    non-finite reward) and keeps nothing. Generating and discarding would run the same collectives at the
+    cost of a rollout; joining them keeps what each rank keeps, its prompt-stream position and its sampling
+    RNG the same as when it generates only what it uses, so a resumed run draws as the uninterrupted one.
+
+    If no group at all is informative, the last batch is trained on (only a KL loss can move it). Adds
+    ``kept_groups`` (all ranks) and ``gen_batches`` (the most batches a rank generated).
     """
     if not cfg.dynamic_sampling:
         state.metrics.max("gen_batches", 1.0)
         state.metrics.sum("kept_groups", float(batch.batch_size[0] // cfg.num_generations_per_prompt))
         return batch
     env, k, n = state.env, cfg.num_generations_per_prompt, cfg.num_prompts_per_step
-    skip = cfg.on_nonfinite == "skip"
     kept, n_kept, n_gen, last, fresh = [], 0, 1, batch, batch
     for round_ in range(cfg.dynamic_sampling_max_gen_batches):
         if round_ > 0:
+            if not any_rank(n_kept < n, env):  # agreed by every rank before any rank draws
+                break
             prompts = state.stream.next_batch(n, env)  # every rank draws: the stream stays in step
             fresh = None
-            if n_kept >= n:  # this rank is full; the others still draw: join the collective of their scoring
-                with agreed(env, skip):
+            if n_kept >= n:  # full: enter the collectives the other ranks' rollout and scoring run
+                join_rollout(state, cfg)
+                with agreed(env):
                     pass
             else:
                 fresh = rollout(state, prompts, cfg)
-                with agreed(env, skip), in_phase(state.step + 1, "score"):
+                with agreed(env), in_phase(state.step + 1, "score"):
                     fresh = score(state, fresh, cfg)
                 n_gen, last = n_gen + 1, fresh
         if fresh is not None:
@@ -329,12 +337,19 @@ def dynamic_sampling(state: State, batch: TensorDictBase, cfg: ReinforceConfig) 
                 rows = einops.rearrange(keep[:, None] * k + torch.arange(k, device=keep.device), "g k -> (g k)")
                 kept.append(fresh[rows])
                 n_kept += keep.numel()
-        if all_reduce_max(torch.tensor(n - min(n_kept, n), device=env.device), env).item() == 0:
-            break
     kept = kept or [last]
     state.metrics.max("gen_batches", float(n_gen))
     state.metrics.sum("kept_groups", float(n_kept))
     return collate(kept, pad_token_id=state.tokenizer.pad_token_id) if len(kept) > 1 else kept[0]
+
+
+def join_rollout(state: State, cfg: ReinforceConfig) -> None:
+    """Enter the collectives of a ``rollout`` without generating: a rank that has nothing to generate while
+    the others do (dynamic sampling) calls it where they call ``rollout``. Decoding itself runs no collective
+    (``rlbits.distributed.parallelize.unsharded``); gathering the sharded policy for it is the rollout's only
+    one. A no-op on one process."""
+    with unsharded(state.policy):  # under torchrun the policy is sharded: ``rollout`` gathers it so
+        pass
 
 
 def reference(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
@@ -516,6 +531,7 @@ __all__ = [
     "dynamic_sampling",
     "informative_groups",
     "init_state",
+    "join_rollout",
     "policy_gradient_loss",
     "reference",
     "rollout",

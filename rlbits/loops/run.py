@@ -26,7 +26,11 @@ What the run decides, identically for every loop (docs/design.md, "Run lifecycle
   or not;
 - a NaN/inf reward, loss or gradient (``FloatingPointError``, ``InvalidRewardError``): ``on_nonfinite="stop"``
   re-raises it (the last checkpoint stays the newest), ``"skip"`` logs ``skipped_step`` and goes on. Every
-  rank takes the same decision.
+  rank takes the same decision;
+- under torchrun, every collective is entered by every rank: a branch on rank-local data first agrees over
+  ranks, then branches (docs/reliability.md, "Distributed runs"). A collective that fails anyway (timed out
+  after ``collective_timeout_s``, or a rank died) raises ``CollectiveError`` naming the step and phase; after
+  SIGTERM/SIGINT a rank whose step does not end within ``stop_grace_s`` exits (``RunLogger``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.distributed.checkpoint import export_model, load_checkpoint, resume_checkpoint, save_checkpoint
-from rlbits.distributed.env import DistEnv
+from rlbits.distributed.env import DistEnv, is_collective_failure
 from rlbits.distributed.reduce import any_rank, global_count
 from rlbits.loops.config import RunConfig
 from rlbits.loops.logger import RunLogger, elastic_restart, read_metrics
@@ -61,6 +65,38 @@ class NonFiniteError(FloatingPointError):
     """A loss or gradient became NaN/inf; the message names the step and phase. Every loop raises it."""
 
 
+class CollectiveError(RuntimeError):
+    """Under torchrun, a collective failed: it timed out (``collective_timeout_s``) because the ranks disagree
+    about which collectives to run or one is stuck, or another rank died. The message names the step and
+    phase; the exception it was raised from is the backend's own."""
+
+
+@contextlib.contextmanager
+def collective_errors(step: int, phase: str, timeout_s: float | None = None) -> Iterator[None]:
+    """Re-raise a failed collective inside the block (``is_collective_failure``) as ``CollectiveError``:
+    ``step N, phase P: a collective timed out after T s; ...`` (or ``... failed; ...`` when a peer died),
+    with the backend's first line in parentheses."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        if not is_collective_failure(e):
+            raise
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        prefix = f"step {step}, phase {phase}: "
+        text = text.split(": ", 2)[-1] if text.startswith("step ") else text  # in_phase's prefix, once
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            after = f" after {timeout_s:g} s (collective_timeout_s)" if timeout_s is not None else ""
+            what = (
+                f"a collective timed out{after}; the ranks disagree about which collectives to run, "
+                "or a rank died or is stuck"
+            )
+        else:
+            what = "a collective failed; another rank died, or the ranks disagree about which collectives run"
+        raise CollectiveError(f"{prefix}{what} ({text[:300]})") from e
+
+
 class PhaseTimer:
     """Wall-clock seconds per phase: ``with timer("rollout"): ...``; ``timer.metrics()`` -> ``time/rollout``.
 
@@ -69,14 +105,22 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self._open: list[str] = []
+
+    @property
+    def current(self) -> str | None:
+        """The innermost phase running now (None between phases)."""
+        return self._open[-1] if self._open else None
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
         t0 = time.perf_counter()
+        self._open.append(phase)
         try:
             with torch.profiler.record_function(f"rlbits/{phase}"):
                 yield
         finally:
+            self._open.pop()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:
@@ -100,7 +144,8 @@ def in_phase(step: int, phase: str) -> Iterator[None]:
 @contextlib.contextmanager
 def agreed(env: DistEnv, enabled: bool = True) -> Iterator[None]:
     """Under torchrun, make a skippable error inside the block raise on every rank (one all-reduce), so
-    ranks skip a step together instead of waiting for each other in the next collective."""
+    ranks skip (or stop) together instead of one waiting in the next collective for a rank that left.
+    The block must run the same collectives on every rank up to where it may raise."""
     if env.world_size == 1 or not enabled:
         yield
         return
@@ -151,6 +196,7 @@ class Run:
         self._saved_step = -1
         self._stopped = False
         self._step_number = 0
+        self._phase_name: str | None = None
         self._prompts: tuple[list[str] | None, list[str] | None] | None = None
         self._lengths_checked = False
         self.provenance: dict[str, Any] | None = None
@@ -215,11 +261,22 @@ class Run:
             self.cfg, self.env, callbacks=self.callbacks, resume=self.resume, total_steps=self.total,
             start_step=state.step,
         )  # fmt: skip
-        self.logger.install_signal_handlers()
+        self.logger.install_signal_handlers(where=self.where)
         if self.provenance is not None and self.checkpoint is None and self.env.is_main:
             write_provenance(self.dir, self.provenance)  # a fresh run: what it was started with
 
     # --- the step loop --------------------------------------------------------------------------------
+
+    def where(self) -> str:
+        """Where the run is, for messages: ``step N, phase P`` (``between phases`` outside one)."""
+        return f"step {self._step_number}, phase {self.timer.current or 'between phases'}"
+
+    def _section(self, name: str) -> contextlib.AbstractContextManager:
+        """Time ``name`` and turn a failed collective inside into a ``CollectiveError`` naming it."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.timer(name))
+        stack.enter_context(collective_errors(self._step_number, name, self.cfg.collective_timeout_s))
+        return stack
 
     @property
     def should_stop(self) -> bool:
@@ -236,8 +293,9 @@ class Run:
         added to ``state.metrics`` before its first step), unless resumed past it; then yield the number of
         each step to take until the run is done or a stop is requested."""
         if state.step == 0:  # step 0: the validation before training, and what the loop measured before it
-            val_batch = self._validate(state, None, self.cfg) if self.cfg.val_at_start else None
-            values = state.metrics.reduce(self.env)
+            with collective_errors(0, "validate", self.cfg.collective_timeout_s):
+                val_batch = self._validate(state, None, self.cfg) if self.cfg.val_at_start else None
+                values = state.metrics.reduce(self.env)
             if values:
                 state.val_reward = values.get("val_reward", state.val_reward)
                 self.logger.log(0, values)
@@ -267,34 +325,30 @@ class Run:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time phase ``name`` and name the step and phase in any error raised inside. With
-        ``on_nonfinite="skip"`` under torchrun, a skippable error on one rank raises on every rank at the end
-        of the phase (one all-reduce), so all ranks skip the step together."""
-        with (
-            self.timer(name),
-            agreed(self.env, self.cfg.on_nonfinite == "skip"),
-            in_phase(self._step_number, name),
-        ):
+        """Time phase ``name`` and name the step and phase in any error raised inside (a failed collective:
+        ``CollectiveError``). Under torchrun a skippable error on one rank raises on every rank at the end of
+        the phase (one all-reduce), so all ranks skip (``on_nonfinite="skip"``) or stop together."""
+        with self._section(name), agreed(self.env), in_phase(self._step_number, name):
             yield
 
     def end_step(self, state: LoopState, batch: TensorDictBase) -> dict[str, float]:
         """Close a step: advance the counters, reduce and log its metrics (once, over all ranks), validate
         and save when due. Returns the logged values."""
         state.step += 1
-        num_tokens = (
-            int(global_count(batch["action_mask"], self.env).item()) if "action_mask" in batch.keys() else 0
-        )
-        state.total_valid_tokens += num_tokens
-        if hasattr(state, "epoch"):
-            state.metrics.same("epoch", float(state.epoch))
-        logged = state.metrics.reduce(self.env)
-        last = self.done(state) or self.should_stop  # a stop asked during the step: validate at the end
+        with collective_errors(state.step, "log", self.cfg.collective_timeout_s):
+            has_actions = "action_mask" in batch.keys()
+            num_tokens = int(global_count(batch["action_mask"], self.env).item()) if has_actions else 0
+            state.total_valid_tokens += num_tokens
+            if hasattr(state, "epoch"):
+                state.metrics.same("epoch", float(state.epoch))
+            logged = state.metrics.reduce(self.env)
+            last = self.done(state) or self.should_stop  # a stop asked during the step: validate at the end
         val_batch = None
         if (self.cfg.val_period and state.step % self.cfg.val_period == 0) or (self.cfg.val_at_end and last):
             state.metrics = StepMetrics()
-            with self.timer("validate"):
+            with self._section("validate"):
                 val_batch = self._validate(state, None, self.cfg)
-            val = state.metrics.reduce(self.env)
+                val = state.metrics.reduce(self.env)
             state.val_reward = val.get("val_reward", state.val_reward)
             logged.update(val)
         logged.update(self.timer.metrics())
@@ -306,9 +360,10 @@ class Run:
         self.logger.progress(
             state.step, **{k: logged[k] for k in ("rewards", "init_policy_kl", "loss") if k in logged}
         )
-        self._stopped = self.should_stop  # a stop asked while logging (a dashboard's button) saves too
-        if (self.cfg.save_period and state.step % self.cfg.save_period == 0) or last or self._stopped:
-            self.save(state)
+        with collective_errors(state.step, "save", self.cfg.collective_timeout_s):
+            self._stopped = self.should_stop  # a stop asked while logging (a dashboard's button) saves too
+            if (self.cfg.save_period and state.step % self.cfg.save_period == 0) or last or self._stopped:
+                self.save(state)
         return logged
 
     # --- checkpoints and export -------------------------------------------------------------------------
@@ -330,12 +385,15 @@ class Run:
         """End the run: checkpoint the last step if it is not saved yet, then export ``model`` (default the
         policy) with the tokenizer to ``RUN_DIR/final/`` (``build`` makes an unsharded replica, for FSDP2).
         Returns the run directory."""
-        if self._saved_step != state.step:
-            self.save(state)
-        export_model(
-            model if model is not None else state.policy, self.dir / "final", tokenizer=state.tokenizer,
-            env=self.env, build=build,
-        )  # fmt: skip
+        if self.logger is not None:
+            self.logger.honor_stop()  # the run ends here: a stop signal now lets it save and export
+        with collective_errors(state.step, "save", self.cfg.collective_timeout_s):
+            if self._saved_step != state.step:
+                self.save(state)
+            export_model(
+                model if model is not None else state.policy, self.dir / "final", tokenizer=state.tokenizer,
+                env=self.env, build=build,
+            )  # fmt: skip
         return self.dir
 
     def close(self) -> None:
@@ -378,11 +436,13 @@ def sample_rows(
 
 __all__ = [
     "SKIPPABLE",
+    "CollectiveError",
     "NonFiniteError",
     "PhaseTimer",
     "Run",
     "RunLogger",
     "agreed",
+    "collective_errors",
     "elastic_restart",
     "in_phase",
     "read_metrics",

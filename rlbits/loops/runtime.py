@@ -62,14 +62,15 @@ def reuse_freed_memory() -> bool:
 
 
 def setup(cfg: RunConfig) -> DistEnv:
-    """Process group, CPU threads (``cfg.cpu_threads``), heap reuse on CPU (``cfg.cpu_reuse_memory``), the
+    """Process group (its collectives time out after ``cfg.collective_timeout_s``), CPU threads
+    (``cfg.cpu_threads``), heap reuse on CPU (``cfg.cpu_reuse_memory``), the
     global seeds (``derive_seed(seed, rank, "global")``), quiet transformers progress bars. Returns the
     ``DistEnv``."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    env = init(cfg.device)
+    env = init(cfg.device, timeout_s=cfg.collective_timeout_s)
     if env.device.type == "cpu" and cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
     if env.device.type == "cpu" and cfg.cpu_reuse_memory:
