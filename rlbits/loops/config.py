@@ -128,8 +128,8 @@ class RunConfig:
     """Also write each model as an HF folder (``from_pretrained``) inside every checkpoint, for inspection (one process only). Training state always lives in ``dcp/``; ``final/`` is always an HF folder."""
     collective_timeout_s: float = 600.0
     """Under torchrun: seconds a collective (all-reduce, FSDP all-gather, barrier) may wait for the other ranks before the run fails with ``CollectiveError`` naming the step and phase (ranks that disagree about a collective, or a rank that died). Passed to ``init_process_group``; on gloo the waiting call raises, on NCCL the process-group watchdog aborts the process. Make it longer than the slowest phase one rank may spend alone (a validation of many prompts, a checkpoint save to a slow disk)."""
-    stop_grace_s: float = 30.0
-    """Under torchrun: after SIGTERM or SIGINT, seconds the current step (or the next, if the signal came between steps) has to end and save its checkpoint; past it (a rank blocked in a collective, or a step longer than this) the process exits at once with a message naming the step and phase and without a checkpoint (the newest one stays). 0: no bound, wait for the step as on one process."""
+    stop_grace_s: float = 10.0
+    """Under torchrun: after SIGTERM or SIGINT, seconds the current step (or the next, if the signal came between steps) has to end and save its checkpoint; past it (a rank blocked in a collective, or a step longer than this) the process exits at once with a message naming the step and phase and without a checkpoint (the newest one stays). 0: no bound, wait for the step as on one process. torchrun itself sends SIGKILL about 30 s after its SIGTERM, so a step that needs longer is lost either way."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of storing them (less memory, ~1/3 more compute)."""
 
