@@ -85,6 +85,7 @@ def train(
     val_prompts: Sequence[str] | None = None,
     callbacks: Sequence[Any] = (),
     resume: bool = False,
+    force: bool = False,
     **overrides: Any,
 ) -> Path:
     """Train with the loop named by ``config``'s ``loop`` and return the run directory.
@@ -102,12 +103,19 @@ def train(
         resume: continue ``run_dir`` from its latest checkpoint. Under ``torchrun --max-restarts`` a restarted
             job resumes by itself. The reward, prompts and samples must be those the run was started with
             (``RUN_DIR/provenance.json``), unless ``allow_changed_inputs=True``.
+        force: reuse a ``run_dir`` that is neither new, empty nor an rlbits run (a folder of other files, a
+            run of an rlbits without the ``.rlbits-run`` marker), or start an existing run over without
+            ``resume`` (its checkpoints and logs are replaced). rlbits still deletes only files it wrote, and
+            a live run's lock is never overridden (``rlbits.loops.rundir``).
         **overrides: config fields to override (``max_num_steps=20``, ``run_dir="runs/x"``).
 
     Raises:
         ConfigError: unknown or invalid config keys; ``samples`` given to an online loop.
         PromptError: bad ``prompts`` / ``val_prompts`` (a single string, an empty list or prompt, a non-str).
         ResumeMismatchError: ``resume`` with other inputs than the run was started with.
+        RunDirError: ``run_dir`` holds other files or a run (without ``resume``/``force``), or is a file;
+            RunDirLockedError (a RunDirError): a live run holds it.
+        DiskFullError: a write into the run directory failed on a full disk (saved checkpoints are intact).
     """
     prompts = check_prompts(prompts, "prompts") if prompts is not None else None  # before anything is loaded
     val_prompts = check_prompts(val_prompts, "val_prompts") if val_prompts is not None else None
@@ -115,7 +123,9 @@ def train(
     module = loop_module(cfg.loop)
     if not resume and elastic_restart(cfg.run_dir) and latest_checkpoint(cfg.run_dir) is not None:
         resume = True  # torchrun --max-restarts restarted the job: continue from its last checkpoint
-    kwargs: dict[str, Any] = {"callbacks": callbacks, "resume": resume, "reward": reward_fn, "prompts": prompts}
+    kwargs: dict[str, Any] = {
+        "callbacks": callbacks, "resume": resume, "force": force, "reward": reward_fn, "prompts": prompts,
+    }  # fmt: skip
     if val_prompts is not None:
         kwargs["val_prompts"] = val_prompts
     if samples is not None:

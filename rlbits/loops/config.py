@@ -161,6 +161,7 @@ class RunConfig:
         for name in ("val_period", "save_period", "log_samples", "cpu_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self._check_run_dir()
         if not 0 <= self.seed < 2**53:
             raise ConfigError(f"seed must be in [0, 2**53), got {self.seed} (seeds torch generators, which take 64 bits)")
         hints = typing.get_type_hints(type(self))
@@ -196,6 +197,19 @@ class RunConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+
+    def _check_run_dir(self) -> None:
+        """``run_dir`` names a folder: not empty (that would be the current folder) and not the root. Whether
+        the folder may hold the run is decided when it starts (``rlbits.loops.rundir.check_run_dir``)."""
+        run_dir = self.run_dir
+        if not isinstance(run_dir, str) or not run_dir.strip() or "\0" in run_dir:
+            raise ConfigError(
+                f"run_dir must name a folder for the run (e.g. runs/NAME), got {run_dir!r}; an empty run_dir "
+                "would write the run into the current folder"
+            )
+        resolved = Path(run_dir).resolve()
+        if resolved == Path(resolved.anchor):
+            raise ConfigError(f"run_dir must not be the file-system root, got {run_dir!r}; e.g. run_dir=runs/NAME")
 
     def _check_lora(self) -> None:
         docs = field_docs(type(self))
