@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.resources
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +20,7 @@ from rlbits.data.stream import check_prompts
 from rlbits.distributed.checkpoint import latest_checkpoint
 from rlbits.loops.config import ConfigError, RunConfig, config_from_dict, parse_overrides, read_yaml
 from rlbits.loops.run import elastic_restart
+from rlbits.loops.rundir import check_not_locked, check_run_dir
 
 # loop name -> (module, config class)
 LOOPS = {
@@ -121,8 +123,12 @@ def train(
     val_prompts = check_prompts(val_prompts, "val_prompts") if val_prompts is not None else None
     cfg = resolve_config(config, overrides)
     module = loop_module(cfg.loop)
-    if not resume and elastic_restart(cfg.run_dir) and latest_checkpoint(cfg.run_dir) is not None:
+    restarted = elastic_restart(cfg.run_dir)
+    if not resume and restarted and latest_checkpoint(cfg.run_dir) is not None:
         resume = True  # torchrun --max-restarts restarted the job: continue from its last checkpoint
+    if int(os.environ.get("RANK", "0")) == 0:  # refuse a run_dir before any model is loaded (Run claims it)
+        check_run_dir(cfg.run_dir, resume=resume, force=force, restarted=restarted)
+        check_not_locked(cfg.run_dir)
     kwargs: dict[str, Any] = {
         "callbacks": callbacks, "resume": resume, "force": force, "reward": reward_fn, "prompts": prompts,
     }  # fmt: skip

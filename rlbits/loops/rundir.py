@@ -74,8 +74,8 @@ def _protected(path: Path) -> str | None:
 
 def inspect_run_dir(path: str | Path) -> str:
     """What ``path`` is, without writing anything: ``"new"`` (does not exist), ``"empty"``, ``"run"``
-    (holds the marker), ``"legacy"`` (a run of an rlbits without the marker: ``config.yaml`` plus
-    ``metrics.jsonl`` or ``checkpoints/``) or ``"foreign"`` (any other non-empty folder).
+    (holds the marker), ``"legacy"`` (a run of an rlbits without the marker: ``config.yaml`` and
+    ``metrics.jsonl``) or ``"foreign"`` (any other non-empty folder).
 
     Raises:
         RunDirError: ``path`` exists and is not a folder.
@@ -90,7 +90,7 @@ def inspect_run_dir(path: str | Path) -> str:
         return "run"
     if not names - _OWN_FILES:
         return "empty"
-    if "config.yaml" in names and ({"metrics.jsonl", CHECKPOINTS} & names):
+    if {"config.yaml", "metrics.jsonl"} <= names:
         return "legacy"
     return "foreign"
 
@@ -244,10 +244,7 @@ def lock_run_dir(path: str | Path) -> int | None:
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise RunDirLockedError(
-                f"run_dir {str(path)!r} is in use by a live run ({_holder(lock_path)}); wait for it to end or "
-                "stop it, or choose another run_dir"
-            ) from None
+            raise _locked(path, lock_path) from None
         warnings.warn(
             f"cannot lock {lock_path} ({e.strerror}); a second run on it would not be refused", stacklevel=2
         )
@@ -260,6 +257,34 @@ def lock_run_dir(path: str | Path) -> int | None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
     return fd
+
+
+def check_not_locked(path: str | Path) -> None:
+    """Raise ``RunDirLockedError`` if a live run holds ``path``'s lock now (a probe that writes nothing:
+    ``claim_run_dir`` takes the lock for good).
+
+    Raises:
+        RunDirLockedError: a live run holds ``path``; the message names that process.
+    """
+    lock_path = Path(path) / LOCK
+    try:
+        fd = os.open(lock_path, os.O_RDWR)
+    except OSError:  # no lock file (a new folder or an earlier run's), or not readable: claim_run_dir decides
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise _locked(path, lock_path) from None
+    finally:
+        os.close(fd)
+
+
+def _locked(path: str | Path, lock_path: Path) -> RunDirLockedError:
+    return RunDirLockedError(
+        f"run_dir {str(path)!r} is in use by a live run ({_holder(lock_path)}); wait for it to end or stop it, "
+        "or choose another run_dir"
+    )
 
 
 def claim_run_dir(
@@ -314,7 +339,8 @@ def disk_full(exc: BaseException) -> OSError | None:
 
 def disk_full_error(run_dir: str | Path, error: OSError) -> DiskFullError:
     """A ``DiskFullError`` naming ``run_dir``, the file ``error`` names, and how to continue."""
-    where = f" while writing {error.filename}" if error.filename else ""
+    name = os.fspath(error.filename) if isinstance(error.filename, (str, os.PathLike)) else ""
+    where = f" while writing {name}" if name and not name.startswith("<") else ""  # not a stream's repr
     full = DiskFullError(
         f"the disk holding run_dir {str(run_dir)!r} is full{where} ({os.strerror(error.errno)}); the checkpoints "
         f"already saved are intact: free some space, then `rlbits train --resume {run_dir}` continues the run"
@@ -345,6 +371,7 @@ __all__ = [
     "RunDirClaim",
     "RunDirError",
     "RunDirLockedError",
+    "check_not_locked",
     "check_run_dir",
     "claim_run_dir",
     "disk_full",
