@@ -255,11 +255,12 @@ def _split_configs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def _run_pipeline(args: argparse.Namespace, configs: list[str], overrides: list[str]) -> int:
     """Run ``configs`` one after the other (e.g. a reward model, then RL with it): the overrides apply to the
-    last config only. Every config is validated before the first run starts; a ``reward_model`` folder that
-    an earlier config of the pipeline writes (its ``RUN_DIR/final``) need not exist yet. Stops at the first
-    failure."""
+    last config only. Every config (and its run_dir, ``check_run_dir``) is validated before the first run
+    starts; a ``reward_model`` folder that an earlier config of the pipeline writes (its ``RUN_DIR/final``)
+    need not exist yet. Stops at the first failure."""
     from rlbits.loops.api import resolve_config, train
     from rlbits.loops.config import ConfigError, parse_overrides, read_yaml
+    from rlbits.loops.rundir import check_run_dir
 
     if args.resume:
         raise ConfigError("--resume continues one run; give it without a pipeline of configs")
@@ -271,6 +272,7 @@ def _run_pipeline(args: argparse.Namespace, configs: list[str], overrides: list[
         if check.get("reward_model") is not None and Path(check["reward_model"]).resolve() in produced:
             check["reward_model"] = None  # written by an earlier config of the pipeline
         cfg = resolve_config(check)
+        check_run_dir(cfg.run_dir, force=args.force)  # a refused run_dir fails now, not after the runs before it
         produced.add((Path(cfg.run_dir) / "final").resolve())
         print(f"rlbits train: pipeline step {path} (loop {cfg.loop}, run_dir {cfg.run_dir})")
     for v in values:

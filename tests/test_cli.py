@@ -241,7 +241,8 @@ def test_a_pipeline_runs_its_configs_in_order_with_overrides_on_the_last(tmp_pat
     )
     calls = []
 
-    def fake_train(config, resume):  # records the order; each run writes what the next one reads
+    def fake_train(config, resume, force):  # records the order; each run writes what the next one reads
+        assert not resume and not force
         calls.append((config.loop, config.reward_model, config.max_num_steps))
         run_dir = _fake_run(Path(config.run_dir))
         (run_dir / "final").mkdir(exist_ok=True)  # the next config checks that its reward_model exists
