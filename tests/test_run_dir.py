@@ -41,7 +41,10 @@ SMALL = [
 
 def snapshot(folder: Path) -> dict[str, bytes | None]:
     """Every path under ``folder`` (hidden ones too) with its bytes (None for a folder)."""
-    return {str(p.relative_to(folder)): (None if p.is_dir() else p.read_bytes()) for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): (None if p.is_dir() else p.read_bytes())
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def users_folder(tmp_path: Path) -> Path:
@@ -76,7 +79,11 @@ def test_the_issues_folder_is_refused_before_anything_is_written(tmp_path, capsy
     before = snapshot(folder)
     assert main(["train", f"run_dir={folder}", *SMALL]) == 2
     line = one_error_line(capsys)
-    assert "is not empty and is not an rlbits run" in line and "--force" in line and ".cache.tmp-important" in line
+    assert (
+        "is not empty and is not an rlbits run" in line
+        and "--force" in line
+        and ".cache.tmp-important" in line
+    )
     assert snapshot(folder) == before  # every file byte-identical, nothing added or deleted
 
 
@@ -104,7 +111,11 @@ def test_home_and_current_folder_are_refused_even_with_force_unless_empty(tmp_pa
     (work / "notes.txt").write_text("x")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(work)
-    for run_dir, place in ((".", "the current folder"), (str(home), "your home folder"), ("..", "your home folder")):
+    for run_dir, place in (
+        (".", "the current folder"),
+        (str(home), "your home folder"),
+        ("..", "your home folder"),
+    ):
         with pytest.raises(RunDirError, match=place):
             check_run_dir(run_dir, force=True)
     empty = home / "empty"
@@ -211,7 +222,8 @@ def test_a_lock_left_by_kill_9_is_taken_by_the_next_run(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    assert json.loads((run_dir / LOCK).read_text())["pid"] == proc.pid  # the stale holder's record is still there
+    holder = json.loads((run_dir / LOCK).read_text())["pid"]
+    assert holder == proc.pid  # the dead holder's record is still there
     with claim_run_dir(run_dir, loop="ppo", resume=True) as claim:  # ...but the kernel released its flock
         assert claim.held and json.loads((run_dir / LOCK).read_text())["pid"] == os.getpid()
 
@@ -236,7 +248,10 @@ def test_force_writes_into_a_foreign_folder_and_deletes_nothing_of_the_users(tmp
     claim.release()
     after = snapshot(folder)
     assert all(after.get(k) == v for k, v in mine.items()), "a file of the user's changed or went away"
-    assert not (folder / ".final.tmp-4242-deadbeef").exists() and not (folder / "checkpoints" / ".tmp_step_3").exists()
+    assert (
+        not (folder / ".final.tmp-4242-deadbeef").exists()
+        and not (folder / "checkpoints" / ".tmp_step_3").exists()
+    )
     assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["step_1", "step_3", "step_4"]
     with pytest.raises(FileExistsError, match="not an rlbits checkpoint"):
         save(folder, 1)  # a step_N rlbits did not write is never replaced
@@ -312,7 +327,9 @@ def test_a_full_disk_is_found_however_it_is_wrapped(tmp_path):
     except RuntimeError as e:
         assert disk_full(e) is full
     assert disk_full(OSError(errno.EACCES, "denied")) is None
-    with pytest.raises(DiskFullError, match=r"disk holding run_dir '.*' is full while writing x.distcp") as info:
+    with pytest.raises(
+        DiskFullError, match=r"disk holding run_dir '.*' is full while writing x.distcp"
+    ) as info:
         with disk_full_as_error("runs/x"):
             raise full
     assert info.value.errno == errno.ENOSPC
@@ -368,3 +385,14 @@ def test_disk_full_at_a_save_is_one_line_and_the_run_resumes(policy_dir, tmp_pat
     assert main(["train", "--resume", str(run_dir)]) == 0  # the lock was released; step 2 is redone
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_a_damaged_rlbits_checkpoint_is_still_rlbits_own(tmp_path):
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    (tmp_path / "checkpoints" / "step_2" / "manifest.json").unlink()  # damage: the redo of step 2 replaces it
+    save(tmp_path, 2)
+    assert verify_checkpoint(tmp_path / "checkpoints" / "step_2") is None
+    (tmp_path / "checkpoints" / "step_1" / "manifest.json").unlink()
+    save(tmp_path, 3)  # keep=2: the damaged step_1 is pruned like any other of rlbits'
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]

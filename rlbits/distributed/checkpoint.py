@@ -250,16 +250,18 @@ def save_checkpoint(
 
 def is_rlbits_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a checkpoint rlbits wrote: a ``step_N`` folder whose ``manifest.json`` is a JSON
-    object of step N. Only these are ever pruned or replaced; a torn one has no manifest (it never left its
-    temporary name)."""
+    object of step N, or (a damaged one whose manifest is lost) that holds rlbits' ``state.json`` and ``dcp/``.
+    Only these are ever pruned or replaced: a folder a user put under ``checkpoints/`` is left alone."""
     path = Path(path)
-    if not (path.name.startswith("step_") and path.name[5:].isdigit() and path.is_dir()):
+    if not (path.name.startswith("step_") and path.name[5:].isdigit() and path.is_dir() and not path.is_symlink()):
         return False
     try:
         manifest = json.loads((path / MANIFEST).read_text())
+        if isinstance(manifest, dict) and manifest.get("step") == int(path.name[5:]):
+            return True
     except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and manifest.get("step") == int(path.name[5:])
+        pass
+    return (path / "state.json").is_file() and (path / "dcp").is_dir()
 
 
 def discard_checkpoints(run_dir: str | Path) -> list[Path]:

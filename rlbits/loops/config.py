@@ -48,7 +48,7 @@ class RunConfig:
     chat_template: bool | None = None
     """Format every prompt (train and validation) as one user turn with the tokenizer's chat template (``apply_chat_template(..., add_generation_prompt=True)``) before tokenizing; None = what the task asks for (its ``CHAT`` flag: ``math`` yes, the others no)."""
     run_dir: str = "runs/default"
-    """Where the run is written: config.yaml, metrics.jsonl, samples.jsonl, TensorBoard events, checkpoints/, final/."""
+    """Where the run is written: config.yaml, metrics.jsonl, samples.jsonl, TensorBoard events, checkpoints/, final/. It must be new, empty or a run rlbits started (it holds ``.rlbits-run``); ``rlbits train --force`` reuses another folder."""
     seed: int = 0
     """Seeds data order, sampling and initialisation; the same seed reproduces a run exactly on one process."""
     max_num_steps: int = 100

@@ -129,7 +129,8 @@ def check_run_dir(
         if resume:
             what = "does not exist" if kind == "new" else "is empty"
             raise FileNotFoundError(
-                f"resume=True but run_dir {str(path)!r} {what}: there is no run to resume"
+                f"resume=True but run_dir {str(path)!r} {what}: "
+                "no checkpoint to resume from (no complete checkpoint)"
             )
         return kind, False
     if kind == "run":
