@@ -59,7 +59,11 @@ def _to_float(value: Any) -> float:
 
 
 class RunLogger:
-    """The run directory of one training run and everything written into it."""
+    """The run directory of one training run and everything written into it.
+
+    A ``Run`` passes the ``claim`` it took on the folder (``rlbits.loops.rundir.claim_run_dir``); used on its
+    own, a ``RunLogger`` claims the folder itself (``RunDirError`` if it is refused, ``RunDirLockedError``
+    if a live run holds it) and releases it on ``close()``."""
 
     def __init__(
         self,
