@@ -3,6 +3,7 @@
     rlbits train [CONFIG] [key=value ...]      train (no CONFIG: configs/ppo_sentiment.yaml, the main job)
     rlbits train CONFIG CONFIG2 ... [key=value] a pipeline: each config in turn (overrides: the last)
     rlbits train --resume RUN_DIR [key=value]  continue a run from its latest checkpoint
+    rlbits train --force ...                    reuse a folder that is not new, empty or a run (or restart a run)
     rlbits train --help-config [LOOP]           every config field (type, default, meaning); policy=DIR: your model
     rlbits eval RUN_DIR                         test-split reward of the final policy vs the base model
     rlbits plot RUN_DIR [RUN_DIR ...]           PNG of reward, KL, losses, entropy, throughput
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import types
 import typing
@@ -166,17 +168,19 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     Anything else is a bug and keeps its traceback."""
     from rlbits.data.stream import PromptError
     from rlbits.loops.config import ConfigError
+    from rlbits.loops.rundir import DiskFullError
     from rlbits.models.load import CheckpointNotFoundError
     from rlbits.tasks.movie_reviews import MissingExtraError
 
-    # FileExistsError: run_dir already holds a run (RunLogger); FileNotFoundError: --resume of a run without a
+    # FileExistsError: run_dir refused (RunDirError: a file, other files, a run, a live run's lock);
+    # DiskFullError: the disk filled while the run wrote (exit 1, not a usage error); FileNotFoundError: --resume of a run without a
     # checkpoint (resume_checkpoint), a missing file the config names; CheckpointNotFoundError: policy= is not
     # an HF folder; CheckpointMismatchError: the checkpoint does not fit the models the config builds;
     # ConfigError covers provenance's ResumeMismatchError (--resume with other prompts or reward); PromptError:
     # a val_prompts file with an empty or too long prompt; MissingExtraError: a package of the real extra.
     return (
         ConfigError, CheckpointNotFoundError, FileExistsError, FileNotFoundError, CheckpointMismatchError,
-        PromptError, MissingExtraError,
+        PromptError, MissingExtraError, DiskFullError,
     )  # fmt: skip
 
 
@@ -215,7 +219,7 @@ def _train(args: argparse.Namespace) -> int:
         if _debug(args):
             raise
         print(f"rlbits train: {e}", file=sys.stderr)  # one line; --debug shows the traceback
-        return 2
+        return 1 if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) else 2
     _print_summary(run_dir)
     return 0
 
@@ -251,11 +255,12 @@ def _split_configs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def _run_pipeline(args: argparse.Namespace, configs: list[str], overrides: list[str]) -> int:
     """Run ``configs`` one after the other (e.g. a reward model, then RL with it): the overrides apply to the
-    last config only. Every config is validated before the first run starts; a ``reward_model`` folder that
-    an earlier config of the pipeline writes (its ``RUN_DIR/final``) need not exist yet. Stops at the first
-    failure."""
+    last config only. Every config (and its run_dir, ``check_run_dir``) is validated before the first run
+    starts; a ``reward_model`` folder that an earlier config of the pipeline writes (its ``RUN_DIR/final``)
+    need not exist yet. Stops at the first failure."""
     from rlbits.loops.api import resolve_config, train
     from rlbits.loops.config import ConfigError, parse_overrides, read_yaml
+    from rlbits.loops.rundir import check_run_dir
 
     if args.resume:
         raise ConfigError("--resume continues one run; give it without a pipeline of configs")
@@ -267,10 +272,11 @@ def _run_pipeline(args: argparse.Namespace, configs: list[str], overrides: list[
         if check.get("reward_model") is not None and Path(check["reward_model"]).resolve() in produced:
             check["reward_model"] = None  # written by an earlier config of the pipeline
         cfg = resolve_config(check)
+        check_run_dir(cfg.run_dir, force=args.force)  # a refused run_dir fails now, not after the runs before it
         produced.add((Path(cfg.run_dir) / "final").resolve())
         print(f"rlbits train: pipeline step {path} (loop {cfg.loop}, run_dir {cfg.run_dir})")
     for v in values:
-        run_dir = train(config=resolve_config(v), resume=False)
+        run_dir = train(config=resolve_config(v), resume=False, force=args.force)
         _print_summary(run_dir)
     return 0
 
@@ -298,9 +304,9 @@ def _run_train(args: argparse.Namespace) -> Path:
     if cfg.task not in TASKS:
         raise ConfigError(f"unknown task {cfg.task!r}; valid tasks: {', '.join(map(repr, sorted(TASKS)))}")
     if not args.resume:
-        return train(config=cfg, resume=False)
+        return train(config=cfg, resume=False, force=args.force)
     try:
-        return train(config=cfg, resume=True)
+        return train(config=cfg, resume=True, force=args.force)
     except ValueError as e:  # load_checkpoint's own wording of the same
         if str(e).startswith("checkpoint ") and "cannot restore" in str(e):
             raise CheckpointMismatchError(
@@ -344,6 +350,10 @@ TRAIN_HELP = """Train with the loop the config names (ppo, reinforce, ilql, rewa
   rlbits train configs/real/reward_model_imdb.yaml configs/real/rloo_smollm2_imdb.yaml
                                                  a pipeline: the reward model, then RLOO with it
   rlbits train --help-config [LOOP]              every config field: type, default, meaning
+
+run_dir must be new, empty, or a run rlbits started (it holds a .rlbits-run marker); anything else is
+refused before a file is written, unless --force. One live run per run_dir: a second run, or a resume of a
+live run, is refused naming the process that holds it (.rlbits-run.lock).
 """
 
 
@@ -382,6 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config (default configs/ppo_sentiment.yaml)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (any field: --help-config)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    train.add_argument(
+        "--force", action="store_true",
+        help="write the run into a run_dir that is not new, empty or an rlbits run (a folder of other files, a "
+        "run of an rlbits without the .rlbits-run marker), or start an existing run over (its checkpoints and "
+        "logs are replaced); rlbits still deletes only files it wrote, and never takes a live run's folder",
+    )  # fmt: skip
     train.add_argument(
         "--help-config", nargs="?", const="ppo", default=None, metavar="LOOP",
         help="list every config field of LOOP (ppo, reinforce, ilql, reward_model; default ppo): type, default, meaning",

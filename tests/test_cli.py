@@ -150,13 +150,17 @@ def test_train_prints_summary_then_run_dir_on_rank_0_only(tmp_path, monkeypatch,
 
 
 def _user_error_cases(tmp_path, policy_dir):
+    from rlbits.loops.config import save_config
+    from rlbits.loops.ppo import PPOConfig
+    from rlbits.loops.rundir import write_marker
+
     occupied = tmp_path / "occupied"
     occupied.mkdir()
+    write_marker(occupied, "ppo")
     (occupied / "metrics.jsonl").write_text('{"step": 0}\n')
     no_checkpoint = tmp_path / "no_checkpoint"
     (no_checkpoint / "checkpoints" / "step_1").mkdir(parents=True)  # torn: no manifest
-    from rlbits.loops.config import save_config
-    from rlbits.loops.ppo import PPOConfig
+    write_marker(no_checkpoint, "ppo")
 
     save_config(PPOConfig(run_dir=str(no_checkpoint), policy=policy_dir), no_checkpoint / "config.yaml")
     small = [f"policy={policy_dir}", *SMALL]
@@ -180,7 +184,7 @@ _REACHES_THE_LOOP = pytest.mark.slow  # fails inside the loop's train(), which t
     [pytest.param("missing policy folder", marks=_REACHES_THE_LOOP),
      pytest.param("policy folder without config.json", marks=_REACHES_THE_LOOP),
      "unknown task",
-     pytest.param("occupied run_dir", marks=_REACHES_THE_LOOP),
+     "occupied run_dir",  # refused by rlbits.train before the loop (check_run_dir)
      pytest.param("resume without checkpoint", marks=_REACHES_THE_LOOP),
      "resume of a folder that is not a run"],
 )  # fmt: skip
@@ -237,7 +241,8 @@ def test_a_pipeline_runs_its_configs_in_order_with_overrides_on_the_last(tmp_pat
     )
     calls = []
 
-    def fake_train(config, resume):  # records the order; each run writes what the next one reads
+    def fake_train(config, resume, force):  # records the order; each run writes what the next one reads
+        assert not resume and not force
         calls.append((config.loop, config.reward_model, config.max_num_steps))
         run_dir = _fake_run(Path(config.run_dir))
         (run_dir / "final").mkdir(exist_ok=True)  # the next config checks that its reward_model exists

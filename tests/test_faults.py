@@ -320,12 +320,15 @@ def _cli(*args: str) -> int:
 def test_kill_before_the_first_checkpoint_can_be_resumed(env, tmp_path, monkeypatch):
     monkeypatch.setenv("RLBITS_CACHE", env["env"]["RLBITS_CACHE"])
     run_dir = tmp_path / "run"
-    # What a kill during step 1 leaves when val_at_start logged step 0: config.yaml, one row, no checkpoint.
+    # What a kill during step 1 leaves when val_at_start logged step 0: the marker, config.yaml, one row, no
+    # checkpoint.
     from rlbits.loops.api import resolve_config
     from rlbits.loops.config import save_config
+    from rlbits.loops.rundir import write_marker
 
     cfg = resolve_config(LOOPS["ppo"][0], [f"policy={env['policy']}", f"run_dir={run_dir}", *LOOPS["ppo"][1:]])
     run_dir.mkdir()
+    write_marker(run_dir, "ppo")
     save_config(cfg, run_dir / "config.yaml")
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0, "time_s": 0.1, "val_reward": 0.0}) + "\n")
     assert _cli("--resume", str(run_dir), "max_num_steps=1") == 0

@@ -195,6 +195,12 @@ def save_checkpoint(
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step}"
     tmp = root / f".tmp_step_{step}"
+    foreign = env.is_main and final.exists() and not is_rlbits_checkpoint(final)
+    if any_rank(foreign, env):  # a folder rlbits did not write is never replaced
+        raise FileExistsError(
+            f"cannot checkpoint step {step}: {str(final)!r} exists and is not an rlbits checkpoint (no "
+            f"{MANIFEST} of step {step}); move it away (the previous checkpoint stays the newest)"
+        )
     if env.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -235,10 +241,36 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if env.is_main:
-        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        ours = [p for p in list_checkpoints(run_dir) if is_rlbits_checkpoint(p)]
+        for old in ours[:-keep] if keep > 0 else []:
             _discard(old)
     barrier(env)
     return final
+
+
+def is_rlbits_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint rlbits wrote: a ``step_N`` folder whose ``manifest.json`` is a JSON
+    object of step N, or (a damaged one whose manifest is lost) that holds rlbits' ``state.json`` and ``dcp/``.
+    Only these are ever pruned or replaced: a folder a user put under ``checkpoints/`` is left alone."""
+    path = Path(path)
+    if not (path.name.startswith("step_") and path.name[5:].isdigit() and path.is_dir() and not path.is_symlink()):
+        return False
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        if isinstance(manifest, dict) and manifest.get("step") == int(path.name[5:]):
+            return True
+    except (OSError, ValueError):
+        pass
+    return (path / "state.json").is_file() and (path / "dcp").is_dir()
+
+
+def discard_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Delete every checkpoint of ``run_dir`` that rlbits wrote (``is_rlbits_checkpoint``), as a run started
+    over in its folder does; other folders under ``checkpoints/`` stay. Returns the deleted paths."""
+    gone = [p for p in list_checkpoints(run_dir) if is_rlbits_checkpoint(p)]
+    for path in gone:
+        _discard(path)
+    return gone
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.resources
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +20,7 @@ from rlbits.data.stream import check_prompts
 from rlbits.distributed.checkpoint import latest_checkpoint
 from rlbits.loops.config import ConfigError, RunConfig, config_from_dict, parse_overrides, read_yaml
 from rlbits.loops.run import elastic_restart
+from rlbits.loops.rundir import check_not_locked, check_run_dir
 
 # loop name -> (module, config class)
 LOOPS = {
@@ -85,6 +87,7 @@ def train(
     val_prompts: Sequence[str] | None = None,
     callbacks: Sequence[Any] = (),
     resume: bool = False,
+    force: bool = False,
     **overrides: Any,
 ) -> Path:
     """Train with the loop named by ``config``'s ``loop`` and return the run directory.
@@ -102,20 +105,33 @@ def train(
         resume: continue ``run_dir`` from its latest checkpoint. Under ``torchrun --max-restarts`` a restarted
             job resumes by itself. The reward, prompts and samples must be those the run was started with
             (``RUN_DIR/provenance.json``), unless ``allow_changed_inputs=True``.
+        force: reuse a ``run_dir`` that is neither new, empty nor an rlbits run (a folder of other files, a
+            run of an rlbits without the ``.rlbits-run`` marker), or start an existing run over without
+            ``resume`` (its checkpoints and logs are replaced). rlbits still deletes only files it wrote, and
+            a live run's lock is never overridden (``rlbits.loops.rundir``).
         **overrides: config fields to override (``max_num_steps=20``, ``run_dir="runs/x"``).
 
     Raises:
         ConfigError: unknown or invalid config keys; ``samples`` given to an online loop.
         PromptError: bad ``prompts`` / ``val_prompts`` (a single string, an empty list or prompt, a non-str).
         ResumeMismatchError: ``resume`` with other inputs than the run was started with.
+        RunDirError: ``run_dir`` holds other files or a run (without ``resume``/``force``), or is a file;
+            RunDirLockedError (a RunDirError): a live run holds it.
+        DiskFullError: a write into the run directory failed on a full disk (saved checkpoints are intact).
     """
     prompts = check_prompts(prompts, "prompts") if prompts is not None else None  # before anything is loaded
     val_prompts = check_prompts(val_prompts, "val_prompts") if val_prompts is not None else None
     cfg = resolve_config(config, overrides)
     module = loop_module(cfg.loop)
-    if not resume and elastic_restart(cfg.run_dir) and latest_checkpoint(cfg.run_dir) is not None:
+    restarted = elastic_restart(cfg.run_dir)
+    if not resume and restarted and latest_checkpoint(cfg.run_dir) is not None:
         resume = True  # torchrun --max-restarts restarted the job: continue from its last checkpoint
-    kwargs: dict[str, Any] = {"callbacks": callbacks, "resume": resume, "reward": reward_fn, "prompts": prompts}
+    if int(os.environ.get("RANK", "0")) == 0:  # refuse a run_dir before any model is loaded (Run claims it)
+        check_run_dir(cfg.run_dir, resume=resume, force=force, restarted=restarted)
+        check_not_locked(cfg.run_dir)
+    kwargs: dict[str, Any] = {
+        "callbacks": callbacks, "resume": resume, "force": force, "reward": reward_fn, "prompts": prompts,
+    }  # fmt: skip
     if val_prompts is not None:
         kwargs["val_prompts"] = val_prompts
     if samples is not None:

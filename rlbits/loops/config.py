@@ -48,7 +48,7 @@ class RunConfig:
     chat_template: bool | None = None
     """Format every prompt (train and validation) as one user turn with the tokenizer's chat template (``apply_chat_template(..., add_generation_prompt=True)``) before tokenizing; None = what the task asks for (its ``CHAT`` flag: ``math`` yes, the others no)."""
     run_dir: str = "runs/default"
-    """Where the run is written: config.yaml, metrics.jsonl, samples.jsonl, TensorBoard events, checkpoints/, final/."""
+    """Where the run is written: config.yaml, metrics.jsonl, samples.jsonl, TensorBoard events, checkpoints/, final/. It must be new, empty or a run rlbits started (it holds ``.rlbits-run``); ``rlbits train --force`` reuses another folder."""
     seed: int = 0
     """Seeds data order, sampling and initialisation; the same seed reproduces a run exactly on one process."""
     max_num_steps: int = 100
@@ -167,6 +167,7 @@ class RunConfig:
         for name in ("val_period", "save_period", "log_samples", "cpu_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self._check_run_dir()
         if not 0 <= self.seed < 2**53:
             raise ConfigError(f"seed must be in [0, 2**53), got {self.seed} (seeds torch generators, which take 64 bits)")
         hints = typing.get_type_hints(type(self))
@@ -208,6 +209,19 @@ class RunConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+
+    def _check_run_dir(self) -> None:
+        """``run_dir`` names a folder: not empty (that would be the current folder) and not the root. Whether
+        the folder may hold the run is decided when it starts (``rlbits.loops.rundir.check_run_dir``)."""
+        run_dir = self.run_dir
+        if not isinstance(run_dir, str) or not run_dir.strip() or "\0" in run_dir:
+            raise ConfigError(
+                f"run_dir must name a folder for the run (e.g. runs/NAME), got {run_dir!r}; an empty run_dir "
+                "would write the run into the current folder"
+            )
+        resolved = Path(run_dir).resolve()
+        if resolved == Path(resolved.anchor):
+            raise ConfigError(f"run_dir must not be the file-system root, got {run_dir!r}; e.g. run_dir=runs/NAME")
 
     def _check_lora(self) -> None:
         docs = field_docs(type(self))

@@ -388,7 +388,7 @@ def num_steps(cfg: ILQLConfig, dataset_len: int) -> int:
 
 
 def train(
-    cfg: ILQLConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, reward: Any = None,
+    cfg: ILQLConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Any = None,
     prompts: Sequence[str] | None = None, samples: Sequence[Any] | None = None,
     val_prompts: Sequence[str] | None = None,
 ) -> Path:  # fmt: skip
@@ -399,6 +399,8 @@ def train(
         callbacks: objects with ``on_metrics``/``on_samples``/``should_stop``.
         resume: continue from the newest checkpoint of ``cfg.run_dir`` (exactly reproducing the
             uninterrupted run on one process).
+        force: also use a ``run_dir`` that is not empty and not an rlbits run, or start an existing run
+            over (``rlbits.loops.run.Run``); a live run's lock is never overridden.
         reward: scores the offline set when it is built, and validation; None = the task's reward.
         prompts: prompts to build the offline set from; None = the task's train split.
         samples: the offline set itself: ``(prompt, response, reward)`` triples or dicts.
@@ -416,7 +418,7 @@ def train(
     if not isinstance(cfg, ILQLConfig):
         raise ConfigError(f"cfg must be an ILQLConfig, got {type(cfg).__name__}")
     reward = cfg.resolve_reward(reward)  # the reward_model key: a reward-model folder instead of the task's reward
-    with Run(cfg, callbacks=callbacks, resume=resume) as run:
+    with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
         prompts, val_prompts = run.check_inputs(
             reward=reward, prompts=prompts, val_prompts=val_prompts, samples=samples, optional=("prompts", "samples")
         )  # fmt: skip

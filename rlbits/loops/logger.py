@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -25,8 +26,15 @@ import torch
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.reduce import any_rank
 from rlbits.loops.config import RunConfig, save_config
+from rlbits.loops.rundir import RunDirClaim, claim_run_dir
 
 ELASTIC_MARKER = ".torchelastic_run_id"
+STALE_TEMPORARIES = re.compile(
+    r"\.(final|offline_dataset)\.tmp-\d+-[0-9a-f]{8}"  # rlbits._io.atomic_folder's folder being written
+    r"|\.(final|offline_dataset)\.old-[a-z0-9_]{8}"  # ... and the previous folder it moves aside
+    r"|\.tmp_step_\d+(\.discarded)?"  # save_checkpoint's folder being written, _discard's folder being deleted
+)
+"""The temporary folders a killed save leaves in a run directory, which the next start deletes."""
 
 
 def elastic_restart(run_dir: str | Path) -> bool:
@@ -53,7 +61,11 @@ def _to_float(value: Any) -> float:
 
 
 class RunLogger:
-    """The run directory of one training run and everything written into it."""
+    """The run directory of one training run and everything written into it.
+
+    A ``Run`` passes the ``claim`` it took on the folder (``rlbits.loops.rundir.claim_run_dir``); used on its
+    own, a ``RunLogger`` claims the folder itself (``RunDirError`` if it is refused, ``RunDirLockedError``
+    if a live run holds it) and releases it on ``close()``."""
 
     def __init__(
         self,
@@ -64,6 +76,7 @@ class RunLogger:
         resume: bool = False,
         total_steps: int | None = None,
         start_step: int = 0,
+        claim: RunDirClaim | None = None,
     ) -> None:
         self.cfg = cfg
         self.env = env or DistEnv()
@@ -76,15 +89,23 @@ class RunLogger:
         self._t0 = time.perf_counter()
         self._old_handlers: dict[int, Any] = {}
         self._watchdog: StopWatchdog | None = None
+        self._own_claim: RunDirClaim | None = None
         if not self.env.is_main:
             return
         restarted = elastic_restart(self.dir)  # restarted by torchrun before any checkpoint: start over
-        if self.dir.exists() and not resume and not restarted and (self.dir / "metrics.jsonl").exists():
-            raise FileExistsError(
-                f"run_dir {str(self.dir)!r} already holds a run; resume it with `rlbits train --resume {self.dir}` "
-                "or choose another run_dir"
-            )
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if claim is None:  # used on its own (not by a Run): check and lock the folder here
+            claim = claim_run_dir(self.dir, loop=cfg.loop, resume=resume, restarted=restarted)
+            self._own_claim = claim
+        restarted = restarted or claim.started_over
+        try:
+            self._open(cfg, resume=resume, restarted=restarted, total=total_steps, start_step=start_step)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(
+        self, cfg: RunConfig, *, resume: bool, restarted: bool, total: int | None, start_step: int
+    ) -> None:
         save_config(cfg, self.dir / "config.yaml")
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # lets a torchrun restart of this job find its run
             (self.dir / ELASTIC_MARKER).write_text(os.environ["TORCHELASTIC_RUN_ID"] + "\n")
@@ -103,7 +124,7 @@ class RunLogger:
         if cfg.progress:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps or cfg.max_num_steps, initial=start_step, desc=cfg.loop, dynamic_ncols=True)
+            self._bar = tqdm(total=total or cfg.max_num_steps, initial=start_step, desc=cfg.loop, dynamic_ncols=True)
         self._remove_stale_temporaries()
         if resume:  # a run resumed at step 0 (no checkpoint yet) starts over: it logs step 0 again
             self._truncate_after(start_step if start_step > 0 else -1)
@@ -167,11 +188,11 @@ class RunLogger:
                 path.write_text("".join(ln + "\n" for ln in lines))
 
     def _remove_stale_temporaries(self) -> None:
-        """Delete the temporary folders a process killed while saving left behind (``.final.tmp-*``,
-        ``checkpoints/.tmp_step_*``): they were never renamed into place, so nothing reads them."""
-        stale = [*self.dir.glob(".*.tmp-*"), *self.dir.glob(".*.old-*"), *self.dir.glob("checkpoints/.tmp_step_*")]
-        for path in stale:
-            if path.is_dir():
+        """Delete the temporary folders a process killed while saving left behind: they were never renamed
+        into place, so nothing reads them. Only names rlbits makes are touched (``STALE_TEMPORARIES``: e.g.
+        ``.final.tmp-<pid>-<hex8>``, ``checkpoints/.tmp_step_<N>``); a user's ``.cache.tmp-x`` stays."""
+        for path in [*self.dir.iterdir(), *((self.dir / "checkpoints").glob(".tmp_step_*"))]:
+            if STALE_TEMPORARIES.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -224,6 +245,8 @@ class RunLogger:
             self._writer.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._own_claim is not None:
+            self._own_claim.release()
 
 
 class StopWatchdog:

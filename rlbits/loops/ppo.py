@@ -522,7 +522,7 @@ validate = phases.validate_policy
 
 
 def train(
-    cfg: PPOConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, reward: Any = None,
+    cfg: PPOConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> Path:  # fmt: skip
     """Train with PPO; returns the run directory (``cfg.run_dir``).
@@ -531,6 +531,8 @@ def train(
         cfg: the run's ``PPOConfig``.
         callbacks: objects with ``on_metrics(step, metrics)`` / ``on_samples(step, rows)`` / ``should_stop()``.
         resume: continue from the latest checkpoint of ``cfg.run_dir``, reproducing the uninterrupted run exactly.
+        force: also use a ``run_dir`` that is not empty and not an rlbits run, or start an existing run
+            over (``rlbits.loops.run.Run``); a live run's lock is never overridden.
         reward: overrides the task's reward (a callable, reward model or server URL; see ``rlbits.score``).
         prompts: overrides the task's train prompts (a list of non-empty strings, checked before any model is
             loaded, and for length once the tokenizer is).
@@ -548,7 +550,7 @@ def train(
     if not isinstance(cfg, PPOConfig):
         raise ConfigError(f"cfg must be a PPOConfig, got {type(cfg).__name__}")
     reward = cfg.resolve_reward(reward)  # the reward_model key: a reward-model folder instead of the task's reward
-    with Run(cfg, callbacks=callbacks, resume=resume) as run:
+    with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
         prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
         state = init_state(cfg, run.env, reward=reward, prompts=prompts, val_prompts=val_prompts)
         run.start(state, validate=validate)  # restores a checkpoint into the state; opens the logs

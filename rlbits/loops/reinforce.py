@@ -476,7 +476,7 @@ validate = phases.validate_policy
 
 
 def train(
-    cfg: ReinforceConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, reward: Callable | Any = None,
+    cfg: ReinforceConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Callable | Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> Path:  # fmt: skip
     """Run REINFORCE/RLOO/GRPO for ``cfg.max_num_steps`` steps and return the run directory.
@@ -485,6 +485,8 @@ def train(
         cfg: the config (validated again here).
         callbacks: objects with ``on_metrics`` / ``on_samples`` / ``should_stop`` (see ``rlbits.loops.run``).
         resume: continue from the latest checkpoint of ``cfg.run_dir``; the run then matches the uninterrupted one.
+        force: also use a ``run_dir`` that is not empty and not an rlbits run, or start an existing run
+            over (``rlbits.loops.run.Run``); a live run's lock is never overridden.
         reward: overrides the task reward (anything ``rlbits.score`` accepts).
         prompts: overrides the task's train prompts (a list of non-empty strings, checked before any model is
             loaded, and for length once the tokenizer is).
@@ -501,7 +503,7 @@ def train(
     if not isinstance(cfg, ReinforceConfig):
         raise ConfigError(f"cfg must be a ReinforceConfig, got {type(cfg).__name__}")
     reward = cfg.resolve_reward(reward)  # the reward_model key: a reward-model folder instead of the task's reward
-    with Run(cfg, callbacks=callbacks, resume=resume) as run:
+    with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
         prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
         state = init_state(cfg, run.env, reward=reward, prompts=prompts, val_prompts=val_prompts)
         run.start(state, validate=validate)  # restores a checkpoint into the state; opens the logs

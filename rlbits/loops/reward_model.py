@@ -521,7 +521,8 @@ def provenance(cfg: RewardModelConfig, rows: list[Any], val_sets: dict[str, list
 
 
 def train(
-    cfg: RewardModelConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, **unused: Any
+    cfg: RewardModelConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False,
+    **unused: Any
 ) -> Path:
     """Train a reward model for ``cfg.max_num_steps`` steps (or ``max_num_epochs`` passes) and return the run
     directory; ``RUN_DIR/final/`` is the exported ``AutoModelForSequenceClassification`` folder.
@@ -530,6 +531,8 @@ def train(
         cfg: the config (validated again here).
         callbacks: objects with ``on_metrics`` / ``on_samples`` / ``should_stop`` (see ``rlbits.loops.run``).
         resume: continue from the latest checkpoint of ``cfg.run_dir``; the run then matches the uninterrupted one.
+        force: also use a ``run_dir`` that is not empty and not an rlbits run, or start an existing run
+            over (``rlbits.loops.run.Run``); a live run's lock is never overridden.
         unused: ``rlbits.train``'s ``reward``/``prompts`` (must be None: this loop trains from ``dataset``).
 
     Raises:
@@ -547,7 +550,7 @@ def train(
             f"the reward_model loop trains on its dataset= (a config key); it takes no {', '.join(given)}"
         )
     rows, val_sets = load_data(cfg)  # before anything is loaded or written
-    with Run(cfg, callbacks=callbacks, resume=resume) as run:
+    with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
         if run.env.world_size > 1:
             raise ConfigError("the reward_model loop runs on one process; start it without torchrun")
         run.provenance = provenance(cfg, rows, val_sets)

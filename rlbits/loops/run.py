@@ -52,6 +52,14 @@ from rlbits.loops.config import RunConfig
 from rlbits.loops.logger import RunLogger, elastic_restart, read_metrics
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.provenance import check_lengths, start_provenance, user_prompts, write_provenance
+from rlbits.loops.rundir import (
+    DiskFullError,
+    RunDirClaim,
+    RunDirError,
+    claim_run_dir,
+    disk_full,
+    disk_full_error,
+)
 from rlbits.loops.runtime import setup
 from rlbits.loops.state import LoopState
 from rlbits.rollout.multiturn import episode_turns
@@ -174,22 +182,38 @@ class Run:
         cfg: the loop's config (validated here).
         callbacks: objects with ``on_metrics(step, metrics)``, ``on_samples(step, rows)``, ``should_stop()``.
         resume: continue ``cfg.run_dir`` from its latest checkpoint (bit-exact at the same world size).
+        force: also accept a ``run_dir`` that is not empty and not an rlbits run, a run of an rlbits without
+            the ``.rlbits-run`` marker, or (without ``resume``) an existing run, started over
+            (``rlbits.loops.rundir.check_run_dir``).
+
+    The run directory is checked and locked first (``rlbits.loops.rundir.claim_run_dir``), before anything
+    is read from or written to it; the lock is held until ``close()``.
 
     Raises:
         ConfigError: ``cfg`` is invalid.
+        RunDirError: ``run_dir`` cannot hold this run (a file, other files, an existing run without
+            ``resume`` or ``force``); RunDirLockedError: a live run holds it.
         FileNotFoundError: ``resume`` and the run has no checkpoint (a run that stopped before its first
             save starts over, with a warning).
+        DiskFullError: (on leaving the ``with`` block) a write failed on a full disk.
     """
 
-    def __init__(self, cfg: RunConfig, *, callbacks: Sequence[Any] = (), resume: bool = False) -> None:
+    def __init__(
+        self, cfg: RunConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False
+    ) -> None:
         cfg.check()
         self.cfg = cfg
         self.dir = Path(cfg.run_dir)
         self.resume = resume
-        self.checkpoint: Path | None = resume_checkpoint(cfg.run_dir, missing_ok=True) if resume else None
-        self.env = setup(cfg)
-        self.callbacks = list(callbacks)
         self.logger: RunLogger | None = None
+        self.env = setup(cfg)
+        self.claim = self._claim_run_dir(force)
+        try:
+            self.checkpoint: Path | None = resume_checkpoint(cfg.run_dir, missing_ok=True) if resume else None
+        except BaseException:
+            self.close()
+            raise
+        self.callbacks = list(callbacks)
         self.timer = PhaseTimer()
         self.total = cfg.max_num_steps
         self._validate: Callable | None = None
@@ -204,6 +228,22 @@ class Run:
         ``RUN_DIR/provenance.json`` on a fresh run (rank 0)."""
 
     # --- set-up -------------------------------------------------------------------------------------
+
+    def _claim_run_dir(self, force: bool) -> RunDirClaim | None:
+        """The main process checks and locks the run directory (``claim_run_dir``) before anything is read
+        from or written to it; under torchrun every rank raises if it refused (one all-reduce)."""
+        error: BaseException | None = None
+        claim = None
+        if self.env.is_main:
+            try:
+                claim = claim_run_dir(
+                    self.dir, loop=self.cfg.loop, resume=self.resume, force=force, restarted=elastic_restart(self.dir)
+                )  # fmt: skip
+            except (OSError, ValueError) as e:
+                error = e
+        if any_rank(error is not None, self.env):
+            raise error if error is not None else RunDirError(f"rank 0 refused run_dir {str(self.dir)!r}")
+        return claim
 
     def check_inputs(
         self, *, reward: Any, prompts: Sequence[str] | None, val_prompts: Sequence[str] | None,
@@ -259,7 +299,7 @@ class Run:
             self._saved_step = state.step
         self.logger = RunLogger(
             self.cfg, self.env, callbacks=self.callbacks, resume=self.resume, total_steps=self.total,
-            start_step=state.step,
+            start_step=state.step, claim=self.claim,
         )  # fmt: skip
         self.logger.install_signal_handlers(where=self.where)
         if self.provenance is not None and self.checkpoint is None and self.env.is_main:
@@ -397,14 +437,24 @@ class Run:
         return self.dir
 
     def close(self) -> None:
-        if self.logger is not None:
-            self.logger.close()
+        """Close the logs and release the run directory's lock (every exit, normal or not)."""
+        try:
+            if self.logger is not None:
+                self.logger.close()
+        finally:
+            if self.claim is not None:
+                self.claim.release()
 
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """Close the run; a full disk (``ENOSPC``, however deeply wrapped) raised inside becomes one
+        ``DiskFullError`` naming the run directory (the checkpoints already saved are intact)."""
         self.close()
+        full = disk_full(exc) if exc is not None and not isinstance(exc, DiskFullError) else None
+        if full is not None:
+            raise disk_full_error(self.dir, full) from exc
 
 
 def sample_rows(
