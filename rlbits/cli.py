@@ -126,10 +126,11 @@ def config_help(loop: str = "ppo", width: int = 100) -> str:
     import textwrap
 
     from rlbits.loops.api import config_class
-    from rlbits.loops.config import RunConfig, field_docs
+    from rlbits.loops.config import RunConfig, field_docs, size_limits
 
     cls = config_class(loop)
     docs = field_docs(cls)
+    limits = size_limits(cls)
     hints = typing.get_type_hints(cls)
     shared = {f.name for f in dataclasses.fields(RunConfig)}
 
@@ -137,7 +138,8 @@ def config_help(loop: str = "ppo", width: int = 100) -> str:
         out = []
         for f in fields:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            out.append(f"  {f.name}: {_format_type(hints[f.name])} = {_format_value(default)}")
+            bound = f" (at most {limits[f.name]})" if f.name in limits else ""
+            out.append(f"  {f.name}: {_format_type(hints[f.name])} = {_format_value(default)}{bound}")
             doc = docs.get(f.name, "")
             if doc:
                 out += textwrap.wrap(doc, width, initial_indent="      ", subsequent_indent="      ")
