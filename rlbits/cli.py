@@ -82,9 +82,13 @@ def _serve_reward(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlbits serve-reward: {e}", file=sys.stderr)
         return 2
-    server = RewardServer(
-        reward, args.host, args.port, token=token, max_request_bytes=args.max_request_bytes, log_requests=True
-    )
+    try:
+        server = RewardServer(
+            reward, args.host, args.port, token=token, max_request_bytes=args.max_request_bytes, log_requests=True
+        )
+    except (OSError, ValueError) as e:  # port in use or out of range, an address this machine does not have
+        print(f"rlbits serve-reward: cannot listen on {args.host} port {args.port}: {e}", file=sys.stderr)
+        return 2
     auth = f", bearer token from ${args.token_env}" if token else ""
     print(
         f"rlbits reward server for {args.target} listening on {server.url} (POST /score, GET /health{auth})"

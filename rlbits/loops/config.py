@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import os
@@ -357,8 +358,10 @@ def check_ranges(
                 raise ConfigError(f"{name} must be {what}, got {show(value)}" + (f" ({doc})" if doc else ""))
 
 
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring written under it, for ``cls`` and its dataclass bases."""
+    """Field name -> the docstring written under it, for ``cls`` and its dataclass bases (read from the
+    source once per class; do not modify the dict returned)."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass) or klass is object:
