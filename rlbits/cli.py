@@ -84,8 +84,9 @@ def _serve_reward(args: argparse.Namespace) -> int:
         return 2
     try:
         server = RewardServer(
-            reward, args.host, args.port, token=token, max_request_bytes=args.max_request_bytes, log_requests=True
-        )
+            reward, args.host, args.port, token=token, max_request_bytes=args.max_request_bytes,
+            log_requests=True,
+        )  # fmt: skip
     except (OSError, ValueError) as e:  # port in use or out of range, an address this machine does not have
         print(f"rlbits serve-reward: cannot listen on {args.host} port {args.port}: {e}", file=sys.stderr)
         return 2

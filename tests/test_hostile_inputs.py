@@ -5,7 +5,6 @@ huge message, no traceback, no token sent where it should not go."""
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import socket
@@ -64,22 +63,30 @@ def test_an_alias_bomb_in_a_config_file_is_refused_at_once(tmp_path, field):
     path = tmp_path / "bomb.yaml"
     path.write_text(f"{field}: {billion_laughs()}\n")
     assert len(path.read_bytes()) < 450
-    error = assert_fast_config_error(lambda: load_config(PPOConfig, path), f"aliases expand to more than {MAX_ALIAS_NODES}")
+    error = assert_fast_config_error(
+        lambda: load_config(PPOConfig, path), f"aliases expand to more than {MAX_ALIAS_NODES}"
+    )
     assert "bomb.yaml" in str(error)
 
 
 @pytest.mark.parametrize("field", ["temperature", "env_options"])
 def test_an_alias_bomb_in_an_override_is_refused_at_once(field):
     assert_fast_config_error(
-        lambda: load_config(PPOConfig, None, [f"{field}={billion_laughs()}"]), f"override '{field}': aliases expand"
+        lambda: load_config(PPOConfig, None, [f"{field}={billion_laughs()}"]),
+        f"override '{field}': aliases expand",
     )
 
 
 def test_aliases_that_stay_small_still_work_and_recursive_ones_do_not(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("env_options: &opts {max_turns: 4, hint: [a, b]}\nlora_target_modules: &t [q_proj, v_proj]\n")
+    path.write_text(
+        "env_options: &opts {max_turns: 4, hint: [a, b]}\nlora_target_modules: &t [q_proj, v_proj]\n"
+    )
     cfg = load_config(ReinforceConfig, path)
-    assert cfg.env_options == {"max_turns": 4, "hint": ["a", "b"]} and cfg.lora_target_modules == ["q_proj", "v_proj"]
+    assert cfg.env_options == {"max_turns": 4, "hint": ["a", "b"]} and cfg.lora_target_modules == [
+        "q_proj",
+        "v_proj",
+    ]
     path.write_text("env_options: &e {self: *e}\n")
     assert_fast_config_error(lambda: read_yaml(path), r"alias \*e on line 1 is inside the node it names")
 
@@ -153,20 +160,27 @@ def test_cpu_threads_is_bounded_by_this_machines_cpus():
     ],
 )
 def test_sizes_that_allocate_are_bounded_with_the_field_named(cls, field, value, bound):
-    assert_fast_config_error(lambda: config_from_dict(cls, {field: value}), rf"{field} must be <= {bound}, got {value}")
+    assert_fast_config_error(
+        lambda: config_from_dict(cls, {field: value}), rf"{field} must be <= {bound}, got {value}"
+    )
 
 
 def test_responses_per_step_are_bounded_and_help_config_lists_the_bounds():
-    with pytest.raises(ConfigError, match=r"num_prompts_per_step \* num_generations_per_prompt must be <= 1048576"):
+    with pytest.raises(
+        ConfigError, match=r"num_prompts_per_step \* num_generations_per_prompt must be <= 1048576"
+    ):
         config_from_dict(ReinforceConfig, {"num_prompts_per_step": 2**19, "num_generations_per_prompt": 4})
     assert "max_new_tokens: int = 24 (at most 1048576)" in config_help("reinforce")
 
 
 def test_a_temperature_that_overflows_sampling_is_refused():
     assert config_from_dict(PPOConfig, {"temperature": MIN_TEMPERATURE}).temperature == MIN_TEMPERATURE
-    assert_fast_config_error(lambda: config_from_dict(PPOConfig, {"temperature": 1e-45}), "temperature must be >= 0.0001")
     assert_fast_config_error(
-        lambda: config_from_dict(ILQLConfig, {"dataset_temperature": 1e-45}), "dataset_temperature must be >= 0.0001"
+        lambda: config_from_dict(PPOConfig, {"temperature": 1e-45}), "temperature must be >= 0.0001"
+    )
+    assert_fast_config_error(
+        lambda: config_from_dict(ILQLConfig, {"dataset_temperature": 1e-45}),
+        "dataset_temperature must be >= 0.0001",
     )
 
 
@@ -184,7 +198,15 @@ def tiny_lm():
 
 def _generate(model, **kw):
     prompts = make_prompts([[5, 6, 7], [8, 9]], 0)
-    return generate(model, prompts, max_new_tokens=6, eos_token_id=V - 1, pad_token_id=0, generator=torch.Generator().manual_seed(0), **kw)
+    return generate(
+        model,
+        prompts,
+        max_new_tokens=6,
+        eos_token_id=V - 1,
+        pad_token_id=0,
+        generator=torch.Generator().manual_seed(0),
+        **kw,
+    )
 
 
 def nan_after(n_ids: int):
@@ -222,11 +244,16 @@ def test_sampling_at_the_smallest_temperature_is_finite(tiny_lm):
 
 
 def test_a_lone_surrogate_prompt_is_a_prompt_error(tmp_path):
-    with pytest.raises(PromptError, match=r"prompt 2 of your prompts is not valid Unicode: surrogates not allowed at character 3"):
+    with pytest.raises(
+        PromptError,
+        match=r"prompt 2 of your prompts is not valid Unicode: surrogates not allowed at character 3",
+    ):
         check_prompts(["fine", "abc\ud800def"])
     path = tmp_path / "val.jsonl"
     path.write_text('{"prompt": "ok"}\n{"prompt": "\\udc00 tail"}\n')
-    with pytest.raises(PromptError, match=r"prompt 2 of your val_prompts \(from val.jsonl\) is not valid Unicode"):
+    with pytest.raises(
+        PromptError, match=r"prompt 2 of your val_prompts \(from val.jsonl\) is not valid Unicode"
+    ):
         read_prompts(path)
     path = tmp_path / "val.txt"
     path.write_bytes(b"ok\n\xff\xfe bad\n")
@@ -290,7 +317,10 @@ def test_the_client_refuses_redirects_and_never_sends_the_token_elsewhere():
 
         with http_server(Redirect) as url:
             client = RewardClient(url, token="s3cret", retries=3, backoff=0.01)
-            with pytest.raises(RewardServerError, match=rf"answered 307 .*a redirect to '{other}/score'; redirects are not followed") as info:
+            with pytest.raises(
+                RewardServerError,
+                match=rf"answered 307 .*a redirect to '{other}/score'; redirects are not followed",
+            ) as info:
                 client(["a"], ["b"])
     assert info.value.status == 307 and "s3cret" not in str(info.value)
     assert seen == [] and count == [1]  # nothing reached the other host; a redirect is not retried
@@ -384,8 +414,19 @@ def post(path: str, body: bytes, headers: dict[str, str]) -> bytes:
         (b"{}", {"Content-Length": "9" * 40}, 400, "bad Content-Length"),
         (b"{}", {}, 411, "needs a Content-Length"),
     ],
-    ids=["deep-list", "deep-object", "not-utf8", "surrogate", "not-object", "negative", "plus", "underscore",
-         "word", "huge", "missing"],  # fmt: skip
+    ids=[
+        "deep-list",
+        "deep-object",
+        "not-utf8",
+        "surrogate",
+        "not-object",
+        "negative",
+        "plus",
+        "underscore",
+        "word",
+        "huge",
+        "missing",
+    ],  # fmt: skip
 )
 def test_the_server_answers_malformed_requests_with_json(capfd, body, headers, status, match):
     headers = {"Content-Length": str(len(body))} if headers is None else headers
@@ -399,7 +440,9 @@ def test_the_server_answers_malformed_requests_with_json(capfd, body, headers, s
 
 def test_the_server_answers_a_short_or_stalled_body():
     with RewardServer(length_reward, port=0, request_timeout=0.3) as server:
-        got, answer = raw_exchange(server.url, post("/score", b'{"pro', {"Content-Length": "100"}), shut_write=True)
+        got, answer = raw_exchange(
+            server.url, post("/score", b'{"pro', {"Content-Length": "100"}), shut_write=True
+        )
         assert got == 400 and "ended after 5 of 100 bytes" in answer["error"]
         start = time.monotonic()
         got, answer = raw_exchange(server.url, post("/score", b'{"pro', {"Content-Length": "100"}))
@@ -411,7 +454,9 @@ def test_a_wrong_token_with_a_large_body_gets_401_at_once_without_retries():
     with RewardServer(length_reward, port=0, token="s3cret") as server:
         client = RewardClient(server.url, token="wrong", retries=3, backoff=1.0)
         start = time.monotonic()
-        with pytest.raises(RewardServerError, match="HTTP 401 Unauthorized: missing or wrong bearer token") as info:
+        with pytest.raises(
+            RewardServerError, match="HTTP 401 Unauthorized: missing or wrong bearer token"
+        ) as info:
             client(["p" * (8 * 2**20)], ["r"])
         assert info.value.status == 401
         assert time.monotonic() - start < 1.0  # no retry (the first would wait backoff = 1 s)

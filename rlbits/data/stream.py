@@ -140,7 +140,9 @@ def read_prompts(path: str | Path, what: str = "val_prompts") -> list[str]:
         else:
             prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except UnicodeDecodeError as e:
-        raise PromptError(f"{what} file {str(path)!r} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+        raise PromptError(
+            f"{what} file {str(path)!r} is not UTF-8 text: {e.reason} at byte {e.start}"
+        ) from None
     return check_prompts(prompts, f"{what} (from {path.name})")
 
 

@@ -195,7 +195,7 @@ class RewardClient:
                     raise RewardServerError(f"{where} timed out connecting ({self.timeout:g} s)", None) from e
                 last, status = f"connection failed: {e.reason}", None
                 continue
-            except (OSError, http.client.HTTPException) as e:  # reset or refused mid-exchange, a bad status line
+            except (OSError, http.client.HTTPException) as e:  # a reset mid-exchange, a bad status line
                 if deadline.expired:
                     raise timed_out from e
                 last, status = f"connection failed: {type(e).__name__}: {e}", None

@@ -47,7 +47,8 @@ from rlbits.rollout.reward_errors import RewardError
 from rlbits.rollout.score import RewardModel, _resolve, score_texts
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # 16 MiB of JSON: tens of thousands of typical samples
-_MAX_DRAIN_BYTES = 64 * 2**20  # a refused body (401, 413) up to this size is read and dropped, so the answer reaches the client
+# A refused body (401, 413) up to this size is read and dropped, so the answer reaches the client.
+_MAX_DRAIN_BYTES = 64 * 2**20
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")  # int() would also take "+5", " 5 " and "1_0"
 
 
@@ -144,7 +145,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if len(raw) < length:
             self.close_connection = True
-            self._send(400, {"error": f"request body ended after {len(raw)} of {length} bytes (Content-Length)"})
+            self._send(
+                400, {"error": f"request body ended after {len(raw)} of {length} bytes (Content-Length)"}
+            )
             return
         try:
             request = json.loads(raw)
