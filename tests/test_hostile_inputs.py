@@ -233,6 +233,15 @@ def test_nan_in_sampling_is_a_clear_error_in_the_rollout_phase(tiny_lm, kwargs, 
             _generate(tiny_lm, **kwargs)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["sampling", "greedy"])
+def test_nan_weights_are_caught_in_sampling_too(temperature):
+    model = tiny_causal_lm("gpt2", V, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight[7] = float("nan")  # one token's logit NaN: every row's distribution is NaN
+    with pytest.raises(FloatingPointError, match="in 2 of 2 rows"):
+        _generate(model, temperature=temperature)
+
+
 def test_sampling_at_the_smallest_temperature_is_finite(tiny_lm):
     out = _generate(tiny_lm, temperature=MIN_TEMPERATURE)
     assert torch.isfinite(out["logprobs"]).all() and (out["responses"] < V).all()

@@ -161,11 +161,14 @@ def _next_token(
     scaled = logits if temperature in (0, 1) else logits / temperature
     peak = scaled.amax(dim=-1, keepdim=True)
     unnormalised = torch.exp(scaled - peak)  # doubles as the sampling weights when nothing is filtered
+    # NaN wherever ``scaled`` holds a NaN or an inf (inf - inf), so is every logprob of such a row.
     log_partition = peak + unnormalised.sum(dim=-1, keepdim=True).log()
+    invalid = None  # rows whose *processed* distribution held NaN while the raw one did not
     if temperature == 0:
         z = _process(logits_processor, input_ids, logits) if logits_processor is not None else logits
         tokens = z.argmax(dim=-1)
-        invalid = z.gather(1, tokens[:, None]).squeeze(1).isnan()  # argmax picks a NaN where there is one
+        if logits_processor is not None:
+            invalid = z.gather(1, tokens[:, None]).squeeze(1).isnan()  # argmax picks a NaN where there is one
     else:
         weights = unnormalised
         if logits_processor is not None or top_k is not None or (top_p is not None and top_p < 1):
@@ -182,10 +185,11 @@ def _next_token(
         u = 1 - torch.rand(logits.shape[0], 1, generator=generator, device=logits.device)
         tokens = _sample(weights, u)
         vocab = logits.shape[-1]
-        invalid = tokens >= vocab  # NaN weights send the inverse-CDF search past the last token
+        if weights is not unnormalised:
+            invalid = tokens >= vocab  # NaN weights send the inverse-CDF search past the last token
         tokens = tokens.clamp(max=vocab - 1)
     logprobs = scaled.gather(1, tokens[:, None]).squeeze(1) - log_partition.squeeze(1)
-    return tokens, torch.where(invalid, torch.nan, logprobs)
+    return tokens, logprobs if invalid is None else torch.where(invalid, torch.nan, logprobs)
 
 
 # --- model calls ----------------------------------------------------------------------------------------
