@@ -18,7 +18,8 @@ Protocol (also in ``docs/reward_server.md``):
 **columns)``, a ``RewardModel``) behind that protocol with ``http.server.ThreadingHTTPServer``; they bind
 127.0.0.1 unless another host is named. ``RewardClient`` is the client ``score`` uses for ``http(s)://``
 rewards: ``urllib.request``, retries with exponential backoff on connection errors and 5xx answers, no retry
-on 4xx or on a timeout, and a ``RewardServerError`` for any malformed answer. It is defined in
+on 4xx or on a timeout (a deadline for the whole attempt), no redirect followed, and a ``RewardServerError``
+for any malformed answer. It is defined in
 ``rlbits.rollout.reward_client`` (below ``score``, which builds one for a URL, while this module wraps
 ``score_texts``: no import cycle) and re-exported here.
 
