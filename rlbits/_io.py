@@ -64,6 +64,8 @@ def read_jsonl(
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise error(f"{what} file {str(path)!r}, line {n}: not JSON ({e.msg})") from None
+        except RecursionError:
+            raise error(f"{what} file {str(path)!r}, line {n}: not JSON (it nests too deeply)") from None
         if not accept(row):
             raise error(f"{what} file {str(path)!r}, line {n}: expected {expected}")
         rows.append(row)

@@ -84,9 +84,14 @@ def _serve_reward(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlbits serve-reward: {e}", file=sys.stderr)
         return 2
-    server = RewardServer(
-        reward, args.host, args.port, token=token, max_request_bytes=args.max_request_bytes, log_requests=True
-    )
+    try:
+        server = RewardServer(
+            reward, args.host, args.port, token=token, max_request_bytes=args.max_request_bytes,
+            log_requests=True,
+        )  # fmt: skip
+    except (OSError, ValueError) as e:  # port in use or out of range, an address this machine does not have
+        print(f"rlbits serve-reward: cannot listen on {args.host} port {args.port}: {e}", file=sys.stderr)
+        return 2
     auth = f", bearer token from ${args.token_env}" if token else ""
     print(
         f"rlbits reward server for {args.target} listening on {server.url} (POST /score, GET /health{auth})"
@@ -128,10 +133,11 @@ def config_help(loop: str = "ppo", width: int = 100) -> str:
     import textwrap
 
     from rlbits.loops.api import config_class
-    from rlbits.loops.config import RunConfig, field_docs
+    from rlbits.loops.config import RunConfig, field_docs, size_limits
 
     cls = config_class(loop)
     docs = field_docs(cls)
+    limits = size_limits(cls)
     hints = typing.get_type_hints(cls)
     shared = {f.name for f in dataclasses.fields(RunConfig)}
 
@@ -139,7 +145,8 @@ def config_help(loop: str = "ppo", width: int = 100) -> str:
         out = []
         for f in fields:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            out.append(f"  {f.name}: {_format_type(hints[f.name])} = {_format_value(default)}")
+            bound = f" (at most {limits[f.name]})" if f.name in limits else ""
+            out.append(f"  {f.name}: {_format_type(hints[f.name])} = {_format_value(default)}{bound}")
             doc = docs.get(f.name, "")
             if doc:
                 out += textwrap.wrap(doc, width, initial_indent="      ", subsequent_indent="      ")

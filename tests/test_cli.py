@@ -78,7 +78,7 @@ def test_help_config_lists_every_field_grouped(capsys):
     for f in dataclasses.fields(PPOConfig):
         assert f"\n  {f.name}: " in (shared if f.name in {g.name for g in dataclasses.fields(RunConfig)} else own)
     assert "  policy: str | null = null\n" in shared
-    assert "  num_prompts_per_step: int = 32\n" in shared  # PPOConfig's default, not RunConfig's
+    assert "  num_prompts_per_step: int = 32 (at most 1048576)\n" in shared  # PPOConfig's default, not RunConfig's
     assert "  precision: fp32 | bf16 = fp32\n" in shared
     assert field_docs(PPOConfig)["clip_eps"][:40] in " ".join(own.split())
     assert main(["train", "--help-config", "reinforce"]) == 0

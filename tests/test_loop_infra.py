@@ -56,7 +56,7 @@ def test_config_from_yaml_and_overrides(tmp_path):
         ({"seed": True}, "seed must be int, got True"),
         ({"val_greedy": "yes"}, "val_greedy must be bool"),
         ({"max_num_steps": 0}, "max_num_steps must be >= 1"),
-        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"temperature": 0.0}, "temperature must be >= 0.0001"),
         ({"loop": "dpo"}, "loop must be one of ppo, reinforce, ilql"),
         ({"policy": 3}, "policy must be str"),
         ({"device": "tpu"}, "device must be auto, cpu, cuda"),

@@ -89,7 +89,8 @@ def check_prompts(prompts: Any, what: str = "prompts") -> list[str]:
 
     Raises:
         PromptError (a ValueError): ``prompts`` is a single string (it would be read as one prompt per
-            character), not a sequence, empty, or holds a non-str or an empty / whitespace-only prompt.
+            character), not a sequence, empty, or holds a non-str, an empty / whitespace-only prompt, or one
+            that is not valid Unicode (a lone surrogate such as ``"\ud800"``, which no tokenizer can encode).
     """
     if isinstance(prompts, (str, bytes)):
         text = prompts if isinstance(prompts, str) else repr(prompts)
@@ -109,6 +110,13 @@ def check_prompts(prompts: Any, what: str = "prompts") -> list[str]:
             )
         if not prompt.strip():
             raise PromptError(f"prompt {i} of your {what} is empty{' (whitespace only)' if prompt else ''}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PromptError(
+                f"prompt {i} of your {what} is not valid Unicode: {e.reason} at character {e.start} "
+                f"({prompt[max(0, e.start - 20) : e.start + 20]!r}); every prompt must be encodable as UTF-8"
+            ) from None
     return out
 
 
@@ -117,19 +125,24 @@ def read_prompts(path: str | Path, what: str = "val_prompts") -> list[str]:
     one prompt per line (blank lines skipped). Checked by ``check_prompts``.
 
     Raises:
-        FileNotFoundError: no such file. PromptError: a bad line, or no prompt at all.
+        FileNotFoundError: no such file. PromptError: a bad line, text that is not UTF-8, or no prompt at all.
     """
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"{what} file {str(path)!r} does not exist")
-    if path.suffix == ".jsonl":
-        rows = read_jsonl(
-            path, what=what, error=PromptError, expected='an object with a "prompt" key',
-            accept=lambda row: isinstance(row, dict) and "prompt" in row,
-        )  # fmt: skip
-        prompts = [row["prompt"] for row in rows]
-    else:
-        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        if path.suffix == ".jsonl":
+            rows = read_jsonl(
+                path, what=what, error=PromptError, expected='an object with a "prompt" key',
+                accept=lambda row: isinstance(row, dict) and "prompt" in row,
+            )  # fmt: skip
+            prompts = [row["prompt"] for row in rows]
+        else:
+            prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise PromptError(
+            f"{what} file {str(path)!r} is not UTF-8 text: {e.reason} at byte {e.start}"
+        ) from None
     return check_prompts(prompts, f"{what} (from {path.name})")
 
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
+import os
+import reprlib
 import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 
@@ -25,7 +28,46 @@ C = TypeVar("C", bound="RunConfig")
 
 
 class ConfigError(ValueError):
-    """A config key or value is invalid; the message names the field and what is allowed."""
+    """A config key or value is invalid; the message names the field and what is allowed.
+
+    The message is cut at ``MAX_MESSAGE`` characters (values in it are shown by ``show``, at most
+    ``MAX_VALUE`` characters each), so a huge or deeply shared value cannot make the error itself costly."""
+
+    MAX_MESSAGE = 4000
+
+    def __init__(self, message: object = "", *args: object):
+        if isinstance(message, str) and len(message) > self.MAX_MESSAGE:
+            message = message[: self.MAX_MESSAGE] + f" ... (message cut at {self.MAX_MESSAGE} characters)"
+        super().__init__(message, *args)
+
+
+MAX_VALUE = 200
+"""Most characters ``show`` gives a value in a message."""
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 80, 80, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 8
+
+
+def show(value: Any, limit: int = MAX_VALUE) -> str:
+    """``repr(value)`` cut to at most ``limit`` characters, built without walking all of a large or deeply
+    nested value (``reprlib``: the first items of each container, three levels deep)."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # e.g. an int past sys.get_int_max_str_digits()
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+MIN_TEMPERATURE = 1e-4
+"""Smallest sampling temperature a config accepts: ``logits / temperature`` must stay finite in float32
+(at 1e-38 it overflows and sampling yields NaN); below 1e-4 sampling is greedy in all but name."""
+
+MAX_ROWS = 2**20
+"""Most rows (prompts, responses, samples) a size field may ask for per step or batch: no run needs more,
+and a larger value fails deep in an allocation (or is killed by the kernel) instead of here."""
+MAX_TOKENS = 2**20
+"""Most tokens a length field (``max_new_tokens``, ``max_episode_tokens``, ...) may ask for."""
 
 
 # Float fields that are coefficients or rates: negative values make no sense in any loop.
@@ -38,6 +80,14 @@ NON_NEGATIVE = frozenset({
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Fields every loop shares: what to train, where to write, how long, validation and checkpoints."""
+
+    # Field -> the largest value ``check`` accepts: sizes that allocate (rows, tokens, threads, adapter
+    # rank). Loops add theirs in their own ``SIZE_LIMITS``; ``size_limits(cls)`` merges them.
+    SIZE_LIMITS: ClassVar[dict[str, int]] = {
+        "num_prompts_per_step": MAX_ROWS, "num_generations_per_prompt": MAX_ROWS, "microbatch_size": MAX_ROWS,
+        "max_val_samples": MAX_ROWS, "log_samples": MAX_ROWS, "max_new_tokens": MAX_TOKENS,
+        "max_episode_tokens": MAX_TOKENS, "max_env_workers": 1024, "lora_rank": 2**16,
+    }  # fmt: skip
 
     loop: str = "ppo"
     """Which loop runs this config: ``ppo``, ``reinforce``, ``ilql`` or ``reward_model``."""
@@ -62,7 +112,7 @@ class RunConfig:
     max_new_tokens: int = 24
     """Longest response in tokens."""
     temperature: float = 1.0
-    """Sampling temperature of rollouts; behaviour logprobs are computed at it."""
+    """Sampling temperature of rollouts, at least 1e-4 (``MIN_TEMPERATURE``: far smaller ones overflow ``logits / temperature`` in float32 and sampling breaks); behaviour logprobs are computed at it."""
     learning_rate: float = 1e-5
     """Adam learning rate of the policy."""
     weight_decay: float = 0.0
@@ -104,7 +154,7 @@ class RunConfig:
     device: str = "auto"
     """``auto`` (CUDA if available), ``cpu`` or ``cuda``."""
     cpu_threads: int = 1
-    """torch intra-op threads on CPU (``torch.set_num_threads``); 0 keeps torch's default. Small models are fastest on 1 (PPO on the sentiment base: 1.0 s/step with 1 thread, 10.9 with 2 on a loaded 2-core machine)."""
+    """torch intra-op threads on CPU (``torch.set_num_threads``), at most this machine's CPU count (``os.cpu_count()``); 0 keeps torch's default. Small models are fastest on 1 (PPO on the sentiment base: 1.0 s/step with 1 thread, 10.9 with 2 on a loaded 2-core machine)."""
     cpu_reuse_memory: bool = True
     """On CPU with glibc (Linux): keep freed memory in the process heap for reuse (``rlbits.loops.runtime.reuse_freed_memory``) instead of mapping fresh, zero-filled pages for every large tensor; each [B, R, V] logits tensor otherwise pays its page faults anew (at the standard benchmark's size about 8% of an RLOO step). The process then keeps its peak memory until it exits."""
 
@@ -163,28 +213,32 @@ class RunConfig:
                     "max_new_tokens", "microbatch_size", "max_val_samples", "keep_checkpoints")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)} ({field_docs(type(self))[name]})")
+                raise ConfigError(f"{name} must be >= 1, got {show(getattr(self, name))} ({field_docs(type(self))[name]})")
         for name in ("val_period", "save_period", "log_samples", "cpu_threads"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 0, got {show(getattr(self, name))}")
         self._check_run_dir()
+        self._check_sizes()
         if not 0 <= self.seed < 2**53:
             raise ConfigError(f"seed must be in [0, 2**53), got {self.seed} (seeds torch generators, which take 64 bits)")
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):  # a Literal field holds one of its values, also when built directly
             if typing.get_origin(hints[f.name]) is Literal and getattr(self, f.name) not in typing.get_args(hints[f.name]):
                 allowed = ", ".join(map(repr, typing.get_args(hints[f.name])))
-                raise ConfigError(f"{f.name} must be one of {allowed}; got {getattr(self, f.name)!r}")
+                raise ConfigError(f"{f.name} must be one of {allowed}; got {show(getattr(self, f.name))}")
         for f in dataclasses.fields(self):  # no float field may be NaN; only max_grad_norm may be inf
             value = getattr(self, f.name)
             if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and f.name != "max_grad_norm")):
                 raise ConfigError(f"{f.name} must be a finite number, got {value} ({field_docs(type(self)).get(f.name, '')})")
             if isinstance(value, float) and value < 0 and f.name in NON_NEGATIVE:
                 raise ConfigError(f"{f.name} must be >= 0, got {value}")
-        if not self.temperature > 0:
-            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+        if not self.temperature >= MIN_TEMPERATURE:
+            raise ConfigError(
+                f"temperature must be >= {MIN_TEMPERATURE:g}, got {self.temperature:g} "
+                f"({field_docs(type(self))['temperature']})"
+            )
         if not isinstance(self.env_options, dict) or not all(isinstance(k, str) for k in self.env_options):
-            raise ConfigError(f"env_options must be a mapping of option names to values, got {self.env_options!r}")
+            raise ConfigError(f"env_options must be a mapping of option names to values, got {show(self.env_options)}")
         if "sandbox" in self.env_options:
             raise ConfigError("env_options must not set sandbox: use the top-level sandbox field (bwrap or unsafe_local)")
         if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
@@ -200,15 +254,34 @@ class RunConfig:
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.loop not in ("ppo", "reinforce", "ilql", "reward_model"):
-            raise ConfigError(f"loop must be one of ppo, reinforce, ilql, reward_model; got {self.loop!r}")
+            raise ConfigError(f"loop must be one of ppo, reinforce, ilql, reward_model; got {show(self.loop)}")
         self._check_lora()
         if self.reward_model is not None and not Path(self.reward_model).expanduser().is_dir():
             raise ConfigError(
-                f"reward_model must be a folder holding an HF sequence-classification model, got {self.reward_model!r} "
+                f"reward_model must be a folder holding an HF sequence-classification model, got {show(self.reward_model)} "
                 f"({field_docs(type(self))['reward_model']})"
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {show(self.device)}")
+
+    def _check_sizes(self) -> None:
+        """Sizes that allocate stay within ``size_limits`` and ``cpu_threads`` within this machine's CPUs."""
+        docs = field_docs(type(self))
+        for name, limit in size_limits(type(self)).items():
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                raise ConfigError(f"{name} must be <= {limit}, got {show(value)} ({docs.get(name, '')})")
+        if self.rollout_batch_size > MAX_ROWS:
+            raise ConfigError(
+                f"num_prompts_per_step * num_generations_per_prompt must be <= {MAX_ROWS} responses per step, "
+                f"got {self.num_prompts_per_step} * {self.num_generations_per_prompt} = {self.rollout_batch_size}"
+            )
+        cpus = os.cpu_count() or 1
+        if self.cpu_threads > cpus:
+            raise ConfigError(
+                f"cpu_threads must be <= {cpus} (this machine's CPU count), got {show(self.cpu_threads)}; "
+                "0 keeps torch's default"
+            )
 
     def _check_run_dir(self) -> None:
         """``run_dir`` names a folder: not empty (that would be the current folder) and not the root. Whether
@@ -239,7 +312,7 @@ class RunConfig:
             if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t.strip() for t in targets):
                 raise ConfigError(
                     f"lora_target_modules must be a non-empty list of module names (strings), a regex or null; "
-                    f"got {targets!r} ({docs['lora_target_modules']})"
+                    f"got {show(targets)} ({docs['lora_target_modules']})"
                 )
 
     @property
@@ -265,7 +338,7 @@ class RunConfig:
             return reward
         if reward is not None:
             raise ConfigError(
-                f"a reward was passed to train() and the config sets reward_model={self.reward_model!r}; give one of them"
+                f"a reward was passed to train() and the config sets reward_model={show(self.reward_model)}; give one of them"
             )
         return str(Path(self.reward_model).expanduser())
 
@@ -273,6 +346,14 @@ class RunConfig:
     def rollout_batch_size(self) -> int:
         """Responses per step: ``num_prompts_per_step * num_generations_per_prompt``."""
         return self.num_prompts_per_step * self.num_generations_per_prompt
+
+
+def size_limits(cls: type) -> dict[str, int]:
+    """Field -> the largest value ``check`` accepts, for ``cls`` and its bases (``SIZE_LIMITS``)."""
+    out: dict[str, int] = {}
+    for klass in reversed(cls.__mro__):
+        out.update(getattr(klass, "SIZE_LIMITS", {}))
+    return out
 
 
 def check_ranges(
@@ -300,11 +381,13 @@ def check_ranges(
             value = getattr(cfg, name)
             if not ok(value):
                 doc = docs.get(name, "")
-                raise ConfigError(f"{name} must be {what}, got {value}" + (f" ({doc})" if doc else ""))
+                raise ConfigError(f"{name} must be {what}, got {show(value)}" + (f" ({doc})" if doc else ""))
 
 
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring written under it, for ``cls`` and its dataclass bases."""
+    """Field name -> the docstring written under it, for ``cls`` and its dataclass bases (read from the
+    source once per class; do not modify the dict returned)."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass) or klass is object:
@@ -340,11 +423,11 @@ def _coerce(cls: type, name: str, value: Any, tp: Any) -> Any:
                 return _coerce(cls, name, value, arg)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{name}: bad value {value!r}")
+        raise ConfigError(errors[0] if errors else f"{name}: bad value {show(value)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+            raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {show(value)}")
         return value
     if tp is bool:
         if isinstance(value, bool):
@@ -357,7 +440,7 @@ def _coerce(cls: type, name: str, value: Any, tp: Any) -> Any:
             try:
                 return float(value)
             except OverflowError:
-                raise ConfigError(f"{name} must be a float; {value} is too large for one") from None
+                raise ConfigError(f"{name} must be a float; {show(value)} is too large for one") from None
         if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
             try:
                 return float(value)
@@ -373,7 +456,7 @@ def _coerce(cls: type, name: str, value: Any, tp: Any) -> Any:
         return value
     doc = field_docs(cls).get(name, "")
     raise ConfigError(
-        f"{name} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})" + (f": {doc}" if doc else "")
+        f"{name} must be {_type_name(tp)}, got {show(value)} ({type(value).__name__})" + (f": {doc}" if doc else "")
     )
 
 
@@ -398,16 +481,16 @@ def config_from_dict(cls: type[C], values: dict[str, Any]) -> C:
         if isinstance(key, str) and key in renamed and key not in fields:
             new = renamed[key]
             if new in values:
-                raise ConfigError(f"config key {key!r} is the old name of {new!r}; give only {new!r}")
+                raise ConfigError(f"config key {show(key)} is the old name of {new!r}; give only {new!r}")
             warnings.warn(f"config key {key!r} is renamed {new!r}", DeprecationWarning, stacklevel=2)
             values = {**{k: v for k, v in values.items() if k != key}, new: value}
     for key, value in values.items():
         if not isinstance(key, str):
-            raise ConfigError(f"config key {key!r} is a {type(key).__name__}; keys are field names (valid keys: {', '.join(fields)})")
+            raise ConfigError(f"config key {show(key)} is a {type(key).__name__}; keys are field names (valid keys: {', '.join(fields)})")
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(f"unknown config key {key!r} for {cls.__name__}{hint} (valid keys: {', '.join(fields)})")
+            raise ConfigError(f"unknown config key {show(key)} for {cls.__name__}{hint} (valid keys: {', '.join(fields)})")
         kwargs[key] = _coerce(cls, key, value, hints[key])
     cfg = cls(**kwargs)
     cfg.check()
@@ -415,47 +498,116 @@ def config_from_dict(cls: type[C], values: dict[str, Any]) -> C:
 
 
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """``["key=value", ...]`` -> dict, each value parsed as YAML (``lr=1e-5``, ``wandb=true``, ``policy=null``)."""
+    """``["key=value", ...]`` -> dict, each value parsed as YAML (``lr=1e-5``, ``wandb=true``,
+    ``policy=null``) by the loader of config files (``load_yaml``: merge keys, bounded aliases, no duplicate
+    keys)."""
     out = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
+            raise ConfigError(f"override {show(item)} is not of the form key=value")
         try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+            out[key.strip()] = load_yaml(raw) if raw.strip() else ""
+        except ConfigError as e:
+            raise ConfigError(f"override {show(key.strip())}: {e}") from None
         except Exception as e:  # PyYAML also raises RecursionError, ValueError, ... on odd input
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({type(e).__name__}: {e})") from e
+            why = f"{type(e).__name__}: {str(e)[:_MAX_YAML_ERROR]}"
+            raise ConfigError(f"override {show(item)}: value is not valid YAML ({why})") from e
     return out
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that rejects a key given twice in one mapping (YAML keeps the last one silently)."""
+MAX_ALIAS_NODES = 10_000
+"""Most YAML nodes that aliases (``*name``) may add to a config when expanded: anchors reused a few times
+fit easily, while nine levels of nine aliases each (a 400-byte "billion laughs") would stand for 10^9."""
+_MAX_YAML_ERROR = 600  # characters of PyYAML's own message (it quotes the offending line)
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
-    def construct_mapping(self, node, deep=False):
+
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` for config files and overrides: it rejects a key given twice in one mapping (YAML
+    keeps the last one silently), an alias that refers to a node containing it, and aliases that expand to
+    more than ``MAX_ALIAS_NODES`` nodes; merge keys (``<<: *base``) work as in ``SafeLoader``.
+
+    Aliases are counted while the document is composed, before anything is built: each node counts 1 and
+    each alias the expanded size of the node it names."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._expanded = 0  # nodes composed so far, with every alias counted at its expanded size
+        self._alias_nodes = 0  # of those, the nodes that aliases stand for
+        self._anchor_sizes: dict[str, int] = {}  # anchor -> expanded size of its node, once composed
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            if event.anchor in self.anchors:  # an undefined one is left to SafeLoader's own error
+                line = event.start_mark.line + 1
+                size = self._anchor_sizes.get(event.anchor)
+                if size is None:
+                    raise ConfigError(
+                        f"alias *{event.anchor[:40]} on line {line} is inside the node it names (a recursive "
+                        "structure); a config holds plain values"
+                    )
+                self._expanded += size
+                self._alias_nodes += size
+                if self._alias_nodes > MAX_ALIAS_NODES:
+                    raise ConfigError(
+                        f"aliases expand to more than {MAX_ALIAS_NODES} YAML nodes (at *{event.anchor[:40]}, "
+                        f"line {line}); write the values out instead of nesting aliases"
+                    )
+            return super().compose_node(parent, index)
+        anchor = self.peek_event().anchor
+        start = self._expanded
+        self._expanded += 1
+        node = super().compose_node(parent, index)
+        if anchor is not None:
+            self._anchor_sizes[anchor] = self._expanded - start
+        return node
+
+    def compose_mapping_node(self, anchor):
+        node = super().compose_mapping_node(anchor)
         seen = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
+            # Merged keys may repeat the mapping's own (those win); only plain scalar keys are compared.
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
+                continue
+            key = self.construct_object(key_node)
             try:
                 duplicate = key in seen
                 seen.add(key)
             except TypeError:  # an unhashable key: let SafeLoader report it
                 continue
             if duplicate:
-                raise ConfigError(f"key {key!r} is given twice (line {key_node.start_mark.line + 1})")
-        return super().construct_mapping(node, deep=deep)
+                raise ConfigError(f"key {show(key)} is given twice (line {key_node.start_mark.line + 1})")
+        return node
+
+
+def load_yaml(text: str) -> Any:
+    """Parse one YAML document of a config (a file's text or an override's value) with plain values only
+    (``yaml.SafeLoader``; merge keys allowed; a key given twice, a recursive alias or aliases expanding to
+    more than ``MAX_ALIAS_NODES`` nodes refused).
+
+    Raises:
+        ConfigError: a key given twice, a recursive alias, too many aliased nodes.
+        yaml.YAMLError (and RecursionError, ValueError on odd input): text that is not valid YAML.
+    """
+    return yaml.load(text, Loader=_ConfigLoader)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a config YAML file into a dict (empty file -> {}). Raises ConfigError naming the file."""
+    """Read a config YAML file into a dict (empty file -> {}) with ``load_yaml``. Raises ConfigError naming
+    the file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+        data = load_yaml(path.read_text()) or {}
     except ConfigError as e:
         raise ConfigError(f"config file {str(path)!r}: {e}") from None
     except Exception as e:  # PyYAML also raises RecursionError, ValueError, ... on odd input
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {type(e).__name__}: {e}") from e
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid YAML: {type(e).__name__}: {str(e)[:_MAX_YAML_ERROR]}"
+        ) from e
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of key: value, got {type(data).__name__}")
     return data

@@ -69,7 +69,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from tensordict import TensorDictBase
@@ -94,7 +94,7 @@ from rlbits.distributed.env import DistEnv
 from rlbits.distributed.reduce import any_rank, global_count
 from rlbits.functional import awac_loss, cql_loss, expectile_loss, ilql_targets, q_loss, token_rewards
 from rlbits.loops import phases
-from rlbits.loops.config import ConfigError, RunConfig, check_ranges, field_docs
+from rlbits.loops.config import MAX_ROWS, MIN_TEMPERATURE, ConfigError, RunConfig, check_ranges, field_docs
 from rlbits.loops.evaluate import evaluate_betas, steered_validate
 from rlbits.loops.evaluate import evaluate_ilql_run as evaluate_run
 from rlbits.loops.evaluate import load_ilql_final as load_final
@@ -119,6 +119,10 @@ from rlbits.tasks import get_task
 @dataclasses.dataclass(frozen=True)
 class ILQLConfig(RunConfig):
     """ILQL on an offline dataset (trlx's ``ILQLConfig`` names where one exists)."""
+
+    SIZE_LIMITS: ClassVar[dict[str, int]] = {
+        "batch_size": MAX_ROWS, "dataset_size": MAX_ROWS, "dataset_batch_size": MAX_ROWS,
+    }  # fmt: skip
 
     loop: str = "ilql"
     """Which loop runs this config: ``ilql`` here."""
@@ -161,7 +165,7 @@ class ILQLConfig(RunConfig):
     dataset_size: int = 2048
     """Responses sampled from the base model for the offline set (ignored with ``samples=`` or ``dataset_path``)."""
     dataset_temperature: float = 1.0
-    """Sampling temperature of the offline set's responses."""
+    """Sampling temperature of the offline set's responses, at least 1e-4 (``MIN_TEMPERATURE``, as ``temperature``)."""
     dataset_batch_size: int = 256
     """Prompts per ``generate`` call while building the offline set."""
     dataset_path: str | None = None
@@ -177,6 +181,11 @@ class ILQLConfig(RunConfig):
             self, at_least_one=("batch_size", "steps_for_target_q_sync", "dataset_size", "dataset_batch_size"),
             unit_interval=("gamma",), positive=("dataset_temperature",),
         )  # fmt: skip
+        if not self.dataset_temperature >= MIN_TEMPERATURE:
+            raise ConfigError(
+                f"dataset_temperature must be >= {MIN_TEMPERATURE:g}, got {self.dataset_temperature:g} "
+                f"({docs['dataset_temperature']})"
+            )
         if not 0 < self.tau < 1:
             raise ConfigError(f"tau must be in (0, 1), got {self.tau} ({docs['tau']})")
         if not 0 <= self.alpha <= 1:

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from tensordict import TensorDictBase
@@ -76,7 +76,7 @@ from rlbits.functional import (
     value_loss,
 )
 from rlbits.loops import phases
-from rlbits.loops.config import ConfigError, RunConfig, check_ranges
+from rlbits.loops.config import MAX_ROWS, ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
 from rlbits.loops.run import NonFiniteError, Run, total_steps
@@ -105,6 +105,8 @@ from rlbits.tasks import get_task
 @dataclasses.dataclass(frozen=True)
 class PPOConfig(RunConfig):
     """Actor-critic PPO. Field names follow NeMo-RL / NeMo-Aligner where they have one."""
+
+    SIZE_LIMITS: ClassVar[dict[str, int]] = {"num_minibatches": MAX_ROWS}
 
     loop: str = "ppo"
     """Which loop runs this config; ``ppo`` for this one."""

@@ -80,7 +80,7 @@ from rlbits.functional import (
     rloo_baseline,
 )
 from rlbits.loops import phases
-from rlbits.loops.config import ConfigError, RunConfig, check_ranges
+from rlbits.loops.config import MAX_ROWS, ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
 from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase
@@ -110,6 +110,9 @@ class ReinforceConfig(RunConfig):
 
     RENAMED: ClassVar[dict[str, str]] = {"ppo_epochs": "num_iterations"}
     """Config keys of earlier releases, still read (with a DeprecationWarning)."""
+    SIZE_LIMITS: ClassVar[dict[str, int]] = {
+        "num_minibatches": MAX_ROWS, "dynamic_sampling_max_gen_batches": 1024,
+    }  # fmt: skip
 
     loop: str = "reinforce"
     """Which loop runs this config (``reinforce``)."""

@@ -61,7 +61,7 @@ import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from tensordict import TensorDict
@@ -72,7 +72,7 @@ from rlbits.batch import pad_right
 from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.functional import bradley_terry_loss, pointwise_reward_loss
-from rlbits.loops.config import ConfigError, RunConfig, check_ranges
+from rlbits.loops.config import MAX_ROWS, MAX_TOKENS, ConfigError, RunConfig, check_ranges
 from rlbits.loops.optim import clip_and_step, make_optimizer
 from rlbits.loops.provenance import check_resume, describe_samples
 from rlbits.loops.run import NonFiniteError, Run, total_steps
@@ -88,6 +88,11 @@ VAL_SEED = 0
 @dataclasses.dataclass(frozen=True)
 class RewardModelConfig(RunConfig):
     """Reward-model training on labelled texts or preference pairs (see the module docstring)."""
+
+    SIZE_LIMITS: ClassVar[dict[str, int]] = {
+        "batch_size": MAX_ROWS, "max_length": MAX_TOKENS, "truncate_max_words": MAX_TOKENS,
+        "val_prefix_words": MAX_TOKENS,
+    }  # fmt: skip
 
     loop: str = "reward_model"
     """Which loop runs this config (``reward_model``)."""

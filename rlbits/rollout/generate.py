@@ -5,7 +5,10 @@ prefill over the left-padded prompts, then one token per step from the cache) ->
 (logits processor, temperature, top-k, top-p, sample, logprob) -> ``_sample`` (inverse-CDF sampling on one
 uniform per row from the caller's generator; no ``torch.multinomial``). Nothing in the loop reads a value
 on the host except one "have all rows finished?" check per step on CPU (every ``_EOS_CHECK_EVERY`` steps
-on an accelerator, where a sync per step would stall the launch queue).
+on an accelerator, where a sync per step would stall the launch queue). A step whose distribution holds NaN
+(NaN/inf logits, or ``logits / temperature`` overflowing float32) cannot yield a token id outside the
+vocabulary: the id is clamped, its logprob set to NaN, and ``generate`` raises ``FloatingPointError`` once
+after the loop.
 
 KV cache: a ``transformers.StaticCache`` allocated up front for ``P + max_new_tokens`` positions when the
 model supports it (``_can_compile_fullgraph``), with the attention mask kept as a [B, P + max_new_tokens]
@@ -150,15 +153,22 @@ def _next_token(
         input_ids: [B, T] the ids so far (prompt and response), for ``logits_processor``.
 
     Returns:
-        ``(tokens [B] int64, logprobs [B] float32)``.
+        ``(tokens [B] int64, logprobs [B] float32)``. A row whose distribution holds NaN (from NaN or inf
+        logits, or a temperature so small that ``logits / temperature`` overflows) gets a NaN logprob and a
+        token id clamped into ``[0, V)``, so the decode loop goes on without a sync and ``generate`` raises
+        once after it.
     """
     scaled = logits if temperature in (0, 1) else logits / temperature
     peak = scaled.amax(dim=-1, keepdim=True)
     unnormalised = torch.exp(scaled - peak)  # doubles as the sampling weights when nothing is filtered
+    # NaN wherever ``scaled`` holds a NaN or an inf (inf - inf), so is every logprob of such a row.
     log_partition = peak + unnormalised.sum(dim=-1, keepdim=True).log()
+    invalid = None  # rows whose *processed* distribution held NaN while the raw one did not
     if temperature == 0:
         z = _process(logits_processor, input_ids, logits) if logits_processor is not None else logits
         tokens = z.argmax(dim=-1)
+        if logits_processor is not None:
+            invalid = z.gather(1, tokens[:, None]).squeeze(1).isnan()  # argmax picks a NaN where there is one
     else:
         weights = unnormalised
         if logits_processor is not None or top_k is not None or (top_p is not None and top_p < 1):
@@ -174,8 +184,12 @@ def _next_token(
             weights = torch.exp(z - z.amax(dim=-1, keepdim=True))
         u = 1 - torch.rand(logits.shape[0], 1, generator=generator, device=logits.device)
         tokens = _sample(weights, u)
-    logprobs = scaled.gather(1, tokens[:, None]) - log_partition
-    return tokens, logprobs.squeeze(1)
+        vocab = logits.shape[-1]
+        if weights is not unnormalised:
+            invalid = tokens >= vocab  # NaN weights send the inverse-CDF search past the last token
+        tokens = tokens.clamp(max=vocab - 1)
+    logprobs = scaled.gather(1, tokens[:, None]).squeeze(1) - log_partition.squeeze(1)
+    return tokens, logprobs if invalid is None else torch.where(invalid, torch.nan, logprobs)
 
 
 # --- model calls ----------------------------------------------------------------------------------------
@@ -342,6 +356,25 @@ def _max_positions(policy: torch.nn.Module) -> tuple[str, int] | None:
     return None
 
 
+def _check_finite(logprobs: torch.Tensor, temperature: float) -> None:
+    """Raise if a sampled token's logprob is NaN (``_next_token`` marks a distribution that held NaN so):
+    one reduction and one sync per ``generate`` call, none per token.
+
+    Raises:
+        FloatingPointError: naming the first row and step and the likely causes.
+    """
+    bad = logprobs.isnan()
+    if not bool(bad.any()):
+        return
+    row, step = bad.nonzero()[0].tolist()
+    rows = int(bad.any(dim=1).sum())
+    raise FloatingPointError(
+        f"sampling produced non-finite probabilities in {rows} of {logprobs.shape[0]} rows (first: row {row}, "
+        f"new token {step}) at temperature {temperature:g}: the logits divided by the temperature hold NaN or "
+        "inf (a temperature too small for float32, or NaN/inf logits from the model or the logits processor)"
+    )
+
+
 @torch.no_grad()
 def generate(
     policy: torch.nn.Module,
@@ -424,6 +457,8 @@ def generate(
         ValueError: missing keys, mismatched shapes, an empty batch, a row without prompt tokens, a prompt
             or pad id outside the vocabulary, bad sampling arguments, or ``P + max_new_tokens`` beyond the
             model's context.
+        FloatingPointError: a step's distribution held NaN (NaN/inf logits, or a temperature so small that
+            ``logits / temperature`` overflows): checked once after decoding, the message names the row.
     """
     _check_args(
         prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id
@@ -559,7 +594,8 @@ def generate(
         policy.train(was_training)
 
     action_mask = attention_mask[:, P : P + steps]
-    R = int(action_mask.sum(dim=1).max())  # the only other sync: trim to the longest response
+    _check_finite(logprobs[:, :steps], temperature)
+    R = int(action_mask.sum(dim=1).max())  # the other sync: trim to the longest response
     action_mask = action_mask[:, :R].contiguous()
     columns = {
         "logprobs": logprobs[:, :R].contiguous(),

@@ -1,7 +1,9 @@
 """The reward server's client: ``RewardClient``, what ``score`` sends ``http(s)://`` rewards through.
 
 Standard library only (``urllib.request``): retries with exponential backoff on connection errors and 5xx
-answers, no retry on 4xx or on a timeout, and a ``RewardServerError`` for any malformed answer. The protocol
+answers, no retry on 4xx or on a timeout, and a ``RewardServerError`` for any malformed answer. Redirects
+are refused, never followed (they would carry the bearer token to another address), and ``timeout`` bounds
+the whole exchange, not each read: a watchdog shuts the socket down at the deadline. The protocol
 is in ``rlbits.rollout.reward_server`` (which also re-exports ``RewardClient``) and ``docs/reward_server.md``.
 
 It sits below ``rlbits.rollout.score`` (which builds a client for a URL) and imports nothing from it, so
@@ -10,9 +12,12 @@ It sits below ``rlbits.rollout.score`` (which builds a client for a URL) and imp
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import json
 import math
+import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -41,11 +46,13 @@ class RewardClient:
     Args:
         url: the server's base URL, ``http(s)://host:port`` (a trailing ``/score`` is accepted and dropped).
         token: bearer token sent as ``Authorization: Bearer <token>``; never shown in messages or ``repr``.
-        timeout: seconds to wait for the connection and for each read of the answer.
+        timeout: seconds one attempt may take in all: connecting, sending the request and reading the whole
+            answer (a server that trickles its answer byte by byte is cut off at this deadline).
         retries: extra attempts after the first on a connection error or a 5xx answer (0: no retry).
         backoff: the wait before retry k (k = 0, 1, ...) is ``backoff * 2**k`` seconds.
 
-    Proxies from the environment are used except for loopback hosts.
+    Proxies from the environment are used except for loopback hosts. Redirects are not followed: a 3xx
+    answer raises ``RewardServerError`` naming its target, so the token never reaches another address.
 
     Raises:
         ValueError: ``url`` is not ``http(s)://host[:port]``, or a bad ``timeout``/``retries``/``backoff``.
@@ -77,8 +84,7 @@ class RewardClient:
         self.timeout = float(timeout)
         self.retries = retries
         self.backoff = float(backoff)
-        handlers = [urllib.request.ProxyHandler({})] if _is_loopback(parts.hostname) else []
-        self._opener = urllib.request.build_opener(*handlers)
+        self._proxies = [urllib.request.ProxyHandler({})] if _is_loopback(parts.hostname) else []
 
     def __repr__(self) -> str:
         token = ", token=***" if self.token else ""
@@ -94,8 +100,8 @@ class RewardClient:
         Raises:
             TypeError: a column is not JSON-serialisable.
             RewardServerError: unreachable after the retries, timeout, an HTTP error (the server's message
-                included), or an answer that is not JSON, lacks ``rewards``, has the wrong length or holds
-                non-numbers.
+                included), a redirect, or an answer that is not JSON, lacks ``rewards``, has the wrong length
+                or holds non-numbers.
         """
         cols = {}
         for name, values in columns.items():
@@ -148,11 +154,26 @@ class RewardClient:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             request = urllib.request.Request(url, data=body, headers=headers, method=method)
+            deadline = _Deadline(self.timeout)
+            opener = urllib.request.build_opener(
+                *self._proxies, _NoRedirects(), _WatchedHTTPHandler(deadline), _WatchedHTTPSHandler(deadline)
+            )
+            timed_out = RewardServerError(f"{where} timed out: no answer within {self.timeout:g} s", None)
             try:
-                with self._opener.open(request, timeout=self.timeout) as response:
+                with deadline, opener.open(request, timeout=self.timeout) as response:
                     code = response.status
                     raw = response.read(_MAX_RESPONSE_BYTES + 1)
+                    deadline.finish()
             except urllib.error.HTTPError as e:
+                if deadline.expired:
+                    raise timed_out from None
+                if 300 <= e.code < 400:
+                    target = _show(e.headers.get("Location", "(no Location header)"))
+                    raise RewardServerError(
+                        f"{where} answered {e.code} {e.reason}, a redirect to {target}; redirects are not "
+                        "followed (the token would go with them): give the reward server's own URL",
+                        e.code,
+                    ) from None
                 message = _error_message(e)
                 if e.code == HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
                     raise RewardServerError(
@@ -166,22 +187,26 @@ class RewardClient:
                 status = e.code
                 continue
             except TimeoutError as e:
-                raise RewardServerError(
-                    f"{where} timed out: no answer within {self.timeout:g} s", None
-                ) from e
+                raise timed_out from e
             except urllib.error.URLError as e:
+                if deadline.expired:
+                    raise timed_out from e
                 if isinstance(e.reason, TimeoutError):
                     raise RewardServerError(f"{where} timed out connecting ({self.timeout:g} s)", None) from e
                 last, status = f"connection failed: {e.reason}", None
                 continue
-            except OSError as e:  # connection reset or refused mid-exchange, broken pipe
+            except (OSError, http.client.HTTPException) as e:  # a reset mid-exchange, a bad status line
+                if deadline.expired:
+                    raise timed_out from e
                 last, status = f"connection failed: {type(e).__name__}: {e}", None
                 continue
+            if deadline.expired:  # the watchdog cut the answer short
+                raise timed_out
             if len(raw) > _MAX_RESPONSE_BYTES:
                 raise RewardServerError(f"{where} answered more than {_MAX_RESPONSE_BYTES} bytes", code)
             try:
                 return json.loads(raw)
-            except (UnicodeDecodeError, ValueError):
+            except (UnicodeDecodeError, ValueError, RecursionError):
                 raise RewardServerError(
                     f"{where} answered a body that is not JSON: {_show(raw)}", code
                 ) from None
@@ -194,6 +219,104 @@ class RewardClient:
                 "per request, e.g. score(..., batch_size=...))"
             )
         raise RewardServerError(f"{where} failed after {attempts}; last error: {last}{hint}", status)
+
+
+class _Deadline:
+    """A watchdog for one attempt: ``seconds`` after entering, it shuts down every socket it watches, so a
+    read blocked in ``http.client`` returns at once. ``finish()`` (the answer is read) disarms it; after
+    that ``expired`` stays False."""
+
+    def __init__(self, seconds: float):
+        self._seconds = seconds
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._done = False
+        self.expired = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._timer.cancel()
+        self.finish()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if self.expired:
+                _shut(sock)
+
+    def finish(self) -> None:
+        with self._lock:
+            self._done = True
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self.expired = True
+            for sock in self._sockets:
+                _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    # The plain socket's shutdown, also under TLS: the reader sees end of stream, the TLS state is untouched.
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
+
+
+class _WatchedHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        super().connect()
+        self._deadline.watch(self.sock)
+
+
+class _WatchedHTTPSConnection(http.client.HTTPSConnection):
+    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        super().connect()
+        self._deadline.watch(self.sock)
+
+
+class _WatchedHTTPHandler(urllib.request.HTTPHandler):
+    """urllib's HTTP handler with connections that the attempt's ``_Deadline`` watches."""
+
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self._deadline = deadline
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_WatchedHTTPConnection, req, deadline=self._deadline)
+
+
+class _WatchedHTTPSHandler(urllib.request.HTTPSHandler):
+    """urllib's HTTPS handler (default TLS context: certificates and host names verified), watched."""
+
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self._deadline = deadline
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_WatchedHTTPSConnection, req, context=self._context, deadline=self._deadline)
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow no redirect: urllib then raises the 3xx answer as an ``HTTPError``."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 (urllib's signature)
+        return None
 
 
 def _to_float(r: int | float) -> float:

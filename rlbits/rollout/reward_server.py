@@ -7,15 +7,19 @@ Protocol (also in ``docs/reward_server.md``):
   ``{"rewards": [number, ...]}``, one finite number per sample, in order.
 - ``GET /health`` answers ``200`` with ``{"status": "ok"}`` (no token needed).
 - When the server has a token, ``/score`` requires the header ``Authorization: Bearer <token>``.
-- Errors are JSON ``{"error": "<message>"}``: ``400`` malformed request, ``401`` missing or wrong token,
-  ``404`` unknown path, ``405`` wrong method, ``411`` no Content-Length, ``413`` body over the size cap,
-  ``500`` the reward function raised or returned an invalid value (the message names the sample).
+- Errors are JSON ``{"error": "<message>"}``: ``400`` malformed request (bad JSON, nesting too deep, text
+  that is not valid Unicode, a bad Content-Length), ``401`` missing or wrong token (checked before the body
+  is read), ``404`` unknown path, ``405`` wrong method, ``408`` the body did not arrive in time, ``411`` no
+  Content-Length, ``413`` body over the size cap, ``500`` the reward function raised or returned an invalid
+  value (the message names the sample). Every request gets one of these answers, never a dropped connection
+  with a traceback (a bug of the server itself is a ``500`` naming the exception's type).
 
 ``RewardServer``/``serve`` run any reward that ``score_texts`` accepts (a callable ``(prompts, responses,
 **columns)``, a ``RewardModel``) behind that protocol with ``http.server.ThreadingHTTPServer``; they bind
 127.0.0.1 unless another host is named. ``RewardClient`` is the client ``score`` uses for ``http(s)://``
 rewards: ``urllib.request``, retries with exponential backoff on connection errors and 5xx answers, no retry
-on 4xx or on a timeout, and a ``RewardServerError`` for any malformed answer. It is defined in
+on 4xx or on a timeout (a deadline for the whole attempt), no redirect followed, and a ``RewardServerError``
+for any malformed answer. It is defined in
 ``rlbits.rollout.reward_client`` (below ``score``, which builds one for a URL, while this module wraps
 ``score_texts``: no import cycle) and re-exported here.
 
@@ -29,6 +33,7 @@ import contextlib
 import hmac
 import json
 import os
+import re
 import socket
 import threading
 import urllib.parse
@@ -43,7 +48,9 @@ from rlbits.rollout.reward_errors import RewardError
 from rlbits.rollout.score import RewardModel, _resolve, score_texts
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # 16 MiB of JSON: tens of thousands of typical samples
-_MAX_DRAIN_BYTES = 64 * 2**20  # a too-large body up to this size is read and dropped, so 413 reaches the client
+# A refused body (401, 413) up to this size is read and dropped, so the answer reaches the client.
+_MAX_DRAIN_BYTES = 64 * 2**20
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")  # int() would also take "+5", " 5 " and "1_0"
 
 
 # ------------------------------------------------------------------------------------------------ server
@@ -91,6 +98,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, {"error": f"unknown path {path!r}; the server has POST /score and GET /health"})
 
     def do_POST(self) -> None:
+        try:
+            self._score()
+        except Exception as e:  # a bug of the server itself: still one JSON answer, no dropped connection
+            self.log_error("POST %s failed: %s: %s", self.path, type(e).__name__, e)
+            self.close_connection = True
+            with contextlib.suppress(OSError):
+                self._send(500, {"error": f"the reward server failed: {type(e).__name__}"})
+
+    def _score(self) -> None:
         path = self._path()
         if path != "/score":
             if path == "/health":
@@ -100,22 +116,20 @@ class _Handler(BaseHTTPRequestHandler):
                     404, {"error": f"unknown path {path!r}; the server has POST /score and GET /health"}
                 )
             return
+        length, refusal = _content_length(self.headers.get_all("Content-Length"))
         token = self.server.token
-        if token is not None:
+        if token is not None:  # before reading the body: an unauthenticated client gets nothing parsed
             given = self.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                self._send(401, {"error": "missing or wrong bearer token"}, {"WWW-Authenticate": "Bearer"})
+                self._drain(length or 0)
+                self._send(
+                    401, {"error": "missing or wrong bearer token"},
+                    {"WWW-Authenticate": "Bearer", "Connection": "close"},
+                )  # fmt: skip
                 return
-        length = self.headers.get("Content-Length")
-        if length is None:
-            self._send(411, {"error": "the request needs a Content-Length header"})
-            return
-        try:
-            length = int(length)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            self._send(400, {"error": f"bad Content-Length {length!r}"})
+        if refusal is not None:  # the body's end is unknown: answer and close without reading it
+            self.close_connection = True
+            self._send(refusal[0], {"error": refusal[1]})
             return
         cap = self.server.max_request_bytes
         if length > cap:
@@ -124,11 +138,25 @@ class _Handler(BaseHTTPRequestHandler):
                 413, {"error": f"request body of {length} bytes is over the server's cap of {cap} bytes"}
             )
             return
-        raw = self.rfile.read(length)
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            self.close_connection = True
+            self._send(408, {"error": f"the request body did not arrive within {self.timeout:g} s"})
+            return
+        if len(raw) < length:
+            self.close_connection = True
+            self._send(
+                400, {"error": f"request body ended after {len(raw)} of {length} bytes (Content-Length)"}
+            )
+            return
         try:
             request = json.loads(raw)
         except (UnicodeDecodeError, ValueError) as e:
-            self._send(400, {"error": f"request body is not valid JSON: {e}"})
+            self._send(400, {"error": f"request body is not valid JSON: {str(e)[:200]}"})
+            return
+        except RecursionError:
+            self._send(400, {"error": "request body is not valid JSON: it nests too deeply"})
             return
         error = _check_request(request)
         if error:
@@ -152,7 +180,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"rewards": rewards.tolist()})
 
     def _drain(self, length: int) -> None:
-        # Read (and drop) a too-large body, up to a bound, so the client gets the 413 instead of a reset.
+        # Read (and drop) a refused body, up to a bound, so the client gets the answer instead of a reset.
         self.close_connection = True
         left = min(length, max(4 * self.server.max_request_bytes, _MAX_DRAIN_BYTES))
         with contextlib.suppress(OSError):
@@ -161,6 +189,17 @@ class _Handler(BaseHTTPRequestHandler):
                 if not chunk:
                     break
                 left -= len(chunk)
+
+
+def _content_length(values: list[str] | None) -> tuple[int, None] | tuple[None, tuple[int, str]]:
+    """``(length, None)`` for a well-formed Content-Length, else ``(None, (status, message))``."""
+    if not values:
+        return None, (411, "the request needs a Content-Length header")
+    if len(set(values)) > 1:
+        return None, (400, f"{len(values)} different Content-Length headers")
+    if not _CONTENT_LENGTH.fullmatch(values[0]):
+        return None, (400, f"bad Content-Length {values[0][:40]!r}; expected a number of bytes")
+    return int(values[0]), None
 
 
 def _check_request(request: Any) -> str | None:
@@ -179,6 +218,10 @@ def _check_request(request: Any) -> str | None:
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 return f"{key}[{i}] must be a string, got {type(t).__name__}"
+            try:
+                t.encode()
+            except UnicodeEncodeError as e:  # JSON's \ud800 escapes decode to lone surrogates
+                return f"{key}[{i}] is not valid Unicode: {e.reason} at character {e.start}"
     n = len(request["prompts"])
     if len(request["responses"]) != n:
         return f"got {n} prompts but {len(request['responses'])} responses; they must pair up"
@@ -212,7 +255,8 @@ class RewardServer(ThreadingHTTPServer):
     the threads; as a context manager it starts on entry (if not started) and stops on exit.
 
     Raises:
-        ValueError: empty ``host``, bad ``max_request_bytes``; OSError if the address cannot be bound.
+        ValueError: empty ``host``, a port outside [0, 65535], bad ``max_request_bytes``.
+        OSError: the address cannot be bound (port in use, a host this machine does not have).
         TypeError: ``reward`` is of no supported kind.
     """
 
@@ -236,6 +280,8 @@ class RewardServer(ThreadingHTTPServer):
                 f"host must name an address, got {host!r}; use '127.0.0.1' (default) or, to listen on every "
                 "interface, '0.0.0.0' explicitly"
             )
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535] (0: any free port), got {port!r}")
         if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be a positive int, got {max_request_bytes!r}")
         if token is not None and (not isinstance(token, str) or not token):
