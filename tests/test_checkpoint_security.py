@@ -119,7 +119,9 @@ def test_a_malicious_dcp_metadata_never_runs_and_resume_falls_back(run, tmp_path
     metadata = run / "checkpoints" / "step_2" / "dcp" / ".metadata"
     metadata.write_bytes(pickle.dumps(Payload(marker)))
     _reseal(metadata.parents[1])  # the checksums match: only the unpickler stands between it and the code
-    with pytest.raises(CheckpointError, match=r"\.metadata' is not DCP metadata: UnpicklingError: it names io\.open"):
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata' is not DCP metadata: UnpicklingError: it names io\.open"
+    ):
         read_dcp_metadata(metadata)
     path, saved, skipped = _restore(run)
     assert not marker.exists()
@@ -186,7 +188,15 @@ def _mark_offset(path: Path) -> int:
 
 @pytest.mark.parametrize(
     "target",
-    ["weights", "shard zip trailer", "rng zip trailer", "state.json", ".metadata", "tokenizer json", "manifest"],
+    [
+        "weights",
+        "shard zip trailer",
+        "rng zip trailer",
+        "state.json",
+        ".metadata",
+        "tokenizer json",
+        "manifest",
+    ],
 )
 def test_a_flipped_byte_anywhere_is_named_and_the_previous_checkpoint_loads(run, target):
     folder = run / "checkpoints" / "step_2"
@@ -196,9 +206,11 @@ def test_a_flipped_byte_anywhere_is_named_and_the_previous_checkpoint_loads(run,
         "tokenizer json": folder / "tokenizer" / "tokenizer.json", "manifest": folder / "manifest.json",
     }[target]  # fmt: skip
     size = file.stat().st_size
-    offset = {"weights": _mark_offset(file) if target == "weights" else 0, "state.json": 10, "manifest": 20}.get(
-        target, size - 22 if "trailer" in target else size // 2
-    )
+    offset = {
+        "weights": _mark_offset(file) if target == "weights" else 0,
+        "state.json": 10,
+        "manifest": 20,
+    }.get(target, size - 22 if "trailer" in target else size // 2)
     _flip(file, offset, 4 if target == "weights" else 1)
     path, saved, skipped = _restore(run)
     assert path.name == "step_1" and saved["step"] == 1
@@ -217,7 +229,9 @@ def test_nan_weights_are_caught_without_weight_checksums(tmp_path, monkeypatch):
     data[offset : offset + 4] = struct.pack("<f", float("nan"))
     shard.write_bytes(bytes(data))
     assert verify_checkpoint(shard.parents[1]) is None  # nothing records the weights' checksum
-    with pytest.raises(CheckpointError, match=r"is damaged: dcp/ holds NaN/inf in models\.policy\.transformer\.h\.0\.mlp"):
+    with pytest.raises(
+        CheckpointError, match=r"is damaged: dcp/ holds NaN/inf in models\.policy\.transformer\.h\.0\.mlp"
+    ):
         load_checkpoint(shard.parents[1], models={"policy": _model(seed=1)[0]})
     path, _, skipped = _restore(tmp_path)
     assert path.name == "step_1" and len(skipped) == 1
@@ -234,16 +248,25 @@ def test_a_torn_zip_trailer_without_weight_checksums_falls_back_not_a_mismatch(t
         path, _ = restore_checkpoint(tmp_path, models=state.models, optimizers={"policy": opt})
     assert path.name == "step_1"
     _flip(tmp_path / "checkpoints" / "step_1" / "dcp" / "__0_0.distcp", shard.stat().st_size - 22)
-    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match=r"no checkpoint of run .* can be loaded \(step_2: .*; step_1: ") as e:
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(
+            CheckpointError, match=r"no checkpoint of run .* can be loaded \(step_2: .*; step_1: "
+        ) as e,
+    ):
         restore_checkpoint(tmp_path, models=state.models, optimizers={"policy": opt})
     assert not e.value.mismatch
 
 
 def test_weights_of_another_shape_or_dtype_are_a_mismatch(run):
     with pytest.raises(CheckpointError, match="Size mismatch") as e:
-        load_checkpoint(run / "checkpoints" / "step_2", models={"policy": tiny_causal_lm("gpt2", hidden_size=64)})
+        load_checkpoint(
+            run / "checkpoints" / "step_2", models={"policy": tiny_causal_lm("gpt2", hidden_size=64)}
+        )
     assert e.value.mismatch
-    with pytest.raises(CheckpointError, match="dtype mismatch.*torch.float32, the model .* torch.bfloat16") as e:
+    with pytest.raises(
+        CheckpointError, match="dtype mismatch.*torch.float32, the model .* torch.bfloat16"
+    ) as e:
         load_checkpoint(run / "checkpoints" / "step_2", models={"policy": _model()[0].to(torch.bfloat16)})
     assert e.value.mismatch
 
@@ -317,11 +340,16 @@ def test_the_restricted_unpickler_reads_every_rlbits_checkpoint(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(torch.randint(0, 64, (2, 5))).logits.float().square().mean().backward()
         optimizer.step()
-        path = save_checkpoint(tmp_path / str(i), 3, models={"policy": model}, optimizers={"policy": optimizer})
+        path = save_checkpoint(
+            tmp_path / str(i), 3, models={"policy": model}, optimizers={"policy": optimizer}
+        )
         restored = tiny_causal_lm("llama", seed=1).to(dtype)
         opt2 = torch.optim.AdamW(restored.parameters(), lr=1e-3)
         load_checkpoint(path, models={"policy": restored}, optimizers={"policy": opt2})
-        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), restored.state_dict().values(), strict=True))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(model.state_dict().values(), restored.state_dict().values(), strict=True)
+        )
         assert opt2.param_groups[0]["lr"] == 1e-3 and opt2.param_groups[0]["betas"] == (0.9, 0.999)
 
 

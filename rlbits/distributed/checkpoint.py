@@ -152,6 +152,10 @@ def _step_of(path: Path) -> int:
     return int(path.name[5:])
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 # --- reading a checkpoint without unpickling anything but plain data ---------------------------------------
 
 _METADATA_GLOBALS = {
@@ -415,7 +419,8 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"manifest.json is not valid JSON ({e})"
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(
-        isinstance(rel, str) and isinstance(meta, dict) and type(meta.get("bytes")) is int for rel, meta in files.items()
+        isinstance(rel, str) and isinstance(meta, dict) and type(meta.get("bytes")) is int
+        for rel, meta in files.items()
     ):
         return None, "manifest.json is malformed (no 'files' mapping each file to its 'bytes')"
     if manifest.get("step", _step_of(path)) != _step_of(path):
@@ -549,7 +554,9 @@ def _read_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{str(file)!r} holds a {type(saved).__name__}, not a JSON object")
     step = saved.get("step")
     if type(step) is not int or step != _step_of(path):
-        raise CheckpointError(f"{str(file)!r}: field 'step' is {step!r}; its folder {path.name} says {_step_of(path)}")
+        raise CheckpointError(
+            f"{str(file)!r}: field 'step' is {step!r}; its folder {path.name} says {_step_of(path)}"
+        )
     for name in ("world_size", "total_steps"):
         if name in saved and (type(saved[name]) is not int or saved[name] < 1):
             raise CheckpointError(f"{str(file)!r}: field {name!r} must be an int >= 1, got {saved[name]!r}")
@@ -560,11 +567,16 @@ def _check_storage(path: Path, metadata: dcp_metadata.Metadata, manifest: Mappin
     """Every file DCP's metadata points at is a file of ``dcp/`` that the manifest lists."""
     for info in (metadata.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
-        if not isinstance(rel, str) or Path(rel).name != rel or rel.startswith(".") or f"dcp/{rel}" not in manifest["files"]:
-            raise CheckpointError(f"{str(path / 'dcp' / '.metadata')!r} points at {rel!r}, which is not a file of the checkpoint")
+        plain = isinstance(rel, str) and Path(rel).name == rel and not rel.startswith(".")
+        if not plain or f"dcp/{rel}" not in manifest["files"]:
+            raise CheckpointError(
+                f"{str(path / 'dcp' / '.metadata')!r} points at {rel!r}, which is not a file of the checkpoint"
+            )
 
 
-def _check_fit(path: Path, models: Mapping[str, nn.Module], in_dcp: list[str], metadata: dcp_metadata.Metadata) -> None:
+def _check_fit(
+    path: Path, models: Mapping[str, nn.Module], in_dcp: list[str], metadata: dcp_metadata.Metadata
+) -> None:
     """Each model of ``in_dcp`` has exactly the tensors the checkpoint holds for it, of the same shapes and
     dtypes (DCP would otherwise cast dtypes silently and name a missing key deep in its planner)."""
     stored = metadata.state_dict_metadata
@@ -672,7 +684,8 @@ def load_checkpoint(
             try:
                 rng_state = torch.load(rng, weights_only=True)
             except Exception as e:
-                raise CheckpointError(f"{str(rng)!r} cannot be read: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                raise CheckpointError(f"{str(rng)!r} cannot be read: {why}") from None
         for name in models:
             if name not in in_dcp:  # the earlier format: an HF folder
                 _load_hf_weights(models[name], path, name)
@@ -694,11 +707,13 @@ def load_checkpoint(
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(payload, storage_reader=_SafeReader(path / "dcp"), planner=_SafePlanner(), no_dist=env.world_size == 1)
+                reader, planner = _SafeReader(path / "dcp"), _SafePlanner()
+                dcp.load(payload, storage_reader=reader, planner=planner, no_dist=env.world_size == 1)
         except (Exception, CheckpointException) as e:  # DCP names the missing key deep in its planner (its
             # CheckpointException is a BaseException); say what was asked for
             failures = getattr(e, "failures", None)  # CheckpointException: per-rank exceptions
-            why = "; ".join(sorted({str(f[0] if isinstance(f, tuple) else f).splitlines()[0] for f in failures.values()})) if failures else str(e).splitlines()[0]
+            errors = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if failures else [e]
+            why = "; ".join(sorted({_first_line(x) for x in errors}))
             raise CheckpointError(
                 f"checkpoint {str(path)!r} cannot restore models {in_dcp} / optimizers {sorted(optimizers or {})}: {why}",
                 mismatch="Missing key" in why or "mismatch" in why.lower(),  # else: damaged (checksums="small")
@@ -756,12 +771,12 @@ def restore_checkpoint(
             saved = load_checkpoint(path, models=models, optimizers=optimizers, generators=generators, env=env,
                                     check_state=check_state)  # fmt: skip
         except (Exception, CheckpointException) as e:  # any failure: the previous checkpoint may still load
-            warnings.warn(f"skipping checkpoint {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", stacklevel=2)
+            warnings.warn(f"skipping checkpoint {path}: {_first_line(e)}", stacklevel=2)
             failures.append((path, e))
             continue
         return path, saved
     mismatch = bool(failures) and all(getattr(e, "mismatch", False) for _, e in failures)
-    reasons = "; ".join(f"{p.name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}" for p, e in failures)
+    reasons = "; ".join(f"{p.name}: {_first_line(e)}" for p, e in failures)
     raise CheckpointError(
         f"no checkpoint of run {str(run_dir)!r} can be loaded ({reasons or 'there is none'})", mismatch=mismatch
     )
@@ -774,11 +789,13 @@ def _load_hf_weights(model: nn.Module, path: Path, name: str) -> None:
     folder = hf_folder(path, name) or hf_folder(path, earlier.get(name, name))
     if folder is None:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} holds no weights of model {name!r} (neither in dcp/ nor {name}/)", mismatch=True
+            f"checkpoint {str(path)!r} holds no weights of model {name!r} (neither in dcp/ nor {name}/)",
+            mismatch=True,
         )
     if is_sharded(model):
         raise CheckpointError(
-            f"checkpoint {str(path)!r} is of the earlier format (HF folders); resume it in one process first", mismatch=True
+            f"checkpoint {str(path)!r} is of the earlier format (HF folders); resume it in one process first",
+            mismatch=True,
         )
     check_safetensors(folder, f"checkpoint {str(path)!r}: model {name!r}")
     extra = {"use_safetensors": True} if isinstance(model, PreTrainedModel) else {}

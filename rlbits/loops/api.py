@@ -113,7 +113,7 @@ def train(
     val_prompts = check_prompts(val_prompts, "val_prompts") if val_prompts is not None else None
     cfg = resolve_config(config, overrides)
     module = loop_module(cfg.loop)
-    if not resume and elastic_restart(cfg.run_dir) and latest_checkpoint(cfg.run_dir) is not None:
+    if not resume and elastic_restart(cfg.run_dir) and latest_checkpoint(cfg.run_dir, full=False) is not None:
         resume = True  # torchrun --max-restarts restarted the job: continue from its last checkpoint
     kwargs: dict[str, Any] = {"callbacks": callbacks, "resume": resume, "reward": reward_fn, "prompts": prompts}
     if val_prompts is not None:
