@@ -95,16 +95,20 @@ class CheckpointError(ValueError):
 
 
 def _sha256(path: Path, offset: int = 0, length: int | None = None) -> str:
+    """sha256 of ``length`` bytes of ``path`` from ``offset`` (None: to the end), read in blocks of up to
+    ``CHUNK`` bytes: few GIL hand-overs per chunk, so hashing threads do not slow a busy main thread."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         f.seek(offset)
-        left = length if length is not None else math.inf
+        left = length if length is not None else os.fstat(f.fileno()).st_size - offset
+        buffer = bytearray(min(max(left, 0), CHUNK))
+        view = memoryview(buffer)
         while left > 0:
-            block = f.read(int(min(1 << 20, left)))
-            if not block:
+            n = f.readinto(view[: min(len(buffer), left)])
+            if not n:
                 break
-            h.update(block)
-            left -= len(block)
+            h.update(view[:n])
+            left -= n
     return h.hexdigest()
 
 
@@ -428,9 +432,10 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     return manifest, None
 
 
-def _verify(path: Path, *, full: bool, share: tuple[int, int] = (0, 1)) -> str | None:
-    """What is wrong with checkpoint ``path`` against its manifest, or None; ``full=False`` skips the chunked
-    sha256 of the large files; ``share=(rank, world_size)``: hash every ``world_size``-th chunk only."""
+def _verify(path: Path, *, small: bool = True, large: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
+    """What is wrong with checkpoint ``path`` against its manifest, or None. Sizes always; ``small``: the sha256
+    of the files hashed whole (under ``CHUNK``); ``large``: the chunked sha256 of the others;
+    ``share=(rank, world_size)``: hash every ``world_size``-th of them only."""
     manifest, problem = _read_manifest(path)
     if manifest is None:
         return problem
@@ -446,9 +451,10 @@ def _verify(path: Path, *, full: bool, share: tuple[int, int] = (0, 1)) -> str |
         if f.stat().st_size != meta["bytes"]:
             return f"{rel} has {f.stat().st_size} bytes, the manifest says {meta['bytes']}"
         if "sha256" in meta:
-            jobs.append((f, 0, None))
-            expected.append((rel, meta["sha256"]))
-        elif full and "sha256_chunks" in meta:
+            if small:
+                jobs.append((f, 0, None))
+                expected.append((rel, meta["sha256"]))
+        elif large and "sha256_chunks" in meta:
             digests = meta["sha256_chunks"]
             if not isinstance(digests, list) or len(digests) != -(-meta["bytes"] // chunk):
                 return f"manifest.json is malformed (the chunk checksums of {rel})"
@@ -484,7 +490,7 @@ def verify_checkpoint(path: str | Path, *, full: bool = True) -> str | None:
         full: also hash the large files (the weights, in parallel 16 MiB chunks); False checks their sizes
             only (the small files' sha256 still).
     """
-    return _verify(Path(path), full=full)
+    return _verify(Path(path), large=full)
 
 
 def latest_checkpoint(run_dir: str | Path, *, full: bool = True) -> Path | None:
@@ -611,7 +617,8 @@ def _first_non_finite(payload: Mapping[str, Any], prefix: str = "") -> str | Non
         name = f"{prefix}{key}"
         if isinstance(value, torch.Tensor):
             local = value.to_local() if hasattr(value, "to_local") else value
-            if local.is_floating_point() and not torch.isfinite(local).all():
+            # the max-norm propagates NaN and inf, and is several times cheaper than isfinite(t).all()
+            if local.is_floating_point() and local.numel() and not torch.isfinite(torch.linalg.vector_norm(local, math.inf)):
                 return name
         elif isinstance(value, (Mapping, list, tuple)):
             found = _first_non_finite(value, f"{name}.")
@@ -628,6 +635,7 @@ def load_checkpoint(
     generators: Mapping[str, torch.Generator] | None = None,
     env: DistEnv | None = None,
     check_state: Callable[[dict[str, Any]], None] | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Restore weights (if the checkpoint holds them in ``dcp/``), optimizer and RNG states in place; return
     the counters of ``state.json``. Collective at world size > 1 (every check is agreed over the ranks, so
@@ -637,12 +645,13 @@ def load_checkpoint(
     optimizers, then call this: the weights come from ``dcp/`` (or, in a checkpoint of the earlier format,
     from the HF folder ``path/name``).
 
-    Checked before anything is loaded: every file against the manifest (sizes, sha256; the hashing is split
-    over the ranks), ``state.json`` (``_read_state``, then ``check_state``), DCP's metadata (read without
-    unpickling anything but its own classes; it may point only at files of the manifest), and that each
-    model's tensors have the checkpoint's names, shapes and dtypes. After DCP has loaded: that no weight or
-    optimizer state is NaN/inf. A failure after DCP has loaded leaves the models and optimizers partly
-    restored: load another checkpoint into them (``restore_checkpoint`` does) or rebuild them.
+    Checked before anything is loaded: every file's size and the small files' sha256 against the manifest,
+    ``state.json`` (``_read_state``, then ``check_state``), DCP's metadata (read without unpickling anything
+    but its own classes; it may point only at files of the manifest), and that each model's tensors have the
+    checkpoint's names, shapes and dtypes. The large files' chunked sha256 runs in threads while DCP reads
+    them (the hashing split over the ranks) and is checked before the loaded state is used, then that no
+    weight or optimizer state is NaN/inf. A failure after DCP has loaded leaves the models and optimizers
+    partly restored: load another checkpoint into them (``restore_checkpoint`` does) or rebuild them.
 
     Args:
         models: name -> model (needed for every optimizer, whose states are keyed by parameter name).
@@ -651,6 +660,8 @@ def load_checkpoint(
         env: the ``DistEnv`` (None: world size 1).
         check_state: called with ``state.json``'s dict; raises ``ValueError`` naming a bad field
             (``LoopState.check_counters``).
+        verify: check the files against the manifest (False: the caller did; the other checks still run,
+            and no file is unpickled either way).
 
     Raises:
         CheckpointError: the checkpoint is damaged, or does not fit the models (``mismatch``), or lacks a
@@ -659,9 +670,30 @@ def load_checkpoint(
     path = Path(path)
     env = env or DistEnv()
     models = dict(models or {})
-    problem = _agree(_verify(path, full=True, share=(env.rank, env.world_size)), env)
+    share = (env.rank, env.world_size)
+    problem = _agree(_verify(path, large=False, share=share), env) if verify else None
     if problem is not None:
         raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {problem}")
+    # The large files' sha256 runs beside the checks, the optimizer set-up and DCP's read (hashlib releases the
+    # GIL), and is agreed before anything loaded is used: DCP reading an unverified file runs no code.
+    hasher = ThreadPoolExecutor(1)
+    hashed = hasher.submit(_verify, path, small=False, share=share) if verify else None
+    try:
+        return _load_verified(path, models, optimizers, generators, env, check_state, hashed)
+    finally:
+        hasher.shutdown(wait=False, cancel_futures=True)
+
+
+def _load_verified(
+    path: Path,
+    models: dict[str, nn.Module],
+    optimizers: Mapping[str, torch.optim.Optimizer] | None,
+    generators: Mapping[str, torch.Generator] | None,
+    env: DistEnv,
+    check_state: Callable[[dict[str, Any]], None] | None,
+    hashed: Any,
+) -> dict[str, Any]:
+    """``load_checkpoint`` once the small files verify; ``hashed``: the future of the large files' check."""
     error: CheckpointError | None = None
     try:
         manifest, _ = _read_manifest(path)
@@ -695,6 +727,9 @@ def load_checkpoint(
         error = CheckpointError(f"checkpoint {str(path)!r} cannot be read: {type(e).__name__}: {e}")
     agreed = _agree(str(error) if error is not None else None, env)
     if agreed is not None:
+        damaged = _agree(hashed.result() if hashed is not None else None, env)  # a flipped byte explains it
+        if damaged is not None:
+            raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {damaged}")
         raise error if error is not None else CheckpointError(agreed)
     payload: dict[str, Any] = {}
     if optimizers:
@@ -703,21 +738,28 @@ def load_checkpoint(
         payload["optimizers"] = _optimizer_states(models, optimizers)
     if in_dcp:
         payload["models"] = {name: get_model_state_dict(models[name]) for name in in_dcp}
+    failed: BaseException | None = None
     if payload:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 reader, planner = _SafeReader(path / "dcp"), _SafePlanner()
                 dcp.load(payload, storage_reader=reader, planner=planner, no_dist=env.world_size == 1)
-        except (Exception, CheckpointException) as e:  # DCP names the missing key deep in its planner (its
-            # CheckpointException is a BaseException); say what was asked for
-            failures = getattr(e, "failures", None)  # CheckpointException: per-rank exceptions
-            errors = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if failures else [e]
-            why = "; ".join(sorted({_first_line(x) for x in errors}))
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} cannot restore models {in_dcp} / optimizers {sorted(optimizers or {})}: {why}",
-                mismatch="Missing key" in why or "mismatch" in why.lower(),  # else: damaged (checksums="small")
-            ) from e
+        except (Exception, CheckpointException) as e:  # on every rank (DCP gathers the ranks' failures)
+            failed = e
+    damaged = _agree(hashed.result() if hashed is not None else None, env)
+    if damaged is not None:  # named by the checksum, whatever DCP made of the damaged file
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {damaged}") from failed
+    if failed is not None:  # DCP names the missing key deep in its planner (its CheckpointException is a
+        # BaseException, with the per-rank exceptions in ``failures``); say what was asked for
+        failures = getattr(failed, "failures", None)
+        errors = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if failures else [failed]
+        why = "; ".join(sorted({_first_line(x) for x in errors}))
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot restore models {in_dcp} / optimizers {sorted(optimizers or {})}: {why}",
+            mismatch="Missing key" in why or "mismatch" in why.lower(),  # else: damaged (checksums="small")
+        ) from failed
+    if payload:
         bad = _agree(_first_non_finite(payload), env)
         if bad is not None:
             raise CheckpointError(f"checkpoint {str(path)!r} is damaged: dcp/ holds NaN/inf in {bad}")
@@ -735,7 +777,7 @@ def load_checkpoint(
         warnings.warn(
             f"checkpoint {str(path)!r} was saved at world size {saved.get('world_size', 1)}, resumed at "
             f"{env.world_size}: RNG streams are reseeded from (seed, step, rank) (the run continues, not bit-exactly)",
-            stacklevel=2,
+            stacklevel=3,
         )
     return saved
 
