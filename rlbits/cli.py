@@ -174,6 +174,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """What a wrong command line or a wrong folder raises at run time: reported as one line, exit status 2.
     Anything else is a bug and keeps its traceback."""
     from rlbits.data.stream import PromptError
+    from rlbits.distributed.checkpoint import CheckpointError
     from rlbits.loops.config import ConfigError
     from rlbits.loops.rundir import DiskFullError
     from rlbits.models.load import CheckpointNotFoundError
@@ -184,10 +185,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     # checkpoint (resume_checkpoint), a missing file the config names; CheckpointNotFoundError: policy= is not
     # an HF folder; CheckpointMismatchError: the checkpoint does not fit the models the config builds;
     # ConfigError covers provenance's ResumeMismatchError (--resume with other prompts or reward); PromptError:
-    # a val_prompts file with an empty or too long prompt; MissingExtraError: a package of the real extra.
+    # a val_prompts file with an empty or too long prompt; MissingExtraError: a package of the real extra;
+    # CheckpointError: --resume of a run none of whose checkpoints loads (each is named, with why).
     return (
         ConfigError, CheckpointNotFoundError, FileExistsError, FileNotFoundError, CheckpointMismatchError,
-        PromptError, MissingExtraError, DiskFullError,
+        PromptError, MissingExtraError, DiskFullError, CheckpointError,
     )  # fmt: skip
 
 
@@ -312,10 +314,12 @@ def _run_train(args: argparse.Namespace) -> Path:
         raise ConfigError(f"unknown task {cfg.task!r}; valid tasks: {', '.join(map(repr, sorted(TASKS)))}")
     if not args.resume:
         return train(config=cfg, resume=False, force=args.force)
+    from rlbits.distributed.checkpoint import CheckpointError
+
     try:
         return train(config=cfg, resume=True, force=args.force)
-    except ValueError as e:  # load_checkpoint's own wording of the same
-        if str(e).startswith("checkpoint ") and "cannot restore" in str(e):
+    except CheckpointError as e:  # every checkpoint intact but of other shapes: an override changed the model
+        if e.mismatch:
             raise CheckpointMismatchError(
                 f"--resume {args.resume}: its checkpoint does not fit the models this config builds (did an override "
                 f"change policy= or the model?): {str(e).splitlines()[0]}"

@@ -34,7 +34,7 @@ from torchrl.data.replay_buffers import Sampler
 from rlbits._io import atomic_folder
 from rlbits._seeds import generator
 from rlbits.batch import build_batch, make_prompts, pad_right, trim_padding
-from rlbits.data.stream import PromptStream
+from rlbits.data.stream import PromptStream, checked_count
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.rollout.generate import generate_texts
@@ -263,13 +263,26 @@ def save_tensors(data: TensorDictBase, path: str | Path) -> TensorDict:
 def load_tensors(path: str | Path) -> TensorDict:
     """The memory-mapped TensorDict of a ``save_tensors`` folder (rows are read from disk when indexed).
 
+    Only tensors and JSON are read: a folder holding a pickled field (tensordict's ``pickle.pkl``, which
+    ``save_tensors`` never writes) is refused, since unpickling it could run code.
+
     Raises:
         FileNotFoundError: ``path`` is not such a folder (no ``meta.json``).
+        ValueError: the folder holds a pickled field, or tensordict cannot read it; the message names the file.
     """
     path = Path(path)
     if not (path / "meta.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a memory-mapped TensorDict folder (no meta.json)")
-    return TensorDict.load_memmap(path)
+    pickled = sorted(p for p in path.rglob("*") if p.suffix in (".pkl", ".pickle"))
+    if pickled:
+        raise ValueError(
+            f"refusing to load {str(pickled[0])!r}: a pickled field (a saved dataset holds tensors only, and "
+            "unpickling a file can run code)"
+        )
+    try:
+        return TensorDict.load_memmap(path, allow_pickle=False)
+    except (RuntimeError, ValueError, KeyError, OSError) as e:
+        raise ValueError(f"{str(path)!r} cannot be read as a memory-mapped TensorDict: {e}") from e
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -314,8 +327,13 @@ class EpochSampler(Sampler):
         return {"seed": self.seed, "consumed_samples": self.consumed_samples}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.seed = int(state_dict["seed"])
-        self.consumed_samples = int(state_dict["consumed_samples"])
+        """Restore the position ``state_dict`` wrote.
+
+        Raises:
+            ValueError: ``seed`` or ``consumed_samples`` is missing or not an int >= 0.
+        """
+        seed, consumed = checked_count(state_dict, "seed"), checked_count(state_dict, "consumed_samples")
+        self.seed, self.consumed_samples = seed, consumed
 
     def _empty(self) -> None:
         self.consumed_samples = 0

@@ -74,7 +74,24 @@ class PromptStream:
         return {"consumed_samples": self.consumed_samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.consumed_samples = int(state["consumed_samples"])
+        """Restore the position ``state_dict`` wrote.
+
+        Raises:
+            ValueError: ``consumed_samples`` is missing or not an int >= 0.
+        """
+        self.consumed_samples = checked_count(state, "consumed_samples")
+
+
+def checked_count(state: Any, key: str) -> int:
+    """``state[key]`` if it is an int >= 0 (not a bool); a saved data position's count or seed.
+
+    Raises:
+        ValueError: naming ``key`` and what it holds.
+    """
+    value = state.get(key) if isinstance(state, dict) else None
+    if type(value) is not int or value < 0:
+        raise ValueError(f"field {key!r} must be an int >= 0, got {value!r:.80}")
+    return value
 
 
 class PromptError(ValueError):

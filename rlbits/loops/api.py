@@ -124,7 +124,7 @@ def train(
     cfg = resolve_config(config, overrides)
     module = loop_module(cfg.loop)
     restarted = elastic_restart(cfg.run_dir)
-    if not resume and restarted and latest_checkpoint(cfg.run_dir) is not None:
+    if not resume and restarted and latest_checkpoint(cfg.run_dir, full=False) is not None:
         resume = True  # torchrun --max-restarts restarted the job: continue from its last checkpoint
     if int(os.environ.get("RANK", "0")) == 0:  # refuse a run_dir before any model is loaded (Run claims it)
         check_run_dir(cfg.run_dir, resume=resume, force=force, restarted=restarted)

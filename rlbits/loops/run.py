@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from rlbits.distributed.checkpoint import export_model, load_checkpoint, resume_checkpoint, save_checkpoint
+from rlbits.distributed.checkpoint import export_model, restore_checkpoint, resume_checkpoint, save_checkpoint
 from rlbits.distributed.env import DistEnv, is_collective_failure
 from rlbits.distributed.reduce import any_rank, global_count
 from rlbits.loops.config import RunConfig
@@ -275,14 +275,18 @@ class Run:
         self._lengths_checked = True
 
     def start(self, state: LoopState, *, validate: Callable, total_steps: int | None = None) -> None:
-        """Restore ``state`` from the resume checkpoint (if any), open the run directory's logs at its step
-        and install the SIGINT/SIGTERM handlers.
+        """Restore ``state`` from the resume checkpoint (if any; ``restore_checkpoint``: a checkpoint that does
+        not load, for any reason, is skipped with a warning and the previous one loaded), open the run
+        directory's logs at its step and install the SIGINT/SIGTERM handlers.
 
         Args:
             state: the loop's freshly built state.
             validate: the loop's validation phase ``validate(state, batch, cfg) -> batch``.
             total_steps: the run's length; default ``total_steps(cfg, len(state.stream), num_prompts_per_step *
                 world_size)`` for a state with a prompt stream, else ``max_num_steps``.
+
+        Raises:
+            CheckpointError: resuming, and no checkpoint of the run loads.
         """
         self.check_lengths(state)
         self._validate = validate
@@ -290,10 +294,10 @@ class Run:
             per_step = self.cfg.num_prompts_per_step * self.env.world_size
             total_steps = _total_steps(self.cfg, len(state.stream), per_step)
         self.total = total_steps if total_steps is not None else self.cfg.max_num_steps
-        if self.checkpoint is not None:
-            saved = load_checkpoint(
-                self.checkpoint, models=state.models, optimizers=state.optimizers, generators=state.generators,
-                env=self.env,
+        if self.checkpoint is not None:  # the newest that loads; each one that does not is skipped, warned
+            self.checkpoint, saved = restore_checkpoint(
+                self.cfg.run_dir, newest=self.checkpoint, models=state.models, optimizers=state.optimizers,
+                generators=state.generators, env=self.env, check_state=state.check_counters,
             )  # fmt: skip
             state.load_counters(saved)
             self._saved_step = state.step

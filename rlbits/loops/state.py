@@ -15,7 +15,11 @@ is saved and restored as a whole (``Run.save`` / ``Run.restore``):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
+import types
+import typing
 from typing import Any
 
 import torch
@@ -108,13 +112,55 @@ class LoopState:
             out[name] = data.state_dict()
         return out
 
+    def check_counters(self, saved: dict[str, Any]) -> None:
+        """Check what ``load_counters`` would restore from ``saved``, changing nothing: each counter has its
+        field's type (an ``int`` counter is an int >= 0, never a bool; a ``float`` one is finite), each data
+        position is one its ``load_state_dict`` accepts.
+
+        Raises:
+            ValueError: naming the field, what it must be and what it is.
+        """
+        hints = typing.get_type_hints(type(self))
+        for name in self._fields("counter"):
+            if name in saved:
+                _check_counter(name, saved[name], hints.get(name, Any))
+        for name, data in self._fields("data").items():
+            position = saved[name] if name in saved else saved
+            if not isinstance(position, dict):
+                raise ValueError(f"field {name!r} must be a JSON object, got {position!r:.80}")
+            copy.copy(data).load_state_dict(position)  # a copy: raises on a bad value, changes nothing here
+
     def load_counters(self, saved: dict[str, Any]) -> None:
-        """Restore the counters and data positions that ``counters()`` wrote."""
+        """Restore the counters and data positions that ``counters()`` wrote (``check_counters`` first).
+
+        Raises:
+            ValueError: a counter or data position of the wrong type or range (nothing is changed).
+        """
+        self.check_counters(saved)
         for name in self._fields("counter"):
             if name in saved:
                 setattr(self, name, saved[name])
         for name, data in self._fields("data").items():  # earlier checkpoints: consumed_samples at the top
             data.load_state_dict(saved[name] if name in saved else saved)
+
+
+def _check_counter(name: str, value: Any, hint: Any) -> None:
+    """``value`` fits a counter field annotated ``hint`` (``int``, ``float``, ``bool``, ``str``, ``X | None``)."""
+    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if hint is Any:
+        ok = value is None or isinstance(value, (bool, int, float, str))
+    elif value is None or isinstance(value, (bool, str)):
+        ok = type(value) in allowed
+    elif isinstance(value, int):
+        ok = (int in allowed and value >= 0) or float in allowed
+    elif isinstance(value, float):
+        ok = float in allowed and math.isfinite(value)
+    else:
+        ok = False
+    if not ok:
+        kinds = " or ".join("an int >= 0" if t is int else "a finite float" if t is float else repr(t) if t is None
+                            else getattr(t, "__name__", str(t)) for t in allowed)  # fmt: skip
+        raise ValueError(f"field {name!r} must be {kinds.replace('NoneType', 'null')}, got {value!r:.80}")
 
 
 @dataclasses.dataclass(kw_only=True)
