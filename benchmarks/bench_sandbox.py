@@ -8,11 +8,16 @@ imports ``PRELOAD`` before dropping to ``nobody``; ``bwrap`` imports nothing up 
 
     python benchmarks/bench_sandbox.py               # 30 calls of each
     python benchmarks/bench_sandbox.py --calls 100
+    python benchmarks/bench_sandbox.py --baseline OTHER/rlbits/envs/sandbox.py   # and another version's run_python
+
+``--baseline`` loads ``run_python`` from another checkout's ``sandbox.py`` (it imports only the standard
+library) and times it in the same alternation, with its own defaults, as ``baseline``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
 
@@ -27,19 +32,26 @@ SNIPPETS = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=30, help="timed calls per snippet and sandbox")
+    ap.add_argument("--baseline", help="another version's rlbits/envs/sandbox.py, timed as 'baseline'")
     args = ap.parse_args()
     check_sandbox("bwrap")
-    sandboxes = ("bwrap", "unsafe_local")
+    runners = {s: (lambda code, s=s: run_python(code, sandbox=s)) for s in ("bwrap", "unsafe_local")}
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_sandbox", args.baseline)
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
+        runners["baseline"] = baseline.run_python
+    sandboxes = tuple(runners)
     print(f"{'snippet':<10} {'sandbox':<13} {'median s/call':>14} {'median child s':>15}")
     for name, code in SNIPPETS.items():
         wall: dict[str, list[float]] = {s: [] for s in sandboxes}
         child: dict[str, list[float]] = {s: [] for s in sandboxes}
         for s in sandboxes:
-            assert run_python(code, sandbox=s).ok  # warm-up
+            assert runners[s](code).ok  # warm-up
         for _ in range(args.calls):
             for s in sandboxes:
                 start = time.perf_counter()
-                r = run_python(code, sandbox=s)
+                r = runners[s](code)
                 wall[s].append(time.perf_counter() - start)
                 assert r.ok, r
                 child[s].append(r.seconds)

@@ -185,7 +185,7 @@ def test_cli_overrides_give_exit_2_naming_the_key_or_a_valid_config(pairs):
     args = [f"{k}={v}" for k, v in pairs]
     err = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err):
-        mp.setattr(api, "train", lambda config, resume: seen.append(config) or "stub")
+        mp.setattr(api, "train", lambda config, resume, force=False: seen.append(config) or "stub")
         try:
             rc = main(["train", *args])
         except SystemExit as e:  # argparse: an argument it cannot parse (e.g. one starting with '-')

@@ -100,7 +100,8 @@ def test_two_step_smoke_run_builds_dataset_and_writes_the_run(tiny_path, tmp_pat
     tensors = offline.load_tensors(out / "offline_dataset")
     assert tensors.batch_size == (16,) and tensors["rewards"].tolist() == pytest.approx([r["reward"] for r in data])
     assert tensors["responses"][0, : len(data[0]["response_ids"])].tolist() == data[0]["response_ids"]
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary folder left behind
+    hidden = [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert sorted(hidden) == [".rlbits-run", ".rlbits-run.lock"]  # the run's marker and lock; no temporary folder
     for name in ("config.yaml", "samples.jsonl", "tensorboard", "checkpoints/step_2/dcp/.metadata"):
         assert (out / name).exists(), name
     state = json.loads((out / "checkpoints/step_2/state.json").read_text())

@@ -8,7 +8,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from rlbits.batch import make_prompts
-from rlbits.models.packed import packed_linears, packing_available
+from rlbits.models.packed import _packed_dtypes, packed_linears, packing_available
 from rlbits.models.tiny import tiny_causal_lm
 from rlbits.rollout.generate import generate
 
@@ -32,8 +32,10 @@ def test_packed_forward_equals_own_forward(arch, dtype):
     with torch.no_grad():
         want = model(ids).logits
         with packed_linears(model, batch_size=3) as n:
-            assert n == len(_layers(model)) > 0
-            assert all("forward" in vars(m) for m in _layers(model))
+            # a CPU without bf16 oneDNN kernels (no AVX-512) packs nothing in bfloat16: each layer runs its own
+            packs = dtype in _packed_dtypes()
+            assert n == (len(_layers(model)) if packs else 0) and len(_layers(model)) > 0
+            assert all(("forward" in vars(m)) == packs for m in _layers(model))
             got = model(ids).logits
     assert all("forward" not in vars(m) for m in _layers(model))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)

@@ -35,6 +35,14 @@ __all__ = ["packed_linears", "packing_available"]
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+@functools.cache
+def _packed_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN can pack on this CPU: bfloat16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT,
+    without which ``_reorder_linear_weight`` raises; such layers keep their own forward."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return _PACKED_DTYPES if bf16 is not None and bf16() else (torch.float32,)
+
+
 def packing_available() -> bool:
     """Whether this PyTorch build has oneDNN's packed linear ops (the CPU wheels do)."""
     return (
@@ -93,7 +101,7 @@ def _packable(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, torch.T
         is_conv1d = conv1d is not None and type(module) is conv1d
         if not (is_linear or is_conv1d) or not isinstance(weight, torch.Tensor):
             continue
-        if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES or "forward" in vars(module):
+        if weight.device.type != "cpu" or weight.dtype not in _packed_dtypes() or "forward" in vars(module):
             continue
         if module.bias is not None and module.bias.dtype != weight.dtype:
             continue
