@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+T = TypeVar("T")
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -96,3 +99,34 @@ def is_collective_failure(error: BaseException) -> bool:
 def barrier(env: DistEnv) -> None:
     if env.world_size > 1:
         dist.barrier()
+
+
+def main_rank_first(fn: Callable[[], T]) -> T:
+    """``fn()`` on rank 0 first, then on the other ranks once rank 0 has succeeded; just ``fn()`` outside a
+    process group of several ranks.
+
+    For work that fills a cache the ranks share, such as a base model built on first use: transformers'
+    ``save_pretrained`` writes nothing on a rank other than 0 while a process group is initialised, so the
+    rank that builds must be rank 0, and the others then find the folder built. The ranks agree on rank 0's
+    outcome (one all-reduce) before the others run, so a failure on rank 0 does not leave them waiting.
+
+    Raises:
+        whatever ``fn`` raises on rank 0 (there); RuntimeError on the other ranks when rank 0 failed.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn()
+    rank = dist.get_rank()
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            out = fn()
+        except BaseException as e:  # re-raised below, once every rank knows
+            error = e
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    failed = torch.tensor([float(error is not None)], device=device)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise RuntimeError(f"rank {rank}: rank 0 failed at what every rank waits for (its error is in rank 0's log)")
+    return out if rank == 0 else fn()

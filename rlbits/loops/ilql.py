@@ -103,8 +103,8 @@ from rlbits.loops.run import NonFiniteError, Run
 from rlbits.loops.runtime import (
     autocast,
     disable_dropout,
+    initial_policy_path,
     load_policy_and_tokenizer,
-    policy_path,
     prepare,
     uses_chat,
     with_lora,
@@ -234,7 +234,7 @@ class State(LoopState):
 def _fresh_model(cfg: ILQLConfig, env: DistEnv | None = None) -> tuple[ILQLModel, Any]:
     """The initial policy (with LoRA adapters when ``lora_rank > 0``) with new, fully trained Q/V heads
     (seeded by ``cfg.seed``) and its tokenizer."""
-    policy, tokenizer = load_policy_and_tokenizer(policy_path(cfg), env or DistEnv())
+    policy, tokenizer = load_policy_and_tokenizer(initial_policy_path(cfg), env or DistEnv())
     policy = with_lora(policy, cfg)  # before the heads: they are not adapted, they train whole
     model = ILQLModel(
         policy, two_qs=cfg.two_qs, head_layers=cfg.head_layers, shared_trunk=cfg.shared_trunk, seed=cfg.seed

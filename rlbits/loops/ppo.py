@@ -87,10 +87,10 @@ from rlbits.loops.runtime import (
     fused_gelu,
     generator,
     head_args,
+    initial_policy_path,
     kernel,
     load_policy_and_tokenizer,
     loop_prompts,
-    policy_path,
     prepare,
     with_lora,
 )
@@ -271,7 +271,7 @@ def init_state(
             f"reward_subtract_reference is not supported for the multi-turn task {cfg.task!r} (its rewards come "
             "from its envs, not from a reward function of a reference response)"
         )
-    init_path = policy_path(cfg)
+    init_path = initial_policy_path(cfg)
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None
     needs_reference = cfg.uses_ref_logprobs or cfg.reward_subtract_reference

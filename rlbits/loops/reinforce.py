@@ -89,10 +89,10 @@ from rlbits.loops.runtime import (
     build_policy,
     generator,
     head_args,
+    initial_policy_path,
     kernel,
     load_policy_and_tokenizer,
     loop_prompts,
-    policy_path,
     prepare,
     with_lora,
 )
@@ -238,7 +238,7 @@ def init_state(
             f"dynamic_sampling is not supported for the multi-turn task {cfg.task!r} yet (collate does not re-pad "
             "the episode keys turn_rewards/turn_index of batches with different response lengths)"
         )
-    init_path = policy_path(cfg)
+    init_path = initial_policy_path(cfg)
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None
     if cfg.uses_ref_logprobs and not cfg.lora:  # with LoRA the reference is the policy, adapters disabled

@@ -20,7 +20,7 @@ import torch
 
 from rlbits._seeds import derive_seed, generator  # defined below the loops: rlbits.data uses them too
 from rlbits.batch import chat_prompts
-from rlbits.distributed.env import DistEnv, init
+from rlbits.distributed.env import DistEnv, init, main_rank_first
 from rlbits.distributed.parallelize import is_sharded, shard
 from rlbits.loops.config import RunConfig
 from rlbits.models.load import load_pretrained
@@ -142,6 +142,14 @@ def policy_path(cfg: RunConfig) -> str:
     return base_model(cfg.task)
 
 
+def initial_policy_path(cfg: RunConfig) -> str:
+    """``policy_path(cfg)`` for a run's set-up, where every rank calls it: under torchrun rank 0 resolves it
+    first (a base model built or a zoo model fetched on first use is written by rank 0: transformers'
+    ``save_pretrained`` writes nothing on other ranks), then the others, which find it ready
+    (``rlbits.distributed.env.main_rank_first``; a collective)."""
+    return main_rank_first(lambda: policy_path(cfg))
+
+
 def uses_chat(cfg: RunConfig) -> bool:
     """Whether prompts are formatted with the chat template: ``cfg.chat_template``, or when it is None
     (the default) the task's ``CHAT`` flag (False for a task without one)."""
@@ -211,6 +219,7 @@ def build_policy(cfg: RunConfig) -> torch.nn.Module:
 __all__ = [
     "autocast",
     "build_policy",
+    "initial_policy_path",
     "derive_seed",
     "disable_dropout",
     "fused_gelu",
