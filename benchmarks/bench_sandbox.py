@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
 
 from rlbits.envs.sandbox import check_sandbox, run_python
@@ -39,6 +40,7 @@ def main() -> None:
     if args.baseline:
         spec = importlib.util.spec_from_file_location("baseline_sandbox", args.baseline)
         baseline = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = baseline  # dataclasses look their module up there
         spec.loader.exec_module(baseline)
         runners["baseline"] = baseline.run_python
     sandboxes = tuple(runners)

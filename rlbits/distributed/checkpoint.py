@@ -9,9 +9,10 @@ One format at every world size (docs/design.md, "Checkpoints"). Layout of ``RUN_
     rng/rank_R.pt      each rank's python, numpy, torch (CPU and CUDA) RNG states and the loop's generators
     state.json         the loop state's counters and data positions (step, total_valid_tokens,
                        stream/sampler: consumed_samples, ...), total_steps, world_size
-    manifest.json      every file's size and sha256 (``checksums="all"``, the default; files of 16 MiB and
-                       more as one sha256 per 16 MiB chunk, so they are hashed in parallel), or the sha256 of
-                       the files under 1 MiB only (``checksums="small"``); written last
+    manifest.json      every file's size and sha256 (``checksums="all"``, ``save_checkpoint``'s default;
+                       files of 16 MiB and more as one sha256 per 16 MiB chunk, hashed in parallel), or the
+                       sha256 of the files under 1 MiB only (``checksums="small"``, the loops' default
+                       ``checkpoint_checksums``); written last
     policy/ value/ ... HF folders (``from_pretrained``), only on request (``hf_folders=True``, world size 1);
                        HF folders are otherwise written at export (``RUN_DIR/final``)
 

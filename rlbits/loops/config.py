@@ -172,8 +172,8 @@ class RunConfig:
     """MiB the unfused output layer may use per microbatch under ``logprob_head: auto``."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf reward, loss or gradient: ``stop`` raises (naming step, phase and samples; the last checkpoint stays the newest); ``skip`` drops the rest of that step's update (logging ``skipped_step``) and goes on. Rewards that raise or come back with the wrong count always stop."""
-    checkpoint_checksums: Literal["small", "all"] = "all"
-    """What a checkpoint's manifest checksums: ``all`` (sha256 of every file, the weights in 16 MiB chunks hashed in parallel threads: a flipped byte anywhere is caught on resume, which falls back to the previous checkpoint; benchmarks/bench_resume_checksum.py measures the cost) or ``small`` (sha256 of files under 1 MiB: state, RNG states, metadata, tokenizer; sizes of all files: a flipped byte in the weights is then caught only if it makes a weight NaN/inf)."""
+    checkpoint_checksums: Literal["small", "all"] = "small"
+    """What a checkpoint's manifest checksums: ``small`` (sha256 of files under 1 MiB: state, RNG states, metadata, tokenizer; sizes of all files: a flipped byte in the weights is caught only if it makes a weight NaN/inf or breaks a zip structure) or ``all`` (sha256 of every file, the weights in 16 MiB chunks hashed in parallel threads: a flipped byte anywhere is caught on resume, which falls back to the previous checkpoint; it adds 13-33% to loading a checkpoint on 2 cores, docs/reliability.md)."""
     checkpoint_hf_folders: bool = False
     """Also write each model as an HF folder (``from_pretrained``) inside every checkpoint, for inspection (one process only). Training state always lives in ``dcp/``; ``final/`` is always an HF folder."""
     collective_timeout_s: float = 600.0
