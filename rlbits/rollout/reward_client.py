@@ -270,7 +270,10 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
-class _WatchedHTTPConnection(http.client.HTTPConnection):
+class _Watched:
+    """Mixin for an ``http.client`` connection: once connected, its socket is watched by the attempt's
+    ``_Deadline``."""
+
     def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._deadline = deadline
@@ -280,14 +283,12 @@ class _WatchedHTTPConnection(http.client.HTTPConnection):
         self._deadline.watch(self.sock)
 
 
-class _WatchedHTTPSConnection(http.client.HTTPSConnection):
-    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._deadline = deadline
+class _WatchedHTTPConnection(_Watched, http.client.HTTPConnection):
+    pass
 
-    def connect(self) -> None:
-        super().connect()
-        self._deadline.watch(self.sock)
+
+class _WatchedHTTPSConnection(_Watched, http.client.HTTPSConnection):
+    pass
 
 
 class _WatchedHTTPHandler(urllib.request.HTTPHandler):
