@@ -105,6 +105,7 @@ from rlbits.loops.runtime import (
     disable_dropout,
     initial_policy_path,
     load_policy_and_tokenizer,
+    policy_path,
     prepare,
     uses_chat,
     with_lora,
@@ -231,10 +232,10 @@ class State(LoopState):
         self.sampler, self.dataset_len = self.buffer.sampler, len(data)
 
 
-def _fresh_model(cfg: ILQLConfig, env: DistEnv | None = None) -> tuple[ILQLModel, Any]:
-    """The initial policy (with LoRA adapters when ``lora_rank > 0``) with new, fully trained Q/V heads
-    (seeded by ``cfg.seed``) and its tokenizer."""
-    policy, tokenizer = load_policy_and_tokenizer(initial_policy_path(cfg), env or DistEnv())
+def _fresh_model(cfg: ILQLConfig, env: DistEnv | None = None, *, path: str | None = None) -> tuple[ILQLModel, Any]:
+    """The initial policy (from ``path``, default ``policy_path(cfg)``; with LoRA adapters when
+    ``lora_rank > 0``) with new, fully trained Q/V heads (seeded by ``cfg.seed``) and its tokenizer."""
+    policy, tokenizer = load_policy_and_tokenizer(path or policy_path(cfg), env or DistEnv())
     policy = with_lora(policy, cfg)  # before the heads: they are not adapted, they train whole
     model = ILQLModel(
         policy, two_qs=cfg.two_qs, head_layers=cfg.head_layers, shared_trunk=cfg.shared_trunk, seed=cfg.seed
@@ -253,7 +254,7 @@ def init_state(
         raise ConfigError(
             f"the ilql loop does not format prompts as a chat; run task {cfg.task!r} with chat_template=false"
         )
-    model, tokenizer = _fresh_model(cfg, env)
+    model, tokenizer = _fresh_model(cfg, env, path=initial_policy_path(cfg))  # every rank, at set-up
     model = prepare(disable_dropout(model).to(env.device).train(), cfg, env)
     return State(
         env=env, tokenizer=tokenizer, model=model,
