@@ -315,11 +315,15 @@ class Run:
         """Where the run is, for messages: ``step N, phase P`` (``between phases`` outside one)."""
         return f"step {self._step_number}, phase {self.timer.current or 'between phases'}"
 
+    def _collectives(self, step: int, name: str) -> contextlib.AbstractContextManager:
+        """A failed collective inside becomes a ``CollectiveError`` naming ``step`` and ``name``."""
+        return collective_errors(step, name, self.cfg.collective_timeout_s)
+
     def _section(self, name: str) -> contextlib.AbstractContextManager:
         """Time ``name`` and turn a failed collective inside into a ``CollectiveError`` naming it."""
         stack = contextlib.ExitStack()
         stack.enter_context(self.timer(name))
-        stack.enter_context(collective_errors(self._step_number, name, self.cfg.collective_timeout_s))
+        stack.enter_context(self._collectives(self._step_number, name))
         return stack
 
     @property
@@ -337,7 +341,7 @@ class Run:
         added to ``state.metrics`` before its first step), unless resumed past it; then yield the number of
         each step to take until the run is done or a stop is requested."""
         if state.step == 0:  # step 0: the validation before training, and what the loop measured before it
-            with collective_errors(0, "validate", self.cfg.collective_timeout_s):
+            with self._collectives(0, "validate"):
                 val_batch = self._validate(state, None, self.cfg) if self.cfg.val_at_start else None
                 values = state.metrics.reduce(self.env)
             if values:
@@ -379,7 +383,7 @@ class Run:
         """Close a step: advance the counters, reduce and log its metrics (once, over all ranks), validate
         and save when due. Returns the logged values."""
         state.step += 1
-        with collective_errors(state.step, "log", self.cfg.collective_timeout_s):
+        with self._collectives(state.step, "log"):
             has_actions = "action_mask" in batch.keys()
             num_tokens = int(global_count(batch["action_mask"], self.env).item()) if has_actions else 0
             state.total_valid_tokens += num_tokens
@@ -404,7 +408,7 @@ class Run:
         self.logger.progress(
             state.step, **{k: logged[k] for k in ("rewards", "init_policy_kl", "loss") if k in logged}
         )
-        with collective_errors(state.step, "save", self.cfg.collective_timeout_s):
+        with self._collectives(state.step, "save"):
             self._stopped = self.should_stop  # a stop asked while logging (a dashboard's button) saves too
             if (self.cfg.save_period and state.step % self.cfg.save_period == 0) or last or self._stopped:
                 self.save(state)
@@ -431,7 +435,7 @@ class Run:
         Returns the run directory."""
         if self.logger is not None:
             self.logger.honor_stop()  # the run ends here: a stop signal now lets it save and export
-        with collective_errors(state.step, "save", self.cfg.collective_timeout_s):
+        with self._collectives(state.step, "save"):
             if self._saved_step != state.step:
                 self.save(state)
             export_model(

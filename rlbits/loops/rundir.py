@@ -241,11 +241,12 @@ def lock_run_dir(path: str | Path) -> int | None:
     lock_path = Path(path) / LOCK
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _flock(fd, path, lock_path)
+    except RunDirLockedError:  # an OSError too: caught first
+        os.close(fd)
+        raise
     except OSError as e:
         os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise _locked(path, lock_path) from None
         warnings.warn(
             f"cannot lock {lock_path} ({e.strerror}); a second run on it would not be refused", stacklevel=2
         )
@@ -273,19 +274,31 @@ def check_not_locked(path: str | Path) -> None:
     except OSError:  # no lock file (a new folder or an earlier run's), or not readable: claim_run_dir decides
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise _locked(path, lock_path) from None
+        _flock(fd, path, lock_path)
+    except RunDirLockedError:  # an OSError too: caught first
+        raise
+    except OSError:  # no flock on this file system: claim_run_dir warns
+        pass
     finally:
         os.close(fd)
 
 
-def _locked(path: str | Path, lock_path: Path) -> RunDirLockedError:
-    return RunDirLockedError(
-        f"run_dir {str(path)!r} is in use by a live run ({_holder(lock_path)}); wait for it to end or stop it, "
-        "or choose another run_dir"
-    )
+def _flock(fd: int, path: str | Path, lock_path: Path) -> None:
+    """Take an exclusive ``flock`` on ``fd`` without waiting.
+
+    Raises:
+        RunDirLockedError: a live process holds it (the message names that process).
+        OSError: the file system does not support ``flock``.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise RunDirLockedError(
+                f"run_dir {str(path)!r} is in use by a live run ({_holder(lock_path)}); wait for it to end or "
+                "stop it, or choose another run_dir"
+            ) from None
+        raise
 
 
 def claim_run_dir(
