@@ -3,11 +3,11 @@ Python tool (``sandbox``) and an exact calculator tool (``calculator_tool``); pl
 torchrl conversations become rlbits batches in ``rlbits.data.torchrl_adapter``. See ``docs/envs.md``."""
 
 from rlbits.envs.base import Env, Observation, StepResult, StopConditions, map_ordered, step_all
+from rlbits.envs.calculator_tool import calculator
 from rlbits.envs.sandbox import (
     SANDBOXES,
     SandboxResult,
     SandboxUnavailableError,
-    calculator,
     check_sandbox,
     python,
     python_tool,
