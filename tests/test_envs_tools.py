@@ -398,3 +398,25 @@ def test_template_mode_with_a_real_tokenizer():
     assert r.observation.text.startswith("<|im_end|>") and "<tool_response>" in r.observation.text
     r2 = env.step(action + "<|im_end|>", action_ids=[5, tok.eos_token_id])  # EOS sampled: not written twice
     assert r2.observation.text == r.observation.text[len("<|im_end|>") :]
+
+
+def test_the_envs_layer_imports_no_torch():
+    # Every rlbits.envs module, imported on its own (a bare ``rlbits`` package stands in for rlbits/__init__.py,
+    # which re-exports the torch kernels), leaves torch and the other tensor libraries unimported.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "rlbits"
+    code = (
+        "import importlib, pkgutil, sys, types\n"
+        f"root = types.ModuleType('rlbits'); root.__path__ = [{str(package)!r}]; sys.modules['rlbits'] = root\n"
+        "import rlbits.envs\n"
+        "names = [m.name for m in pkgutil.iter_modules(rlbits.envs.__path__)]\n"
+        "for name in names:\n"
+        "    importlib.import_module('rlbits.envs.' + name)\n"
+        "heavy = [m for m in ('torch', 'tensordict', 'torchrl', 'numpy', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, f'importing rlbits.envs ({names}) imported {heavy}'\n"
+        "assert len(names) >= 3, names\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

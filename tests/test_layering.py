@@ -51,6 +51,11 @@ ALIASES = {
 # kernels stay free of tensordict, transformers and torch.distributed.
 FUNCTIONAL_THIRD_PARTY = ("torch", "einops")
 
+# Third-party packages the envs layer (plain Python, no torch) may import besides the stdlib: transformers,
+# only inside ``ToolRegistry.register`` (``get_json_schema`` for a tool without a schema; it imports torch
+# where torch is installed). ``import rlbits.envs`` imports neither (tests/test_envs_tools.py).
+ENVS_THIRD_PARTY = ("transformers",)
+
 
 def _layer(module: str) -> str:
     parts = module.split(".")
@@ -108,6 +113,12 @@ def test_imports_point_down(module, path):
             and not target.startswith("rlbits.functional")
         ):
             problems.append(f"line {line}: functional imports {target}")
+        if (
+            layer == "envs"
+            and top not in (*ENVS_THIRD_PARTY, "rlbits")
+            and top not in sys.stdlib_module_names
+        ):
+            problems.append(f"line {line}: envs is plain Python: it may import only the stdlib, not {target}")
         if target.startswith("torch.distributed") and layer != "distributed":
             problems.append(f"line {line}: only rlbits.distributed may import torch.distributed ({target})")
         if not target.startswith("rlbits.") or layer == SIDE_BRANCH or ALIASES.get(module) == target:

@@ -1,4 +1,4 @@
-"""The sandboxed Python tool, under both sandboxes (``bwrap`` and ``unsafe_local``), and the exact calculator.
+"""The sandboxed Python tool, under both sandboxes (``bwrap`` and ``unsafe_local``).
 The escape attempts against ``bwrap`` are tests/test_sandbox_escape.py.
 
 Every attempt is small and bounded even if a limit failed: the fork test forks at most once (a real fork
@@ -18,7 +18,6 @@ from sandbox_support import require_bwrap
 from rlbits.envs import sandbox as sandbox_module
 from rlbits.envs.sandbox import (
     SandboxUnavailableError,
-    calculator,
     check_sandbox,
     python,
     python_tool,
@@ -288,42 +287,3 @@ def test_the_run_configs_sandbox_reaches_the_tools():
     env.reset("p")
     r = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>')
     assert r.observation.text == "\n<tool_response>\n42\n</tool_response>\n", r
-
-
-# --------------------------------------------------------------------------------------------------------
-# calculator
-# --------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "expr,want",
-    [
-        ("123456789 * 987654321", "121932631112635269"),
-        ("2**100", str(2**100)),
-        ("(7 + 5) * -3", "-36"),
-        ("10 / 5", "2"),
-        ("7 / 2", "3.5"),
-        ("17 // 5", "3"),
-        ("17 % 5", "2"),
-        ("99999999999999999999 + 1", "100000000000000000000"),
-    ],
-)
-def test_calculator_exact(expr, want):
-    assert calculator(expr) == want
-
-
-@pytest.mark.parametrize(
-    "expr,error,match",
-    [
-        ("__import__('os').system('true')", ValueError, "not allowed"),
-        ("open('x')", ValueError, "not allowed"),
-        ("9**9**9", ValueError, "digits"),
-        ("1 / 0", ZeroDivisionError, "division by zero"),
-        ("2 +", ValueError, "not an arithmetic expression"),
-        ("'a' * 3", ValueError, "not allowed"),
-        ("1 << 100000", ValueError, "not supported"),
-    ],
-)
-def test_calculator_refuses(expr, error, match):
-    with pytest.raises(error, match=match):
-        calculator(expr)

@@ -1,4 +1,4 @@
-"""The torchrl adapter (rlbits.envs.torchrl_adapter): what round-trips exactly and what does not.
+"""The torchrl adapter (rlbits.data.torchrl_adapter): what round-trips exactly and what does not.
 
 A tiny byte-level BPE tokenizer is trained here from a few sentences (nothing downloaded). The reference for
 the masks is character-level: a token is an action when its characters lie inside an assistant message's
@@ -14,7 +14,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 import rlbits.batch as rb
-from rlbits.envs import episode_buffer, episode_to_batch, history_to_batch
+from rlbits.data.torchrl_adapter import episode_buffer, episode_to_batch, history_to_batch
 
 pytest.importorskip("torchrl")
 
@@ -450,17 +450,3 @@ def test_episode_buffer_keeps_rows_of_different_lengths(tok):
     sample = buffer.sample(4)
     assert sample.batch_size == (4,)
     rb.check(sample, check_values=True)
-
-
-def test_rlbits_envs_exports_the_adapter_without_importing_torchrl():
-    import subprocess
-    import sys
-
-    import rlbits.envs
-
-    code = (
-        "import sys, rlbits.envs; assert 'torchrl' not in sys.modules, 'import rlbits.envs pulled in torchrl'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
-    for name in ("history_to_batch", "episode_to_batch", "episode_buffer"):
-        assert name in rlbits.envs.__all__ and callable(getattr(rlbits.envs, name))

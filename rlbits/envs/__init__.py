@@ -1,16 +1,13 @@
-"""Environments for multi-turn episodes: the interface (``base``), tool calling (``tools``) and a sandboxed
-Python / exact calculator tool (``sandbox``), plain Python without torch; and the torchrl adapter
-(``torchrl_adapter``: torchrl ``History`` conversations into rlbits batches), imported on first use so that
-``import rlbits.envs`` stays free of torch and torchrl. See ``docs/envs.md``."""
-
-import importlib
+"""Environments for multi-turn episodes: the interface (``base``), tool calling (``tools``), a sandboxed
+Python tool (``sandbox``) and an exact calculator tool (``calculator_tool``); plain Python without torch.
+torchrl conversations become rlbits batches in ``rlbits.data.torchrl_adapter``. See ``docs/envs.md``."""
 
 from rlbits.envs.base import Env, Observation, StepResult, StopConditions, map_ordered, step_all
+from rlbits.envs.calculator_tool import calculator
 from rlbits.envs.sandbox import (
     SANDBOXES,
     SandboxResult,
     SandboxUnavailableError,
-    calculator,
     check_sandbox,
     python,
     python_tool,
@@ -29,13 +26,6 @@ from rlbits.envs.tools import (
     template_has_tools,
 )
 
-# The torchrl adapter needs torch, tensordict and torchrl: imported on first attribute access.
-_LAZY = {
-    "episode_buffer": "rlbits.envs.torchrl_adapter",
-    "episode_to_batch": "rlbits.envs.torchrl_adapter",
-    "history_to_batch": "rlbits.envs.torchrl_adapter",
-}
-
 __all__ = [
     "HERMES",
     "SANDBOXES",
@@ -53,9 +43,6 @@ __all__ = [
     "ToolResult",
     "calculator",
     "check_sandbox",
-    "episode_buffer",
-    "episode_to_batch",
-    "history_to_batch",
     "map_ordered",
     "parse_tool_calls",
     "plain_tools_prompt",
@@ -65,11 +52,3 @@ __all__ = [
     "step_all",
     "template_has_tools",
 ]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rlbits.envs' has no attribute {name!r}")

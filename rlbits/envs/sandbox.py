@@ -1,10 +1,10 @@
-"""A sandboxed Python tool and an exact calculator tool.
+"""A sandboxed Python tool.
 
 ``run_python(code)`` runs ``code`` in a fresh interpreter (``python -I -S``: no site-packages, no ``PYTHON*``
 variables) inside an operating-system sandbox and returns a :class:`SandboxResult`; ``python(code)`` is the
 same as a tool (it returns text for the model), and ``python_tool(sandbox=...)`` builds that tool for a
-chosen sandbox, checking at once that the sandbox works. ``calculator(expression)`` evaluates arithmetic by
-walking the ``ast``; it never calls ``eval``.
+chosen sandbox, checking at once that the sandbox works. The ``bwrap`` command line and seccomp filter are
+built in ``rlbits.envs._bwrap``.
 
 Two sandboxes (the ``sandbox`` argument; a run config's ``sandbox`` field):
 
@@ -60,12 +60,10 @@ read-only view still shows the system's shared libraries and the interpreter's p
 
 from __future__ import annotations
 
-import ast
 import functools
 import inspect
 import json
 import math
-import operator
 import os
 import selectors
 import shutil
@@ -77,9 +75,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rlbits.envs._bwrap import bwrap_argv, seccomp_program
+
 NOBODY = 65534
 SANDBOXES = ("bwrap", "unsafe_local")
-WORK_DIR = "/sandbox"  # the call's work dir inside the bwrap sandbox
 INSTALL_HINT = (
     "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), or set "
     "sandbox: unsafe_local to run tool code without OS isolation (not a security boundary)"
@@ -185,6 +184,9 @@ del cfg, _m, _cpu, _install_hook, resource, json
 exec(compile(_code, "main.py", "exec"), _main.__dict__)
 """
 
+# The child interpreter's arguments: isolated (no ``PYTHON*`` variables, no user site), no ``site``, UTF-8.
+_CHILD_ARGS = ("-I", "-S", "-X", "utf8", "-c", _BOOTSTRAP)
+
 
 class SandboxUnavailableError(RuntimeError):
     """No OS isolation for tool code here (``bwrap`` missing or failing its self-test); the message says why
@@ -244,148 +246,6 @@ def _unshare_prefix() -> tuple[str, ...]:
     except (OSError, subprocess.SubprocessError):
         ok = False
     return prefix if ok else ()
-
-
-# --------------------------------------------------------------------------------------------------------
-# bubblewrap
-# --------------------------------------------------------------------------------------------------------
-
-
-def _interpreter() -> tuple[str, str]:
-    """The real interpreter binary (a venv's base) and its prefix, symlinks resolved."""
-    exe = getattr(sys, "_base_executable", None) or sys.executable
-    return os.path.realpath(exe), os.path.realpath(sys.base_prefix)
-
-
-def _bwrap_argv(bwrap: str, disk_bytes: int, seccomp_fd: int | None) -> tuple[list[str], list[str]]:
-    """``bwrap``'s arguments up to ``--`` and the interpreter command after it."""
-    exe, prefix = _interpreter()
-    root = os.geteuid() == 0
-    if root:
-        # No user namespace: it would map the sandbox's uid to host root, whom RLIMIT_NPROC does not bind.
-        # The bootstrap drops to nobody with the two capabilities kept for that; the drop clears them.
-        argv = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]  # fmt: skip
-    else:
-        argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
-    argv += ["--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
-    made: set[str] = {"/"}
-    bound: list[str] = []
-
-    def parents(path: str) -> None:  # bwrap makes missing parents 0700: make them 0755 first
-        parent = os.path.dirname(path)
-        if parent in made:
-            return
-        parents(parent)
-        argv.extend(["--perms", "0755", "--dir", parent])
-        made.add(parent)
-
-    def ro_bind(path: str) -> None:
-        parents(path)
-        argv.extend(["--ro-bind", path, path])
-        made.add(path)
-        bound.append(path)
-
-    for name in ("lib", "lib64", "lib32", "libx32"):
-        if os.path.isdir(f"/usr/{name}") and not os.path.islink(f"/usr/{name}"):
-            ro_bind(f"/usr/{name}")
-        if os.path.islink(f"/{name}"):
-            argv.extend(["--symlink", os.readlink(f"/{name}"), f"/{name}"])
-        elif os.path.isdir(f"/{name}"):
-            ro_bind(f"/{name}")
-    if os.path.isfile("/etc/ld.so.cache"):
-        ro_bind("/etc/ld.so.cache")
-    if not any(prefix == d or prefix.startswith(d + "/") for d in bound):
-        if prefix in ("/usr", "/"):  # a system Python: its stdlib is under /usr/lib, bound above
-            ro_bind(exe)
-        else:
-            ro_bind(prefix)
-    if not any(exe == d or exe.startswith(d + "/") for d in bound):
-        ro_bind(exe)
-    argv += ["--dev", "/dev", "--perms", "0777", "--size", str(disk_bytes), "--tmpfs", WORK_DIR,
-             "--symlink", WORK_DIR, "/tmp", "--chdir", WORK_DIR, "--remount-ro", "/dev", "--remount-ro", "/"]  # fmt: skip
-    if seccomp_fd is not None:
-        argv += ["--seccomp", str(seccomp_fd)]
-    return argv, [exe, "-I", "-S", "-X", "utf8", "-c", _BOOTSTRAP]
-
-
-_CLONE_NEW_FLAGS = (
-    0x00000080,
-    0x00020000,
-    0x02000000,
-    0x04000000,
-    0x08000000,
-    0x10000000,
-    0x20000000,
-    0x40000000,
-)
-_SECCOMP_DENY = (
-    "unshare setns mount umount umount2 pivot_root chroot move_mount open_tree fsopen fsconfig fsmount fspick "
-    "mount_setattr ptrace process_vm_readv process_vm_writev keyctl add_key request_key bpf perf_event_open "
-    "userfaultfd kexec_load kexec_file_load init_module finit_module delete_module acct swapon swapoff reboot "
-    "syslog open_by_handle_at name_to_handle_at quotactl fanotify_init"
-).split()
-
-
-@functools.cache
-def _seccomp_program() -> bytes | None:
-    """The compiled seccomp filter (BPF, as ``bwrap --seccomp`` reads it), built with libseccomp; ``None``
-    when libseccomp is not installed or fails."""
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL("libseccomp.so.2")
-    except OSError:
-        return None
-
-    class ArgCmp(ctypes.Structure):  # struct scmp_arg_cmp
-        _fields_ = [
-            ("arg", ctypes.c_uint),
-            ("op", ctypes.c_int),
-            ("a", ctypes.c_uint64),
-            ("b", ctypes.c_uint64),
-        ]
-
-    lib.seccomp_init.restype = ctypes.c_void_p
-    lib.seccomp_init.argtypes = [ctypes.c_uint32]
-    lib.seccomp_release.argtypes = [ctypes.c_void_p]
-    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    lib.seccomp_rule_add_array.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_uint32,
-        ctypes.c_int,
-        ctypes.c_uint,
-        ctypes.POINTER(ArgCmp),
-    ]
-    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    allow, masked_eq = 0x7FFF0000, 7  # SCMP_ACT_ALLOW, SCMP_CMP_MASKED_EQ
-
-    def errno_action(err: int) -> int:  # SCMP_ACT_ERRNO(err)
-        return 0x00050000 | (err & 0xFFFF)
-
-    ctx = lib.seccomp_init(allow)
-    if not ctx:
-        return None
-    try:
-        rules: list[tuple[str, int, list[ArgCmp]]] = [(name, errno_action(1), []) for name in _SECCOMP_DENY]
-        rules += [("clone", errno_action(1), [ArgCmp(0, masked_eq, f, f)]) for f in _CLONE_NEW_FLAGS]
-        rules.append(
-            ("clone3", errno_action(38), [])
-        )  # ENOSYS: glibc falls back to clone, whose flags we see
-        for name, action, cmps in rules:
-            nr = lib.seccomp_syscall_resolve_name(name.encode())
-            if nr < 0:
-                continue  # not a syscall of this architecture
-            arr = (ArgCmp * max(1, len(cmps)))(*cmps)
-            if lib.seccomp_rule_add_array(ctx, action, nr, len(cmps), arr) != 0:
-                return None
-        with tempfile.TemporaryFile() as f:
-            if lib.seccomp_export_bpf(ctx, f.fileno()) != 0:
-                return None
-            f.seek(0)
-            return f.read()
-    finally:
-        lib.seccomp_release(ctx)
 
 
 def _collect(
@@ -487,7 +347,7 @@ def _text(data: bytes, total: int, limit: int) -> tuple[str, bool]:
 
 
 def _run_bwrap(bwrap: str, code: str, cfg: dict, *, timeout_s: float, keep: int, disk_bytes: int):
-    program = _seccomp_program()
+    program = seccomp_program()
     read_fd = None
     if program is not None:
         read_fd, write_fd = os.pipe()
@@ -496,10 +356,10 @@ def _run_bwrap(bwrap: str, code: str, cfg: dict, *, timeout_s: float, keep: int,
         finally:
             os.close(write_fd)
     try:
-        head, cmd = _bwrap_argv(bwrap, disk_bytes, read_fd)
+        head, exe = bwrap_argv(bwrap, disk_bytes, read_fd)
         root = os.geteuid() == 0
         cfg = {**cfg, "preload": [], "uid": NOBODY if root else None, "gid": NOBODY if root else None}
-        argv = [*head, "--", *cmd, json.dumps(cfg)]
+        argv = [*head, "--", exe, *_CHILD_ARGS, json.dumps(cfg)]
         rc, *rest = _collect(
             argv, cwd="/", pass_fds=() if read_fd is None else (read_fd,), code=code.encode("utf-8", "replace"),
             timeout_s=timeout_s, keep=keep,
@@ -640,7 +500,7 @@ def _run_local(code: str, cfg: dict, *, timeout_s: float, keep: int, network_nam
     try:
         if drop:
             os.chown(workdir, NOBODY, NOBODY)
-        argv = [*prefix, sys.executable, "-I", "-S", "-X", "utf8", "-c", _BOOTSTRAP, json.dumps(cfg)]
+        argv = [*prefix, sys.executable, *_CHILD_ARGS, json.dumps(cfg)]
         result = _collect(
             argv,
             cwd=workdir,
@@ -699,80 +559,3 @@ def python_tool(sandbox: str = "bwrap", **limits) -> Callable[[str], str]:
 
     python.__doc__ = _PYTHON_DOC
     return python
-
-
-# --------------------------------------------------------------------------------------------------------
-# calculator: arithmetic by walking the AST
-# --------------------------------------------------------------------------------------------------------
-
-MAX_EXPRESSION_CHARS = 1000
-MAX_RESULT_DIGITS = 4000
-
-_BINARY = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-}
-
-
-def _check_size(x):
-    if isinstance(x, int) and x.bit_length() > MAX_RESULT_DIGITS * 3.33:
-        raise ValueError(f"result has more than {MAX_RESULT_DIGITS} digits")
-    return x
-
-
-def _eval(node):
-    if isinstance(node, ast.Expression):
-        return _eval(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-        v = _eval(node.operand)
-        return v if isinstance(node.op, ast.UAdd) else -v
-    if isinstance(node, ast.BinOp):
-        a, b = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Div):
-            if b == 0:
-                raise ZeroDivisionError("division by zero")
-            if isinstance(a, int) and isinstance(b, int) and a % b == 0:
-                return a // b  # exact integer division stays an integer
-            return a / b
-        if isinstance(node.op, ast.Pow):
-            if isinstance(b, int) and isinstance(a, int) and b >= 0:
-                if abs(a) > 1 and b * math.log2(abs(a)) > MAX_RESULT_DIGITS * 3.33:
-                    raise ValueError(f"result has more than {MAX_RESULT_DIGITS} digits")
-            elif abs(b) > 1e4:
-                raise ValueError("exponent too large")
-            return _check_size(a**b)
-        op = _BINARY.get(type(node.op))
-        if op is None:
-            raise ValueError(f"operator {type(node.op).__name__} is not supported")
-        if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and b == 0:
-            raise ZeroDivisionError("division by zero")
-        return _check_size(op(a, b))
-    raise ValueError(f"{type(node).__name__} is not allowed (only numbers, + - * / // % ** and parentheses)")
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression exactly.
-
-    Integers are exact at any size up to 4000 digits; / of two integers gives an integer when it divides
-    exactly, else a decimal. Supports + - * / // % ** and parentheses.
-
-    Args:
-        expression: The arithmetic expression, for example "123456789 * 987654321".
-    """
-    if not isinstance(expression, str):
-        raise TypeError(f"calculator: expression must be a str, got {type(expression).__name__}")
-    if len(expression) > MAX_EXPRESSION_CHARS:
-        raise ValueError(f"calculator: expression longer than {MAX_EXPRESSION_CHARS} characters")
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError as e:
-        raise ValueError(f"calculator: not an arithmetic expression: {expression!r} ({e.msg})") from None
-    value = _eval(tree)
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return str(value)
