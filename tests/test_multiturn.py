@@ -412,8 +412,8 @@ def test_bad_arguments_are_named(gpt2):
 def test_stopping_rule_leaves_generate_exact():
     """``generate(stopping=...)``: a row the rule stops samples nothing more; every row's tokens and logprobs
     equal the run without the rule up to its stop (the same noise is drawn for every row each step)."""
-    from rlbits.batch import make_prompts
     from rlbits.rollout.generate import generate
+    from rlbits.text import make_prompts
 
     model = tiny_causal_lm("qwen2", V, seed=2)
     td = make_prompts([[5, 6, 7], [8], [9, 10]], 0)
