@@ -22,7 +22,7 @@ def assert_same_batch(a, b):
     assert a.batch_size == b.batch_size
     assert set(a.keys()) == set(b.keys())
     for key in a.keys():
-        if key in rb.TEXT_KEYS:
+        if key in rb.SCHEMA and rb.SCHEMA[key].dtype is str:
             assert texts(a, key) == texts(b, key), key
         else:
             assert torch.equal(a.get(key), b.get(key)), key
@@ -331,6 +331,96 @@ def test_collate_repads_different_lengths():
     assert out["group"].tolist() == [0, 0, 1]  # b's group 0 is a different prompt from a's group 0
     assert texts(out, "response_text") == ["a0", "a1", "b0"]
     rb.check(out, required=rb.SCHEMA.keys() & out.keys(), check_values=True)
+
+
+def episode_batch(gen, rows, prompt_len, response_len, group_size=2):
+    """A random episode-like batch: per row a prompt of 1..P tokens and turns of action and observation
+    tokens filling 1..R response tokens, with every per-token episode key (``turn_*``, ``loss_mask``)."""
+    prompts, responses, actions, turns, lps, turn_rewards = [], [], [], [], [], []
+    for _ in range(rows):
+        n_p = int(torch.randint(1, prompt_len + 1, (), generator=gen))
+        n_r = int(torch.randint(1, response_len + 1, (), generator=gen))
+        prompts.append(torch.randint(3, 30, (n_p,), generator=gen))
+        responses.append(torch.randint(3, 30, (n_r,), generator=gen))
+        act = torch.rand(n_r, generator=gen) < 0.7
+        act[0] = True  # a turn starts with an action token
+        actions.append(act)
+        turns.append(
+            (act & ~torch.cat([torch.tensor([True]), act[:-1]])).cumsum(0)
+        )  # new turn after an observation
+        lps.append(torch.where(act, -torch.rand(n_r, generator=gen), 0.0))
+        turn_rewards.append(torch.where(act, torch.randn(n_r, generator=gen).round(), 0.0))
+    real = rb.pad_right([torch.ones(len(r), dtype=torch.bool) for r in responses], False, response_len)
+    action_mask = rb.pad_right(actions, False, response_len)
+    truncated = torch.rand(rows, generator=gen) < 0.3
+    return rb.build_batch(
+        rb.pad_left(prompts, PAD, prompt_len),
+        rb.pad_left([torch.ones(len(p), dtype=torch.bool) for p in prompts], False, prompt_len),
+        rb.pad_right(responses, PAD, response_len),
+        action_mask,
+        response_mask=real,
+        loss_mask=action_mask & ~truncated[:, None],
+        logprobs=rb.pad_right(lps, 0.0, response_len),
+        turn_rewards=rb.pad_right(turn_rewards, 0.0, response_len),
+        turn_index=rb.pad_right(turns, -1, response_len),
+        rewards=torch.stack([t.sum() for t in turn_rewards]),
+        num_turns=torch.tensor([int(t.max()) + 1 for t in turns]),
+        truncated=truncated,
+        group=rb.group_ids(rows // group_size, group_size),
+        stop_reason=["done" if i % 2 else "max_turns" for i in range(rows)],
+        prompt_text=[f"p{i}" for i in range(rows)],
+        response_text=[f"r{i}" for i in range(rows)],
+        extra=torch.arange(rows),  # a per-row key outside SCHEMA
+    )
+
+
+def collate_reference(batches, pad_token_id):
+    """``collate`` with Python lists, row by row: prompt-side lists left-padded, response-side lists
+    right-padded with each key's fill, groups renumbered per batch."""
+    P = max(b["prompts"].shape[1] for b in batches)
+    R = max(b["responses"].shape[1] for b in batches)
+    fill = {"prompts": pad_token_id, "responses": pad_token_id, "turn_index": -1}
+    out, next_group = {}, 0
+    for b in batches:
+        p = b["prompts"].shape[1]
+        for i in range(b.batch_size[0]):
+            for key in b.keys():
+                value = b.get(key)
+                if key in rb.SCHEMA and rb.SCHEMA[key].dtype is str:
+                    row = value.tolist()[i]
+                elif key in ("input_ids", "attention_mask"):
+                    head, tail = value[i, :p].tolist(), value[i, p:].tolist()
+                    pad = pad_token_id if key == "input_ids" else False
+                    row = [pad] * (P - len(head)) + head + tail + [pad] * (R - len(tail))
+                elif value.dim() == 2 and value.shape[1] == p and key.startswith("prompt"):
+                    row = [fill.get(key, False)] * (P - p) + value[i].tolist()
+                elif value.dim() == 2:
+                    row = value[i].tolist()
+                    row = row + [fill.get(key, 0)] * (R - len(row))
+                else:
+                    row = value[i].item()
+                out.setdefault(key, []).append(row)
+        groups = b["group"].tolist()
+        out["group"][-len(groups) :] = [next_group + g - groups[0] for g in groups]  # contiguous, from 0
+        next_group += groups[-1] - groups[0] + 1
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_collate_repads_episode_batches_like_a_row_by_row_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(4, 3, 5), (2, 5, 2), (6, 1, 7), (2, 2, 1)][: 2 + seed % 3]
+    batches = [episode_batch(gen, *shape) for shape in shapes]
+    out = rb.collate(batches, pad_token_id=PAD)
+    rb.check(out, required=rb.SCHEMA.keys() - {"ref_logprobs", "entropy", "values", "token_rewards",
+             "advantages", "returns", "reference_rewards", "retokenized"}, check_values=True)  # fmt: skip
+    expected = collate_reference(batches, PAD)
+    assert set(out.keys()) == set(expected)
+    for key, rows in expected.items():
+        got = out.get(key).tolist()
+        assert got == rows, key
+    assert out["turn_index"].dtype == torch.int64 and out["loss_mask"].dtype == torch.bool
+    assert_same_batch(rb.trim_padding(out[: batches[0].batch_size[0]]), rb.trim_padding(batches[0]))
 
 
 def test_collate_renumbers_groups_and_undoes_split(batch):
