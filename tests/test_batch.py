@@ -218,12 +218,12 @@ def test_build_batch_errors_name_the_key():
         rb.build_batch(p, pm, r, am, input_ids=torch.cat([p, r], dim=1))
 
 
-# --------------------------------------------------------------------------------------------- validate
+# ------------------------------------------------------------------------------------------------ check
 
 
 def _break(batch, key, value):
     batch = batch.clone()
-    batch.set(key, value)  # TensorDict allows any trailing shape; validate is what catches it
+    batch.set(key, value)  # TensorDict allows any trailing shape; check is what catches it
     return batch
 
 
@@ -248,13 +248,13 @@ def _text_as_one_value(b):
 
 
 @pytest.mark.parametrize("name", BAD_BATCHES)
-def test_validate_catches_shape_and_dtype_errors(batch, name):
+def test_check_catches_shape_and_dtype_errors(batch, name):
     make, match = BAD_BATCHES[name]
     with pytest.raises(ValueError, match=match):
         rb.check(make(batch))
 
 
-def test_validate_batch_size_and_required(batch):
+def test_check_batch_size_and_required(batch):
     with pytest.raises(ValueError, match="batch_size .B."):
         rb.check(TensorDict({"prompts": torch.zeros(2, 2, 3, dtype=torch.long)}, batch_size=[2, 2]))
     with pytest.raises(ValueError, match="missing required key 'advantages'"):
@@ -279,11 +279,14 @@ BAD_VALUES = {
     "input_ids stale": (lambda b: _set_at(b, "input_ids", (0, 3), 99), "input_ids must equal cat"),
     "attention_mask stale": (lambda b: _set_at(b, "attention_mask", (1, 4), False), "attention_mask must equal cat"),
     "group not contiguous": (lambda b: _break(b, "group", torch.tensor([0, 1, 0])), "group: rows of one group"),
+    "loss on a tool token": (lambda b: _break(b, "loss_mask", b["response_mask"]), "loss_mask is True where action_mask"),
+    "turn_index on padding": (lambda b: _break(b, "turn_index", torch.zeros(3, 4, dtype=torch.long)), "turn_index must be -1"),
+    "turn_index -1 on a token": (lambda b: _break(b, "turn_index", torch.full((3, 4), -1)), "turn_index must be -1"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", BAD_VALUES)
-def test_validate_check_values(batch, name):
+def test_check_values(batch, name):
     make, match = BAD_VALUES[name]
     bad = make(batch)
     rb.check(bad)  # shapes and dtypes are fine
