@@ -42,14 +42,6 @@ __all__ = ["episode_buffer", "episode_to_batch", "history_to_batch"]
 
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
-RETOKENIZED = "retokenized"
-"""[B] bool: some assistant message of the row was re-tokenised from its text (no ``sampled_ids`` given)."""
-NUM_TURNS = "num_turns"
-"""[B] int64: assistant messages in the response."""
-TURN_INDEX = "turn_index"
-"""[B, R] int64: the assistant turn (0, 1, ...) a response token belongs to; its observation tokens (tool /
-user messages after it) belong to the same turn; -1 on padding."""
-
 
 # --------------------------------------------------------------------------------------------------------
 # Conversations from torchrl History objects
@@ -359,9 +351,9 @@ def history_to_batch(
     prompt_td = make_prompts(prompts, pad_token_id=pad)
     real = rb.pad_right([torch.ones(len(t), dtype=torch.bool) for t in responses], False)
     columns: dict[str, Any] = {
-        RETOKENIZED: torch.tensor(retokenized, dtype=torch.bool),
-        NUM_TURNS: torch.tensor(num_turns, dtype=torch.int64),
-        TURN_INDEX: rb.pad_right(turn_ids, -1),
+        "retokenized": torch.tensor(retokenized, dtype=torch.bool),
+        "num_turns": torch.tensor(num_turns, dtype=torch.int64),
+        "turn_index": rb.pad_right(turn_ids, -1),
     }
     if assistant_logprobs is not None:
         columns["logprobs"] = rb.pad_right(logprob_rows, 0.0)
