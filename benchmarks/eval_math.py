@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from rlbits.batch import chat_prompts
 from rlbits.tasks import get_task
+from rlbits.text import chat_prompts
 from rlbits.zoo import resolve_model
 from rlbits.zoo.pretrain import REAL_TASK_MAX_NEW_TOKENS, hf_responses
 

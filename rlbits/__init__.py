@@ -3,6 +3,7 @@
 - ``rlbits.functional`` (re-exported here): pure tensor kernels - masked statistics, KL estimators,
   GAE, RLOO/GRPO baselines, PPO/REINFORCE/value losses, ILQL pieces.
 - ``rlbits.batch``: the TensorDict batch schema and its helpers.
+- ``rlbits.text``: prompt strings into the batch's token ids and back (``tokenize_prompts``, ``decode``).
 - ``rlbits.rollout``: ``generate`` (sampling with a KV cache), ``generate_episodes`` (token-exact multi-turn
   episodes with ``rlbits.envs``) and ``score`` (rewards).
 - ``rlbits.models``: HF checkpoints in and out, value and ILQL heads, tiny configs.
@@ -70,7 +71,7 @@ _LAZY = {
 }
 # ``rlbits.viz`` (the side branch: plots, dashboard) is an attribute too, imported on first use only, so that
 # ``rlbits.viz.Dashboard()`` works after ``import rlbits`` while ``import rlbits`` stays free of matplotlib.
-_SUBMODULES = ("batch", "functional", "loops", "models", "rollout", "tasks", "viz", "zoo")
+_SUBMODULES = ("batch", "functional", "loops", "models", "rollout", "tasks", "text", "viz", "zoo")
 
 __all__ = [*_functional_all, *_LAZY, *_SUBMODULES]
 

@@ -481,7 +481,7 @@ def test_score_rejects_malformed_batches_with_the_key_named(n, texts, columns):
     prompts = [f"p{i}" for i in range(n)]
     td = TensorDict({"x": torch.zeros(n)}, batch_size=[n])
     if texts != "missing":
-        td["prompt_text"] = prompts  # one str per row (a NonTensorStack), as rlbits.batch.decode writes them
+        td["prompt_text"] = prompts  # one str per row (a NonTensorStack), as rlbits.text.decode writes them
         if texts == "ok":
             td["response_text"] = [f"r{i}" for i in range(n)]
         else:  # set_non_tensor stores ONE object for the whole batch: a plausible misuse

@@ -7,11 +7,12 @@ import torch
 from tensordict import TensorDict
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from rlbits.batch import make_prompts, validate
+from rlbits.batch import check
 from rlbits.models.forward import policy_logprobs
 from rlbits.models.tiny import tiny_causal_lm
 from rlbits.rollout import generate as generate_mod
 from rlbits.rollout.generate import _sample, _top_k_filter, _top_p_filter, generate
+from rlbits.text import make_prompts
 
 ARCHS = ("gpt2", "llama", "qwen2")
 V = 64
@@ -70,7 +71,7 @@ def test_logprobs_match_teacher_forced_forward(models, arch, temperature):
         generator=_gen(1),
         logits_processor=lambda ids, logits: logits,  # also exercises the processor path
     )
-    validate(out, check_values=True)
+    check(out, check_values=True)
     tf = policy_logprobs(model, out, temperature=temperature)
     assert (tf - out["logprobs"]).abs().max().item() <= 1e-4
     # and against an unpadded, uncached float64 reference, row by row
@@ -215,7 +216,7 @@ def test_eos_forced_by_processor(models):
         generator=_gen(2),
         logits_processor=_force_eos_at([2, None, 0]),
     )
-    validate(out, check_values=True)
+    check(out, check_values=True)
     assert out["responses"].shape == (3, 9)
     expected_len = [3, 9, 1]
     assert out["action_mask"].sum(1).tolist() == expected_len
@@ -570,9 +571,9 @@ def test_bf16_policy_runs_and_returns_float32():
 def test_generate_texts_is_generate_on_tokenized_prompts_then_decode():
     """``generate_texts`` = ``tokenize_prompts`` + ``generate`` (eval mode, no grad) + ``decode``, and leaves
     the policy's mode as it was."""
-    from rlbits.batch import decode, tokenize_prompts
     from rlbits.models.tiny import tiny_tokenizer
     from rlbits.rollout.generate import generate_texts
+    from rlbits.text import decode, tokenize_prompts
 
     tok = tiny_tokenizer()
     policy = tiny_causal_lm("gpt2", vocab_size=len(tok), seed=0).train()

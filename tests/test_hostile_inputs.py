@@ -15,7 +15,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from rlbits.batch import make_prompts
 from rlbits.cli import build_parser, config_help
 from rlbits.data.stream import PromptError, check_prompts, read_prompts
 from rlbits.loops.config import (
@@ -34,6 +33,7 @@ from rlbits.models.tiny import tiny_causal_lm
 from rlbits.rollout.generate import generate
 from rlbits.rollout.reward_server import RewardClient, RewardServer
 from rlbits.rollout.score import RewardServerError
+from rlbits.text import make_prompts
 
 # --------------------------------------------------------------------------------------------------------
 # config YAML

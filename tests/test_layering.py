@@ -19,6 +19,7 @@ RANKS = {
     "_io": 1,
     "_seeds": 1,  # derive_seed: stdlib only, below everything that seeds a stream
     "batch": 1,
+    "text": 1,  # tokenize/chat/decode between strings and the batch; imports batch
     "envs": 1,  # environments and tools: plain Python, below the tasks whose ``make_env`` builds one
     "tasks": 2,
     "models": 3,

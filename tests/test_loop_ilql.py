@@ -13,7 +13,7 @@ import torch
 from metrics_compare import untimed
 from tensordict import MemoryMappedTensor
 
-from rlbits.batch import tokenize_prompts, trim_padding
+from rlbits.batch import trim_padding
 from rlbits.data import offline
 from rlbits.distributed.env import DistEnv
 from rlbits.functional import ilql_logits
@@ -25,6 +25,7 @@ from rlbits.models.heads import ILQLModel
 from rlbits.models.load import load_pretrained, save_pretrained
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 from rlbits.rollout.generate import generate
+from rlbits.text import tokenize_prompts
 
 PROMPTS = ["hello there", "abc", "the cat sat", "x y z", "a dog", "on a mat"]
 SAMPLES = [(p, r, float(r.count("a")) - 1.0) for p in PROMPTS for r in (" a a", " bc", " aaa", " dog")]

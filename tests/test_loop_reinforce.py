@@ -393,10 +393,10 @@ def test_bf16_rollouts_decode_from_a_refreshed_bf16_copy(arch):
     """precision=bf16: the rollout decodes from a bfloat16 copy of the policy (rotary buffers kept in
     float32), refreshed from the policy's weights before each rollout; the sampler's logprobs stay close
     to the trainer's autocast forward (the step-1 mismatch init_policy_kl would show)."""
-    from rlbits.batch import make_prompts
     from rlbits.loops import phases
     from rlbits.models.forward import policy_logprobs
     from rlbits.rollout.generate import generate
+    from rlbits.text import make_prompts
 
     policy = tiny_causal_lm(arch, V, seed=1)
     state = SimpleNamespace(policy=policy, decode_copy=None)

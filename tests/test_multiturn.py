@@ -3,6 +3,7 @@ gae over action tokens only) and its failure paths (env timeout/error, max_turns
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import zlib
@@ -412,8 +413,8 @@ def test_bad_arguments_are_named(gpt2):
 def test_stopping_rule_leaves_generate_exact():
     """``generate(stopping=...)``: a row the rule stops samples nothing more; every row's tokens and logprobs
     equal the run without the rule up to its stop (the same noise is drawn for every row each step)."""
-    from rlbits.batch import make_prompts
     from rlbits.rollout.generate import generate
+    from rlbits.text import make_prompts
 
     model = tiny_causal_lm("qwen2", V, seed=2)
     td = make_prompts([[5, 6, 7], [8], [9, 10]], 0)
@@ -483,9 +484,25 @@ class CountEnv:
         return StepResult(Observation(text=f" {self.k}:"), reward, self.k >= self.turns)
 
 
-def make_env(prompt, **options):
-    """This module as a task (registered in ``rlbits.tasks.TASKS`` by the tests below)."""
-    return CountEnv(prompt, **options)
+class SpreadEnv(CountEnv):
+    """A toy env whose groups differ: after a prompt starting with "a" (one turn) or "e" (three turns) each
+    turn scores the parity of its first action id, so the K episodes of a prompt disagree; any other prompt
+    scores 0 in one turn (an uninformative group for dynamic sampling)."""
+
+    def __init__(self, prompt, **options):
+        super().__init__(prompt, turns=3 if prompt[:1] == "e" else 1)
+        self.informative = prompt[:1] in ("a", "e")
+
+    def step(self, action_text, action_ids=None):
+        self.k += 1
+        reward = float(action_ids[0] % 2) if self.informative and len(action_ids) else 0.0
+        return StepResult(Observation(text=f" {self.k}:"), reward, self.k >= self.turns)
+
+
+def make_env(prompt, env="count", **options):
+    """This module as a task (registered in ``rlbits.tasks.TASKS`` by the tests below); ``env_options``
+    ``{"env": "spread"}`` plays ``SpreadEnv``."""
+    return (SpreadEnv if env == "spread" else CountEnv)(prompt, **options)
 
 
 def reward(prompts, responses):  # a task module's reward; multi-turn loops must not call it
@@ -622,15 +639,78 @@ def test_resume_on_a_multi_turn_task_reproduces_the_run(toy_task, tmp_path):
 
 
 @pytest.mark.slow
-def test_unsupported_options_with_an_env_task_are_named(toy_task, tmp_path):
-    from rlbits.loops import ppo, reinforce
-    from rlbits.loops.config import ConfigError
+def test_dynamic_sampling_on_a_multi_turn_task(toy_task, tmp_path, monkeypatch):
+    """REINFORCE's dynamic sampling on episode batches: the informative groups of several rounds, whose
+    response lengths differ, are joined by ``collate`` (turn_index padded with -1, the other episode keys
+    with 0/False); a one-step run trains on them."""
+    from rlbits import batch as rb
+    from rlbits.distributed.env import DistEnv
+    from rlbits.loops import reinforce
+    from rlbits.loops.metrics import StepMetrics
+    from rlbits.loops.run import read_metrics
 
+    joined = []
+    monkeypatch.setattr(reinforce, "collate", lambda bs, **kw: joined.append(bs) or rb.collate(bs, **kw))
+    prompts = ["ab", "cd", "gh", "ef"]  # the seeded stream draws "cd", "ef", then "ab", "gh"
     cfg = _loop_cfg(
-        reinforce.ReinforceConfig, toy_task, tmp_path / "r", loop="reinforce", dynamic_sampling=True
+        reinforce.ReinforceConfig, toy_task, tmp_path / "run", loop="reinforce", baseline="grpo",
+        dynamic_sampling=True, dynamic_sampling_max_gen_batches=6, env_options={"env": "spread"},
+        num_prompts_per_step=2, num_generations_per_prompt=4, max_episode_tokens=48,
+    )  # fmt: skip
+    state = reinforce.init_state(cfg, DistEnv(), prompts=prompts, val_prompts=["ij"])
+    state.metrics = StepMetrics()
+    batch = reinforce.rollout(state, state.stream.next_batch(cfg.num_prompts_per_step), cfg)
+    batch = reinforce.dynamic_sampling(state, reinforce.score(state, batch, cfg), cfg)
+    stats = state.metrics.reduce(DistEnv())
+    assert stats["gen_batches"] >= 2 and stats["kept_groups"] == 2
+    assert len(joined) == 1 and len({b["responses"].shape[1] for b in joined[0]}) == 2  # R differs: re-padded
+    rb.check(batch, required=("turn_index", "turn_rewards", "num_turns", "stop_reason"), check_values=True)
+    assert reinforce.informative_groups(batch["rewards"], 4).all()
+    assert {t[0] for t in batch.get("prompt_text").tolist()} == {"a", "e"}
+    assert batch["group"].tolist() == [0] * 4 + [1] * 4
+    for part, rows in zip(joined[0], batch.split([len(b) for b in joined[0]]), strict=True):
+        for key in ("turn_index", "turn_rewards", "action_mask", "responses", "logprobs"):
+            r = part[key].shape[1]
+            assert torch.equal(rows[key][:, :r], part[key]), key
+            pad = rb.SCHEMA[key].pad
+            assert (
+                rows[key][:, r:] == (state.tokenizer.pad_token_id if pad == rb.PAD_TOKEN else pad)
+            ).all(), key
+        torch.testing.assert_close(rows["turn_rewards"].sum(-1), rows["rewards"])
+
+    run_dir = reinforce.train(
+        dataclasses.replace(cfg, run_dir=str(tmp_path / "train")), prompts=prompts, val_prompts=["ij"]
     )
-    with pytest.raises(ConfigError, match="dynamic_sampling"):
-        reinforce.train(cfg, prompts=["ab"], val_prompts=["cd"])
-    cfg = _loop_cfg(ppo.PPOConfig, toy_task, tmp_path / "p", reward_subtract_reference=True)
-    with pytest.raises(ConfigError, match="reward_subtract_reference"):
-        ppo.train(cfg, prompts=["ab"], val_prompts=["cd"])
+    step = read_metrics(run_dir)[-1]
+    assert step["kept_groups"] >= 1 and step["gen_batches"] >= 1 and "num_turns" in step
+
+
+@pytest.mark.slow
+def test_reward_subtract_reference_on_a_multi_turn_task(toy_task, tmp_path):
+    """PPO's reward_subtract_reference on an env task: the reference plays its own episodes of the same
+    prompts, their env rewards are ``reference_rewards``, and the scaled reward subtracts them."""
+    from rlbits.distributed.env import DistEnv
+    from rlbits.loops import ppo
+    from rlbits.loops.metrics import StepMetrics
+    from rlbits.loops.run import read_metrics
+
+    prompts = ["ab", "cd", "ef", "gh"]
+    cfg = _loop_cfg(
+        ppo.PPOConfig, toy_task, tmp_path / "run", reward_subtract_reference=True, env_options={"env": "spread"},
+        ppo_epochs=1, num_minibatches=1,
+    )  # fmt: skip
+    state = ppo.init_state(cfg, DistEnv(), prompts=prompts, val_prompts=["ij"])
+    assert state.reference is not None
+    state.metrics = StepMetrics()
+    batch = ppo.score(state, ppo.rollout(state, state.stream.next_batch(2), cfg), cfg)
+    ref = batch["reference_rewards"]
+    assert ref.shape == batch["rewards"].shape == (4,) and ref.dtype == torch.float32
+    first = [t[0] for t in batch.get("prompt_text").tolist()]
+    for r, f in zip(ref.tolist(), first, strict=True):  # the reference's episodes, scored by SpreadEnv
+        assert r in ((0.0,) if f not in "ae" else (0.0, 1.0, 2.0, 3.0))
+    torch.testing.assert_close(ppo.scale_rewards(batch, cfg, DistEnv()), batch["rewards"] - ref)
+
+    run_dir = ppo.train(
+        dataclasses.replace(cfg, run_dir=str(tmp_path / "train")), prompts=prompts, val_prompts=["ij"]
+    )
+    assert {"reference_rewards", "rewards_scaled"} <= set(read_metrics(run_dir)[-1])

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from rlbits.batch import make_prompts
 from rlbits.models.packed import _packed_dtypes, packed_linears, packing_available
 from rlbits.models.tiny import tiny_causal_lm
 from rlbits.rollout.generate import generate
+from rlbits.text import make_prompts
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN")
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from rlbits.batch import chat_prompts, decode, tokenize_prompts
 from rlbits.models.tiny import CHARS, tiny_tokenizer
 from rlbits.tasks import get_task
+from rlbits.text import chat_prompts, decode, tokenize_prompts
 
 imdb, math_task = get_task("imdb"), get_task("math")
 needs_reviews = pytest.mark.skipif(

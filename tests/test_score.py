@@ -299,11 +299,11 @@ def test_batch_without_text_says_to_decode():
     td = TensorDict({"prompts": torch.zeros(2, 3, dtype=torch.long)}, batch_size=[2])
     with pytest.raises(
         ValueError,
-        match=r"no 'prompt_text' or 'response_text'; call rlbits\.batch\.decode\(batch, tokenizer\) first",
+        match=r"no 'prompt_text' or 'response_text'; call rlbits\.text\.decode\(batch, tokenizer\) first",
     ):
         score(td, length_reward)
     td["prompt_text"] = ["a", "b"]
-    with pytest.raises(ValueError, match=r"no 'response_text'; call rlbits\.batch\.decode"):
+    with pytest.raises(ValueError, match=r"no 'response_text'; call rlbits\.text\.decode"):
         score(td, length_reward)
 
 

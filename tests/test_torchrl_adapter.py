@@ -157,8 +157,8 @@ def test_text_history_matches_the_template_tokens_and_the_reference_masks(tok, t
     rng = random.Random(0)
     episodes = [random_episode(rng) for _ in range(12)]
     batch = history_to_batch(episodes, tok, chat_template=template, method=method)
-    rb.check(batch, required=(rb.PROMPTS, rb.RESPONSES, rb.ACTION_MASK, rb.RESPONSE_MASK), check_values=True)
-    assert rb.LOGPROBS not in batch.keys()  # none given: absent, not zeros pretending to be logprobs
+    rb.check(batch, required=("prompts", "responses", "action_mask", "response_mask"), check_values=True)
+    assert "logprobs" not in batch.keys()  # none given: absent, not zeros pretending to be logprobs
     for row, messages in enumerate(episodes):
         ids, prompt_len, flags = reference_row(tok, messages, template)
         prompt, response, action = real_rows(batch, row)
@@ -178,7 +178,7 @@ def test_torchrl_history_objects_give_the_same_batch_as_message_lists(tok):
     assert stacked.batch_dims == 2
     for histories in (stacked, [History.from_chats(e) for e in episodes]):
         batch = history_to_batch(histories, tok)
-        for key in (rb.INPUT_IDS, rb.ATTENTION_MASK, rb.ACTION_MASK, "turn_index"):
+        for key in ("input_ids", "attention_mask", "action_mask", "turn_index"):
             assert torch.equal(batch[key], from_dicts[key]), key
     one = history_to_batch(History.from_chats(episodes[0]), tok)  # a 1-D History is one episode
     assert torch.equal(

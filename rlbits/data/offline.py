@@ -33,13 +33,14 @@ from torchrl.data.replay_buffers import Sampler
 
 from rlbits._io import atomic_folder
 from rlbits._seeds import generator
-from rlbits.batch import build_batch, make_prompts, pad_right, trim_padding
+from rlbits.batch import build_batch, pad_right, trim_padding
 from rlbits.data.stream import PromptStream, checked_count
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.rollout.generate import generate_texts
 from rlbits.rollout.score import score
 from rlbits.tasks import get_task
+from rlbits.text import make_prompts
 
 DATASET_DIR = "offline_dataset"  # RUN_DIR/offline_dataset/: the memory-mapped TensorDict training reads
 DATASET_FILE = "offline_dataset.jsonl"  # RUN_DIR/offline_dataset.jsonl: the rows, human-readable

@@ -36,18 +36,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 import rlbits.batch as rb
+from rlbits.text import decode, make_prompts
 
 __all__ = ["episode_buffer", "episode_to_batch", "history_to_batch"]
 
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
-
-RETOKENIZED = "retokenized"
-"""[B] bool: some assistant message of the row was re-tokenised from its text (no ``sampled_ids`` given)."""
-NUM_TURNS = "num_turns"
-"""[B] int64: assistant messages in the response."""
-TURN_INDEX = "turn_index"
-"""[B, R] int64: the assistant turn (0, 1, ...) a response token belongs to; its observation tokens (tool /
-user messages after it) belong to the same turn; -1 on padding."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -111,8 +104,8 @@ def _episodes(histories: Any) -> list[list[dict]]:
 
 
 class _Renderer:
-    """``apply_chat_template`` then encode without special tokens (as ``rb.chat_prompts`` +
-    ``rb.tokenize_prompts`` do), with a fixed template and ``tools``."""
+    """``apply_chat_template`` then encode without special tokens (as ``rlbits.text.chat_prompts`` +
+    ``tokenize_prompts`` do), with a fixed template and ``tools``."""
 
     def __init__(self, tokenizer: Any, chat_template: str | None, tools: list[dict] | None):
         self.tokenizer, self.chat_template, self.tools = tokenizer, chat_template, tools
@@ -299,7 +292,7 @@ def history_to_batch(
         ``TensorDict`` [B] checked by ``rb.check``: ``prompts`` [B, P] int64 (left-padded), ``prompt_mask``,
         ``responses`` [B, R] int64 (right-padded with the pad token, else EOS), ``response_mask``,
         ``action_mask``, ``input_ids``, ``attention_mask``, optional ``logprobs`` [B, R] float32 (0 off
-        actions) and ``rewards`` [B] float32, ``prompt_text`` / ``response_text`` (``rb.decode``),
+        actions) and ``rewards`` [B] float32, ``prompt_text`` / ``response_text`` (``rlbits.text.decode``),
         ``retokenized`` [B] bool (some assistant message's ids came from re-tokenising its text, so they may
         differ from what the policy sampled), ``num_turns`` [B] int64 (assistant messages in the response)
         and ``turn_index`` [B, R] int64 (the assistant turn a token belongs to, its observation included; -1
@@ -355,26 +348,26 @@ def history_to_batch(
         logprob_rows.append(torch.tensor(lps, dtype=torch.float32))
         num_turns.append(len(spans))
 
-    prompt_td = rb.make_prompts(prompts, pad_token_id=pad)
+    prompt_td = make_prompts(prompts, pad_token_id=pad)
     real = rb.pad_right([torch.ones(len(t), dtype=torch.bool) for t in responses], False)
     columns: dict[str, Any] = {
-        RETOKENIZED: torch.tensor(retokenized, dtype=torch.bool),
-        NUM_TURNS: torch.tensor(num_turns, dtype=torch.int64),
-        TURN_INDEX: rb.pad_right(turn_ids, -1),
+        "retokenized": torch.tensor(retokenized, dtype=torch.bool),
+        "num_turns": torch.tensor(num_turns, dtype=torch.int64),
+        "turn_index": rb.pad_right(turn_ids, -1),
     }
     if assistant_logprobs is not None:
-        columns[rb.LOGPROBS] = rb.pad_right(logprob_rows, 0.0)
+        columns["logprobs"] = rb.pad_right(logprob_rows, 0.0)
     if rewards is not None:
-        columns[rb.REWARDS] = torch.as_tensor(rewards, dtype=torch.float32)
+        columns["rewards"] = torch.as_tensor(rewards, dtype=torch.float32)
     batch = rb.build_batch(
-        prompt_td.get(rb.PROMPTS),
-        prompt_td.get(rb.PROMPT_MASK),
+        prompt_td.get("prompts"),
+        prompt_td.get("prompt_mask"),
         rb.pad_right(responses, pad),
         rb.pad_right(actions, False),
         response_mask=real,
         **columns,
     )
-    return rb.decode(batch, tokenizer)
+    return decode(batch, tokenizer)
 
 
 def _response_row(
@@ -524,15 +517,6 @@ def episode_buffer(capacity: int, pad_token_id: int, **kwargs: Any):
     from torchrl.data import ListStorage, ReplayBuffer
 
     def collate(rows: list[TensorDictBase]) -> TensorDictBase:
-        rows = [row.unsqueeze(0) for row in rows]
-        width = max(row.get(rb.RESPONSES).shape[1] for row in rows)
-        # turn_index is not in rb.SCHEMA, so rb.collate would not pad it: pad with its own fill, -1.
-        for row in rows:
-            if TURN_INDEX in row.keys():
-                row.set(TURN_INDEX, rb.pad_right([row.get(TURN_INDEX)[0]], -1, length=width))
-        out = rb.trim_padding(rb.collate(rows, pad_token_id=pad_token_id))
-        if TURN_INDEX in out.keys():
-            out.set(TURN_INDEX, out.get(TURN_INDEX)[:, : out.get(rb.RESPONSES).shape[1]])
-        return out
+        return rb.trim_padding(rb.collate([row.unsqueeze(0) for row in rows], pad_token_id=pad_token_id))
 
     return ReplayBuffer(storage=ListStorage(capacity), collate_fn=collate, **kwargs)

@@ -266,11 +266,6 @@ def init_state(
     """
     task = get_task(cfg.task)
     make_env = getattr(task, "make_env", None)
-    if make_env is not None and cfg.reward_subtract_reference:
-        raise ConfigError(
-            f"reward_subtract_reference is not supported for the multi-turn task {cfg.task!r} (its rewards come "
-            "from its envs, not from a reward function of a reference response)"
-        )
     init_path = initial_policy_path(cfg)
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None
@@ -330,9 +325,9 @@ def rollout(state: State, batch: TensorDictBase, cfg: PPOConfig, *, policy: torc
 
 def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
     """Phase 2: ``rewards`` [B] from ``state.reward`` (an episode batch keeps its envs' rewards); with
-    ``reward_subtract_reference`` also
-    ``reference_rewards`` [B], the reward of a response the reference policy samples for the same prompt
-    (a second generation and scoring)."""
+    ``reward_subtract_reference`` also ``reference_rewards`` [B], the reward of a response the reference
+    policy samples for the same prompt (a second rollout and scoring: on a multi-turn task an episode of the
+    reference in a fresh env, rewarded by the env)."""
     phases.score_rollout(batch, state.reward)
     if cfg.reward_subtract_reference:
         prompts = phases.prompt_batch(list(batch["prompt_text"])[:: cfg.num_generations_per_prompt])

@@ -233,11 +233,6 @@ def init_state(
     A resumed run then restores the checkpoint into it (``Run.start``)."""
     task = get_task(cfg.task)
     make_env = getattr(task, "make_env", None)
-    if make_env is not None and cfg.dynamic_sampling:
-        raise ConfigError(
-            f"dynamic_sampling is not supported for the multi-turn task {cfg.task!r} yet (collate does not re-pad "
-            "the episode keys turn_rewards/turn_index of batches with different response lengths)"
-        )
     init_path = initial_policy_path(cfg)
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None

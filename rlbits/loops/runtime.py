@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from rlbits._seeds import derive_seed, generator  # defined below the loops: rlbits.data uses them too
-from rlbits.batch import chat_prompts
 from rlbits.distributed.env import DistEnv, init, main_rank_first
 from rlbits.distributed.parallelize import is_sharded, shard
 from rlbits.loops.config import RunConfig
 from rlbits.models.load import load_pretrained
 from rlbits.models.lora import apply_lora
+from rlbits.text import chat_prompts
 
 
 def seed_everything(seed: int) -> None:
@@ -163,7 +163,7 @@ def uses_chat(cfg: RunConfig) -> bool:
 def loop_prompts(cfg: RunConfig, tokenizer: Any, prompts: Sequence[str] | None, split: str) -> list[str]:
     """The prompts a loop feeds its stream or its validation: ``prompts``, or the task's ``split`` when
     None, each formatted as one user turn with the tokenizer's chat template when ``uses_chat(cfg)``
-    (``rlbits.batch.chat_prompts``). The reward then sees the decoded formatted prompt.
+    (``rlbits.text.chat_prompts``). The reward then sees the decoded formatted prompt.
 
     Raises:
         ValueError: chat formatting is on and the tokenizer has no chat template.

@@ -43,10 +43,11 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlbits.batch import build_batch, decode, group_ids, tokenize_prompts
+from rlbits.batch import build_batch, group_ids
 from rlbits.functional import entropy_from_logits
 from rlbits.models.forward import accepts_logits_to_keep, position_ids_from_mask, split_head
 from rlbits.models.packed import packed_linears
+from rlbits.text import decode, tokenize_prompts
 
 # Steps between host-side "all rows finished?" checks. On an accelerator each check stalls the launch
 # queue, so it runs every few steps (the extra steps it may decode are trimmed from the output); on CPU

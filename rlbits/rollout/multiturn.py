@@ -25,9 +25,10 @@ from typing import Any, Literal
 import torch
 from tensordict import TensorDict
 
-from rlbits.batch import build_batch, decode, group_ids, make_prompts, pad_left, pad_right
+from rlbits.batch import build_batch, group_ids, pad_left, pad_right
 from rlbits.envs.base import Env, Observation, StepResult
 from rlbits.rollout.generate import LogitsProcessor, _max_positions, generate
+from rlbits.text import decode, make_prompts
 
 STOP_REASONS = ("done", "eos", "max_turns", "context", "env_timeout", "env_error")
 """Why an episode ended (``stop_reason``): the env said done; the policy sampled EOS (``stop.stop_on_eos``);

@@ -10,7 +10,7 @@
   is read from the environment variable ``RLBITS_REWARD_TOKEN``), or a ``RewardClient``.
 
 The texts come from the batch's non-tensor keys ``prompt_text`` and ``response_text`` (filled by
-``rlbits.batch.decode(batch, tokenizer)``). ``score_texts(prompts, responses, reward)`` does the same on
+``rlbits.text.decode(batch, tokenizer)``). ``score_texts(prompts, responses, reward)`` does the same on
 plain lists.
 
 Columns: every other top-level non-tensor key of the batch (say ``answer``, a ground truth per sample) is a
@@ -510,7 +510,7 @@ def score(
 
     Args:
         batch: TensorDict with batch_size [B] and the non-tensor keys ``prompt_text`` and ``response_text``
-            (B strings each; ``rlbits.batch.decode`` writes them).
+            (B strings each; ``rlbits.text.decode`` writes them).
         reward: a callable ``(prompts, responses, **columns) -> list[float] | Tensor``, a ``RewardModel``,
             the path of a local reward-model folder, an ``http(s)://`` reward server URL or a ``RewardClient``.
         columns: per-sample values passed to the reward by keyword, ``{name: [B values]}``; they add to (and
@@ -521,7 +521,7 @@ def score(
         rewards: [B] float32, on ``batch.device`` (CPU when the batch has no device).
 
     Raises:
-        ValueError: the batch lacks ``prompt_text``/``response_text`` (call ``rlbits.batch.decode`` first), is
+        ValueError: the batch lacks ``prompt_text``/``response_text`` (call ``rlbits.text.decode`` first), is
             not 1-D, or its texts or columns do not have B entries.
         TypeError: ``batch`` is not a TensorDict, or ``reward`` is of no supported kind.
         InvalidRewardError: wrong length, a non-number or a non-finite reward (names the sample).
@@ -532,7 +532,7 @@ def score(
     missing = [key for key in TEXT_KEYS if key not in batch.keys()]
     if missing:
         raise ValueError(
-            f"batch has no {' or '.join(map(repr, missing))}; call rlbits.batch.decode(batch, tokenizer) first "
+            f"batch has no {' or '.join(map(repr, missing))}; call rlbits.text.decode(batch, tokenizer) first "
             "to decode the prompt and response token ids into text"
         )
     if batch.batch_dims != 1:

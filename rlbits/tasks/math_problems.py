@@ -11,7 +11,7 @@
   change its difficulty (SmolLM2-135M: 17% greedy on de-duplicated draws, about 30% on the draws as they come).
 - **Prompt format.** ``prompts(split)`` returns the question text exactly as reasoning-gym writes it. The
   task is meant for an instruct model: ``CHAT = True``, so the loops send each question as the one user turn
-  of the tokenizer's chat template with the generation prompt appended (``rlbits.batch.chat_prompts``; the
+  of the tokenizer's chat template with the generation prompt appended (``rlbits.text.chat_prompts``; the
   ``chat_template`` config key overrides it). With SmolLM2's template that is its default system turn
   ("You are a helpful AI assistant named SmolLM, trained by Hugging Face"), the user turn with the question
   and ``<|im_start|>assistant\\n``. No instruction is added: SmolLM2-135M-Instruct already answers "The

@@ -705,7 +705,7 @@ def evaluate(
             ``REAL_TASK_MAX_NEW_TOKENS``, 24, the loops' default).
 
     A task with ``CHAT = True`` (``math``) gets its prompts formatted with the tokenizer's chat template
-    (``rlbits.batch.chat_prompts``), as the loops do; its reward receives the prompts as the task gives them.
+    (``rlbits.text.chat_prompts``), as the loops do; its reward receives the prompts as the task gives them.
 
     Returns:
         ``{"mean": mean reward, "std": population std, "accuracy": fraction of rewards equal to 1.0,
@@ -732,7 +732,7 @@ def evaluate(
         max_new_tokens = max_new_tokens or REAL_TASK_MAX_NEW_TOKENS
     else:
         max_new_tokens = max_new_tokens or _recipe(task)["max_new_tokens"]
-    from rlbits.batch import chat_prompts  # here: ``import rlbits`` imports this module and stays light
+    from rlbits.text import chat_prompts  # here: ``import rlbits`` imports this module and stays light
 
     texts = chat_prompts(tokenizer, prompts) if getattr(module, "CHAT", False) else prompts
     responses = hf_responses(
