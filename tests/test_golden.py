@@ -232,7 +232,8 @@ def policy_dir(tmp_path_factory) -> str:
 def backbone_dir(tmp_path_factory) -> str:
     """The reward model's backbone: a random tiny GPT-2 (seed 0) with dropout 0.1, and the tokenizer."""
     path = tmp_path_factory.mktemp("golden") / "backbone"
-    tiny_causal_lm("gpt2", VOCAB, seed=0, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1).save_pretrained(path)
+    dropout = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    tiny_causal_lm("gpt2", VOCAB, seed=0, **dropout).save_pretrained(path)
     tiny_tokenizer(VOCAB).save_pretrained(path)
     return str(path)
 
@@ -254,7 +255,8 @@ def test_first_three_steps_match_the_pinned_metrics(loop, policy_dir, backbone_d
         run_dir = rlbits.train(config={**config, **data, **run})
     else:
         config = {**COMMON, **LOOPS[loop]}
-        run_dir = rlbits.train(reward_fn=reward, prompts=PROMPTS, config={**config, "policy": policy_dir, **run})
+        inputs = {"reward_fn": reward, "prompts": PROMPTS}
+        run_dir = rlbits.train(**inputs, config={**config, "policy": policy_dir, **run})
     rows = [
         comparable(json.loads(line)) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     ]
