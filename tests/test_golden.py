@@ -21,8 +21,9 @@ The setups (``LOOPS`` and ``REWARD_MODEL`` below; each runs in about a second):
   held-out tenth.
 
 The three online loops share ``COMMON``; the reward model takes its dataset file and backbone folder at call
-time (their paths are not part of the pinned config). All run on CPU in float32 with one intra-op thread (``cpu_threads=1`` in the config and
-``torch.set_num_threads(1)`` here), so a plain run and an xdist worker compute the same numbers.
+time (their paths are not part of the pinned config). All run on CPU in float32 with one intra-op thread
+(``cpu_threads=1`` in the config and ``torch.set_num_threads(1)`` here), so a plain run and an xdist worker
+compute the same numbers.
 
 Tolerance: ``|got - pinned| <= ATOL + RTOL * |pinned|`` with ``RTOL = 1e-4``, ``ATOL = 1e-6``. Measured on the
 2-core dev machine (torch 2.13 CPU): two runs, in one process or in two, plain or under xdist, agree

@@ -290,9 +290,10 @@ def objective(state: State, micro: TensorDictBase, cfg: ILQLConfig, den: Denomin
     at = slice(mb["prompts"].shape[1] - 1, mb["prompts"].shape[1] - 1 + mb["responses"].shape[1])
     actions, mask, n = mb["responses"], mb["action_mask"], den.num_tokens
     logits, v = out["logits"][:, at].float(), out["v"][:, at].float()
+    idx = actions.unsqueeze(-1)
     qs = [out[k][:, at].float() for k in ("q1", "q2") if k in out]
-    q_taken = [q.gather(-1, actions.unsqueeze(-1)).squeeze(-1) for q in qs]
-    target_qs = [out[k][:, at].float().gather(-1, actions.unsqueeze(-1)).squeeze(-1) for k in ("target_q1", "target_q2") if k in out]
+    q_taken = [q.gather(-1, idx).squeeze(-1) for q in qs]
+    target_qs = [out[k][:, at].float().gather(-1, idx).squeeze(-1) for k in ("target_q1", "target_q2") if k in out]
     target_q = torch.stack(target_qs).amin(0)
     targets = ilql_targets(token_rewards(mb["rewards"], mask), v.detach(), mask, cfg.gamma)
     loss_q = sum(q_loss(q, targets, mask, n)[0] for q in q_taken)
@@ -309,7 +310,8 @@ def objective(state: State, micro: TensorDictBase, cfg: ILQLConfig, den: Denomin
     terms = {"loss": loss, "loss_q": loss_q, "loss_v": loss_v, "loss_cql": loss_cql, "loss_awac": loss_awac}
     means = {"q_mean": sum(q_taken) / len(q_taken), "target_q_mean": target_q, "v_mean": v, "td_target_mean": targets,
              "advantage_mean": target_q - v}  # fmt: skip
-    return loss, {**{k: x.detach() for k, x in terms.items()}, **{k: masked_sum(x.detach(), mask) / n for k, x in means.items()}}
+    stats = {k: x.detach() for k, x in terms.items()}
+    return loss, stats | {k: masked_sum(x.detach(), mask) / n for k, x in means.items()}
 
 
 def update(state: State, batch: TensorDictBase, cfg: ILQLConfig) -> TensorDictBase:

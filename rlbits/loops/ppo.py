@@ -439,12 +439,15 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
         )  # fmt: skip
         entropy = aggregate_loss(token_entropy, mask, **agg) if cfg.entropy_coef > 0 else 0.0
         if not cfg.kl_in_reward and state.kl_coef > 0 and "ref_logprobs" in micro.keys():
-            kl = aggregate_loss(kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp), mask, **agg)
+            token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
+            kl = aggregate_loss(token_kl, mask, **agg)
             stats["kl_loss"] = kl.detach()
         stats |= {"actor_loss": pg_loss.detach(), "entropy": masked_mean(token_entropy.detach(), mask) * share}
         stats |= {name: ratio[name] * share for name in ("clipfrac", "approx_kl", "ratio_mean")}
     values = critic_values(state.value_model, micro).float()
-    v_loss, vstats = kernel(value_loss, cfg)(values, micro["values"], micro["returns"], mask, clip_eps=cfg.value_clip_eps, **agg)
+    v_loss, vstats = kernel(value_loss, cfg)(
+        values, micro["values"], micro["returns"], mask, clip_eps=cfg.value_clip_eps, **agg
+    )
     loss = (
         pg_loss  # clipped surrogate: -min(r A, clip(r, 1 - eps, 1 + eps_high) A)
         - cfg.entropy_coef * entropy  # entropy bonus

@@ -424,19 +424,20 @@ def objective(
         pg_loss, ratio = kernel(ppo_loss, cfg)(
             logprobs, micro["logprobs"], micro["advantages"], mask, cfg.clip_eps, cfg.clip_eps_high, **agg
         )  # fmt: skip
-    else:
+    else:  # the ratio is 1: clipfrac 0; approx_kl as ppo_loss's, the k3 estimate of KL(pi_old || pi)
         pg_loss, _ = kernel(reinforce_loss, cfg)(logprobs, micro["advantages"], mask, **agg)
         approx_kl = masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)
         ratio = {"clipfrac": torch.zeros(()), "approx_kl": approx_kl}
     kl = torch.zeros(())
     if cfg.kl_loss_coef > 0:
-        kl = aggregate_loss(kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp), mask, **agg)
+        token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
+        kl = aggregate_loss(token_kl, mask, **agg)
     loss = (
         pg_loss  # policy gradient: -A log pi, or -min(r A, clip(r) A) when clipped
         + cfg.kl_loss_coef * kl  # KL to the reference policy
     )
     w = mask.sum()
-    means = {"clipfrac": ratio["clipfrac"], "approx_kl": ratio["approx_kl"], "entropy": masked_mean(entropy.detach(), mask)}
+    means = {"clipfrac": ratio["clipfrac"], "approx_kl": ratio["approx_kl"], "entropy": masked_mean(entropy, mask)}
     return loss, {"actor_loss": pg_loss.detach(), "kl_loss": kl.detach(), **{k: (v * w, w) for k, v in means.items()}}
 
 

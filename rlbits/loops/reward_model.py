@@ -425,7 +425,9 @@ def data(state: State, batch: Any, cfg: RewardModelConfig) -> TensorDict:
     cut = random.Random(derive_seed(cfg.seed, state.env.rank, f"truncate/{state.step}"))
     rows = [
         dataclasses.replace(r, text=truncate_words(r.text, cut, cfg)) if isinstance(r, Labelled)
-        else dataclasses.replace(r, chosen=truncate_words(r.chosen, cut, cfg), rejected=truncate_words(r.rejected, cut, cfg))
+        else dataclasses.replace(
+            r, chosen=truncate_words(r.chosen, cut, cfg), rejected=truncate_words(r.rejected, cut, cfg)
+        )
         for r in state.stream.next(cfg.batch_size)
     ]  # fmt: skip
     texts = encode(state, row_texts(rows), cfg)
@@ -448,7 +450,8 @@ def objective(state: State, micro: TensorDict, cfg: RewardModelConfig, den: Deno
     rewards = state.model(input_ids=ids[:, :width], attention_mask=mask[:, :width]).logits[:, 0].float()
     row_loss, correct = loss_of(rewards, micro, cfg)
     loss = row_loss * n / den.num_rows  # the microbatch's share of the batch's mean loss
-    return loss, {"loss": (row_loss.detach() * n, n), "accuracy": (correct.float().sum(), n), "rewards": rewards.detach()}
+    stats = {"loss": (row_loss.detach() * n, n), "accuracy": (correct.float().sum(), n)}  # row means
+    return loss, {**stats, "rewards": rewards.detach()}  # the scores, per text: returned by ``optimize``
 
 
 def update(state: State, batch: TensorDict, cfg: RewardModelConfig) -> TensorDict:
@@ -467,7 +470,8 @@ def update(state: State, batch: TensorDict, cfg: RewardModelConfig) -> TensorDic
     state.model.train()
     with torch.random.fork_rng(devices=[state.env.device] if state.env.device.type == "cuda" else []):
         torch.manual_seed(derive_seed(cfg.seed, state.env.rank, f"dropout/{state.step}"))
-        rewards = optimize(state, batch, cfg, objective, trained=[Trained(state.model, state.optimizer)], mask=None)["rewards"]
+        trained = [Trained(state.model, state.optimizer)]
+        rewards = optimize(state, batch, cfg, objective, trained=trained, mask=None)["rewards"]
     state.metrics.same("reward_mean", rewards.mean())
     state.metrics.same("reward_std", rewards.std() if rewards.numel() > 1 else torch.zeros(()))
     state.metrics.same("lr", lr)
