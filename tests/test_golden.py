@@ -80,26 +80,24 @@ def reward(prompts, responses, **_):
     return [(sum(map(ord, r)) % 7) / 6 for r in responses]
 
 
-# Shared by the three online setups: 3 steps on CPU, one thread, no wall-clock-dependent behaviour, validation
-# after the last step only, nothing written but metrics, the final checkpoint and final/.
-COMMON = dict(
+# Shared by the four setups: 3 steps on CPU, one thread, no wall-clock-dependent behaviour, validation after
+# the last step only, nothing written but metrics, the final checkpoint and final/.
+BASE = dict(
     seed=0,
     device="cpu",
     cpu_threads=1,
     precision="fp32",
     max_num_steps=3,
-    max_new_tokens=6,
-    temperature=1.0,
     learning_rate=1e-3,
     val_at_start=False,
     val_at_end=True,
     val_period=0,
     max_val_samples=4,
     save_period=0,
-    log_samples=0,
     progress=False,
     tensorboard=False,
 )
+COMMON = dict(BASE, max_new_tokens=6, temperature=1.0, log_samples=0)  # the three online loops
 LOOPS = {
     "ppo": dict(
         loop="ppo",
@@ -137,28 +135,16 @@ LOOPS = {
     ),
 }
 REWARD_MODEL = dict(
+    BASE,
     loop="reward_model",
-    seed=0,
-    device="cpu",
-    cpu_threads=1,
-    precision="fp32",
-    max_num_steps=3,
     batch_size=8,
     microbatch_size=3,
     max_length=24,
-    learning_rate=1e-3,
     warmup_ratio=0.5,
     center_coef=0.01,
     truncate_prob=0.5,
     truncate_min_words=2,
     truncate_max_words=4,
-    val_at_start=False,
-    val_at_end=True,
-    val_period=0,
-    max_val_samples=4,
-    save_period=0,
-    progress=False,
-    tensorboard=False,
 )
 WORDS = {
     True: ["great", "fun", "superb", "lovely"],
