@@ -366,17 +366,8 @@ def init_state(
 # --- phases ------------------------------------------------------------------------------------------------
 
 
-def encode(state: State, texts: Sequence[str], cfg: RewardModelConfig) -> TensorDict:
-    """``input_ids`` and ``attention_mask`` [N, T] (right-padded) of ``texts``, as ``RewardModel`` reads them."""
-    ids = encode_texts(state.tokenizer, texts, cfg.max_length)
-    rows = [torch.tensor(row, dtype=torch.long) for row in ids]
-    return TensorDict(
-        {
-            "input_ids": pad_right(rows, state.tokenizer.pad_token_id),
-            "attention_mask": pad_right([torch.ones(len(r), dtype=torch.long) for r in rows], 0),
-        },
-        batch_size=[len(rows)],
-    ).to(state.env.device)
+TEXTS = {Labelled: ("text",), Pair: ("chosen", "rejected")}
+"""The text fields of each kind of row, in ``row_texts`` order."""
 
 
 def row_texts(rows: Sequence[Any]) -> list[str]:
@@ -424,17 +415,14 @@ def data(state: State, batch: Any, cfg: RewardModelConfig) -> TensorDict:
     ``(seed, rank, step)``, so a resumed run cuts them alike. ``batch`` is not read."""
     cut = random.Random(derive_seed(cfg.seed, state.env.rank, f"truncate/{state.step}"))
     rows = [
-        dataclasses.replace(r, text=truncate_words(r.text, cut, cfg)) if isinstance(r, Labelled)
-        else dataclasses.replace(
-            r, chosen=truncate_words(r.chosen, cut, cfg), rejected=truncate_words(r.rejected, cut, cfg)
-        )
+        dataclasses.replace(r, **{k: truncate_words(getattr(r, k), cut, cfg) for k in TEXTS[type(r)]})
         for r in state.stream.next(cfg.batch_size)
-    ]  # fmt: skip
-    texts = encode(state, row_texts(rows), cfg)
-    n, width = len(rows), texts["input_ids"].shape[-1]
+    ]
+    ids = [torch.tensor(x, dtype=torch.long) for x in encode_texts(state.tokenizer, row_texts(rows), cfg.max_length)]
     out = targets(rows, state.env.device)
-    for key in ("input_ids", "attention_mask"):  # [k n, T] -> [n, k, T]
-        out[key] = texts[key].view(-1, n, width).transpose(0, 1)
+    mask = pad_right([torch.ones(len(x), dtype=torch.long) for x in ids], 0)
+    for key, x in (("input_ids", pad_right(ids, state.tokenizer.pad_token_id)), ("attention_mask", mask)):
+        out[key] = x.view(-1, len(rows), x.shape[-1]).transpose(0, 1).to(state.env.device)  # [k n, T] -> [n, k, T]
     out["action_mask"] = out["attention_mask"].bool()
     return out
 
@@ -588,9 +576,9 @@ __all__ = [
     "Pair",
     "RewardModelConfig",
     "State",
+    "TEXTS",
     "data",
     "default_model_path",
-    "encode",
     "evaluate",
     "evaluate_run",
     "init_state",
