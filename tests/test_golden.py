@@ -8,16 +8,22 @@ KL, advantages, grad norms, entropy, clip fractions, counters, validation) with 
 ``tests/golden/<loop>.json``. Only wall-clock values are left out: ``time_s``, ``tokens_per_s`` and
 ``time/*``.
 
-The setups (``LOOPS`` below; each runs in about a second):
+The setups (``LOOPS`` and ``REWARD_MODEL`` below; each runs in about a second):
 
 - ``ppo``: critic, GAE, KL in the reward with the adaptive controller, value clipping, 2 epochs x 2
   minibatches, validation after step 3;
 - ``reinforce``: GRPO, groups of 4, k3 KL in the loss, clipped with 2 iterations x 2 minibatches, validation;
 - ``ilql``: an offline set of 16 sampled and scored responses, Q/V/CQL/AWAC losses with microbatch
-  accumulation, a target-head sync at step 2, an epoch boundary at step 3, steered validation.
+  accumulation, a target-head sync at step 2, an epoch boundary at step 3, steered validation;
+- ``reward_model``: a tiny GPT-2 with dropout 0.1 and a new score head on 40 preference pairs written by the
+  test (some with a margin), Bradley-Terry with reward centering, uneven microbatches (3 + 3 + 2 rows),
+  texts cut by ``truncate_prob`` and by ``max_length``, the warm-up/decay learning rate, validation on the
+  held-out tenth.
 
-All run on CPU in float32 with one intra-op thread (``cpu_threads=1`` in the config and
-``torch.set_num_threads(1)`` here), so a plain run and an xdist worker compute the same numbers.
+The three online loops share ``COMMON``; the reward model takes its dataset file and backbone folder at call
+time (their paths are not part of the pinned config). All run on CPU in float32 with one intra-op thread
+(``cpu_threads=1`` in the config and ``torch.set_num_threads(1)`` here), so a plain run and an xdist worker
+compute the same numbers.
 
 Tolerance: ``|got - pinned| <= ATOL + RTOL * |pinned|`` with ``RTOL = 1e-4``, ``ATOL = 1e-6``. Measured on the
 2-core dev machine (torch 2.13 CPU): two runs, in one process or in two, plain or under xdist, agree
@@ -46,6 +52,7 @@ import json
 import math
 import os
 import platform
+import random
 from pathlib import Path
 
 import pytest
@@ -73,26 +80,24 @@ def reward(prompts, responses, **_):
     return [(sum(map(ord, r)) % 7) / 6 for r in responses]
 
 
-# Shared by the three setups: 3 steps on CPU, one thread, no wall-clock-dependent behaviour, validation
-# after the last step only, nothing written but metrics, the final checkpoint and final/.
-COMMON = dict(
+# Shared by the four setups: 3 steps on CPU, one thread, no wall-clock-dependent behaviour, validation after
+# the last step only, nothing written but metrics, the final checkpoint and final/.
+BASE = dict(
     seed=0,
     device="cpu",
     cpu_threads=1,
     precision="fp32",
     max_num_steps=3,
-    max_new_tokens=6,
-    temperature=1.0,
     learning_rate=1e-3,
     val_at_start=False,
     val_at_end=True,
     val_period=0,
     max_val_samples=4,
     save_period=0,
-    log_samples=0,
     progress=False,
     tensorboard=False,
 )
+COMMON = dict(BASE, max_new_tokens=6, temperature=1.0, log_samples=0)  # the three online loops
 LOOPS = {
     "ppo": dict(
         loop="ppo",
@@ -129,6 +134,43 @@ LOOPS = {
         steps_for_target_q_sync=2,
     ),
 }
+REWARD_MODEL = dict(
+    BASE,
+    loop="reward_model",
+    batch_size=8,
+    microbatch_size=3,
+    max_length=24,
+    warmup_ratio=0.5,
+    center_coef=0.01,
+    truncate_prob=0.5,
+    truncate_min_words=2,
+    truncate_max_words=4,
+)
+WORDS = {
+    True: ["great", "fun", "superb", "lovely"],
+    False: ["awful", "dull", "boring", "weak"],
+    None: ["the", "film", "was", "a", "story", "and", "plot", "cast"],
+}
+
+
+def write_pairs(path: Path, n: int = 40) -> Path:
+    """``n`` preference pairs (a sentence with a good word over one with a bad word), a margin on every
+    third row."""
+    gen = random.Random(0)
+
+    def sentence(good: bool) -> str:
+        words = [gen.choice(WORDS[None]) for _ in range(gen.randint(3, 7))]
+        words.insert(gen.randint(0, len(words)), gen.choice(WORDS[good]))
+        return " ".join(words)
+
+    rows = []
+    for i in range(n):
+        row = {"prompt": "review: ", "chosen": sentence(True), "rejected": sentence(False)}
+        if i % 3 == 0:
+            row["margin"] = gen.choice([0.5, 1.0])
+        rows.append(row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def comparable(row: dict) -> dict:
@@ -173,6 +215,16 @@ def policy_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def backbone_dir(tmp_path_factory) -> str:
+    """The reward model's backbone: a random tiny GPT-2 (seed 0) with dropout 0.1, and the tokenizer."""
+    path = tmp_path_factory.mktemp("golden") / "backbone"
+    dropout = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    tiny_causal_lm("gpt2", VOCAB, seed=0, **dropout).save_pretrained(path)
+    tiny_tokenizer(VOCAB).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture
 def one_thread():
     before = torch.get_num_threads()
@@ -181,14 +233,17 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("loop", sorted(LOOPS))
-def test_first_three_steps_match_the_pinned_metrics(loop, policy_dir, tmp_path, one_thread):
-    config = {**COMMON, **LOOPS[loop]}
-    run_dir = rlbits.train(
-        reward_fn=reward,
-        prompts=PROMPTS,
-        config={**config, "policy": policy_dir, "run_dir": str(tmp_path / "run")},
-    )
+@pytest.mark.parametrize("loop", sorted([*LOOPS, "reward_model"]))
+def test_first_three_steps_match_the_pinned_metrics(loop, policy_dir, backbone_dir, tmp_path, one_thread):
+    run = {"run_dir": str(tmp_path / "run")}
+    if loop == "reward_model":
+        config = REWARD_MODEL
+        data = {"model": backbone_dir, "dataset": str(write_pairs(tmp_path / "pairs.jsonl"))}
+        run_dir = rlbits.train(config={**config, **data, **run})
+    else:
+        config = {**COMMON, **LOOPS[loop]}
+        inputs = {"reward_fn": reward, "prompts": PROMPTS}
+        run_dir = rlbits.train(**inputs, config={**config, "policy": policy_dir, **run})
     rows = [
         comparable(json.loads(line)) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     ]

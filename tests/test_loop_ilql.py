@@ -20,6 +20,7 @@ from rlbits.functional import ilql_logits
 from rlbits.loops import ilql
 from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops.run import read_metrics
+from rlbits.loops.update import Denominators
 from rlbits.models.forward import position_ids_from_mask
 from rlbits.models.heads import ILQLModel
 from rlbits.models.load import load_pretrained, save_pretrained
@@ -472,8 +473,9 @@ def test_awac_beta_weights_the_behaviour_cloning_term_as_trlx():
             p.add_(0.3 * torch.randn_like(p))
     out = model(data["input_ids"], data["attention_mask"], position_ids_from_mask(data["attention_mask"]))
     n = data["action_mask"].sum()
-    plain = ilql.ilql_loss(out, data, ilql.ILQLConfig(), n)[1]["loss_awac"]
-    weighted = ilql.ilql_loss(out, data, ilql.ILQLConfig(awac_beta=2.0), n)[1]["loss_awac"]
+    state, den = SimpleNamespace(model=model), Denominators(num_tokens=n, num_seqs=n, num_rows=n)
+    plain = ilql.objective(state, data, ilql.ILQLConfig(), den)[1]["loss_awac"]
+    weighted = ilql.objective(state, data, ilql.ILQLConfig(awac_beta=2.0), den)[1]["loss_awac"]
     P, R = data["prompts"].shape[1], data["responses"].shape[1]
     at = slice(P - 1, P - 1 + R)
     idx = data["responses"].unsqueeze(-1)

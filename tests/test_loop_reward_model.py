@@ -164,14 +164,14 @@ def test_learning_rate_warms_up_then_decays():
 def test_loss_of_labels_and_pairs():
     cfg = RewardModelConfig(center_coef=0.1)
     r = torch.tensor([2.0, -1.0, 0.5])
-    loss, correct = rm.loss_of([Labelled("a", 1.0), Labelled("b", 0.0), Labelled("c", 0.0)], r, cfg)
+    loss, correct = rm.loss_of(r, rm.targets([Labelled("a", 1.0), Labelled("b", 0.0), Labelled("c", 0.0)]), cfg)
     assert correct.tolist() == [True, True, False]
     torch.testing.assert_close(
         loss, torch.nn.functional.binary_cross_entropy_with_logits(r, torch.tensor([1.0, 0, 0]))
     )
     pairs = [Pair("", "a", "b", 1.0), Pair("", "c", "d")]  # a missing margin is 0
     rewards = torch.tensor([1.0, 0.0, 3.0, 0.5])  # chosen 1, 0; rejected 3, 0.5
-    loss, correct = rm.loss_of(pairs, rewards, cfg)
+    loss, correct = rm.loss_of(rewards, rm.targets(pairs), cfg)
     assert correct.tolist() == [False, False]
     want = (
         -torch.nn.functional.logsigmoid(torch.tensor([1.0 - 3 - 1, 0 - 0.5])).mean()

@@ -4,7 +4,7 @@ Kept so that existing notebooks keep importing: every name here now lives in one
 
 - ``rlbits.loops.runtime``: ``setup``, ``seed_everything``, ``derive_seed``, ``prepare``, ``autocast``,
   ``kernel``, ``disable_dropout``, ``policy_path``, ``load_policy_and_tokenizer``;
-- ``rlbits.loops.optim``: ``make_optimizer``, ``clip_and_step``, ``pad_microbatches``;
+- ``rlbits.loops.optim``: ``make_optimizer``; ``rlbits.loops.update``: ``pad_microbatches``;
 - ``rlbits.loops.phases``: ``rollout``, ``score_rollout``, ``reference_logprobs``, ``validate``;
 - ``rlbits.loops.run``: ``PhaseTimer``, ``in_phase``, ``agreed``, ``SKIPPABLE``, ``sample_rows``.
 """
@@ -21,7 +21,7 @@ from tensordict import TensorDictBase
 from rlbits.distributed.env import DistEnv
 from rlbits.loops import phases
 from rlbits.loops.config import RunConfig
-from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
+from rlbits.loops.optim import make_optimizer
 from rlbits.loops.phases import reference_logprobs, rollout, score_rollout
 from rlbits.loops.run import SKIPPABLE, PhaseTimer, agreed, in_phase, sample_rows
 from rlbits.loops.runtime import (
@@ -34,6 +34,7 @@ from rlbits.loops.runtime import (
     seed_everything,
     setup,
 )
+from rlbits.loops.update import pad_microbatches
 
 
 def validate(
@@ -78,7 +79,7 @@ def skipped_step(error: BaseException, step: int) -> dict[str, float]:
 
 
 __all__ = [
-    "SKIPPABLE", "PhaseTimer", "agreed", "autocast", "clip_and_step", "disable_dropout", "in_phase", "kernel",
+    "SKIPPABLE", "PhaseTimer", "agreed", "autocast", "disable_dropout", "in_phase", "kernel",
     "kl_per_sequence", "load_policy_and_tokenizer", "make_optimizer", "pad_microbatches", "policy_path", "prepare",
     "reference_logprobs", "response_stats", "rollout", "sample_rows", "score_rollout", "seed_everything", "setup",
     "skipped_step", "validate",

@@ -91,17 +91,23 @@ from rlbits.data.offline import (
     tensorize_dataset,
 )
 from rlbits.distributed.env import DistEnv
-from rlbits.distributed.reduce import any_rank, global_count
-from rlbits.functional import awac_loss, cql_loss, expectile_loss, ilql_targets, q_loss, token_rewards
+from rlbits.functional import (
+    awac_loss,
+    cql_loss,
+    expectile_loss,
+    ilql_targets,
+    masked_sum,
+    q_loss,
+    token_rewards,
+)
 from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, MIN_TEMPERATURE, ConfigError, RunConfig, check_ranges, field_docs
 from rlbits.loops.evaluate import evaluate_betas, steered_validate
 from rlbits.loops.evaluate import evaluate_ilql_run as evaluate_run
 from rlbits.loops.evaluate import load_ilql_final as load_final
-from rlbits.loops.optim import clip_and_step, make_optimizer
-from rlbits.loops.run import NonFiniteError, Run
+from rlbits.loops.optim import make_optimizer
+from rlbits.loops.run import Run
 from rlbits.loops.runtime import (
-    autocast,
     disable_dropout,
     initial_policy_path,
     load_policy_and_tokenizer,
@@ -111,6 +117,7 @@ from rlbits.loops.runtime import (
     with_lora,
 )
 from rlbits.loops.state import LoopState, optimizer_of, runtime
+from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import position_ids_from_mask
 from rlbits.models.heads import ILQLModel
 from rlbits.models.steered import SteeredPolicy
@@ -269,92 +276,55 @@ def init_state(
 # --------------------------------------------------------------------------------------------------------
 
 
-def ilql_loss(
-    out: dict[str, torch.Tensor],
-    batch: TensorDictBase,
-    cfg: ILQLConfig,
-    num_tokens: int | torch.Tensor,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The ILQL loss of one (micro)batch from ``ILQLModel.forward``'s outputs over ``input_ids``.
+def objective(state: State, micro: TensorDictBase, cfg: ILQLConfig, den: Denominators) -> tuple[torch.Tensor, dict]:
+    """ILQL's loss on one microbatch (the module docstring's formulas): ``ILQLModel``'s forward over
+    ``input_ids``, read at the response positions (the output at ``P - 1 + t`` is the state before response
+    token t). Every term is a token sum over ``den.num_tokens``, the step's global action-token count.
 
-    Reads the response positions: the output at ``P - 1 + t`` is the state before response token t. Each
-    term is a token sum divided by ``num_tokens`` (the step's global action-token count), so microbatch
-    (and rank) losses add up to the step's token mean.
-
-    Returns:
-        ``(loss, metrics)`` with ``loss_q``, ``loss_v``, ``loss_cql``, ``loss_awac``, ``q_mean`` (the online
-        heads' Q of the taken tokens), ``target_q_mean`` (the target heads'), ``v_mean``, ``td_target_mean``
-        (the Bellman targets r + gamma V(s')), ``advantage_mean`` (target Q - V): token sums over
-        ``num_tokens``, detached.
+    Stats (shares of the step's token means): ``loss``, ``loss_q``, ``loss_v``, ``loss_cql``, ``loss_awac``,
+    ``q_mean`` (the online heads' Q of the taken tokens), ``target_q_mean``, ``v_mean``, ``td_target_mean``
+    (r + gamma V(s')), ``advantage_mean`` (target Q - V).
     """
-    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
-    actions, mask = batch["responses"], batch["action_mask"]
-    at = slice(P - 1, P - 1 + R)
-    logits = out["logits"][:, at]
-    v = out["v"][:, at]
-    qs = [out["q1"][:, at]] + ([out["q2"][:, at]] if "q2" in out else [])
-    target_qs = [out["target_q1"][:, at]] + ([out["target_q2"][:, at]] if "target_q2" in out else [])
+    mb = trim_padding(micro)
+    out = state.model(mb["input_ids"], mb["attention_mask"], position_ids_from_mask(mb["attention_mask"]))
+    at = slice(mb["prompts"].shape[1] - 1, mb["prompts"].shape[1] - 1 + mb["responses"].shape[1])
+    actions, mask, n = mb["responses"], mb["action_mask"], den.num_tokens
+    logits, v = out["logits"][:, at].float(), out["v"][:, at].float()
     idx = actions.unsqueeze(-1)
+    qs = [out[k][:, at].float() for k in ("q1", "q2") if k in out]
     q_taken = [q.gather(-1, idx).squeeze(-1) for q in qs]
-    target_q = torch.stack([q.gather(-1, idx).squeeze(-1) for q in target_qs]).amin(0)
-
-    targets = ilql_targets(token_rewards(batch["rewards"], mask), v.detach(), mask, cfg.gamma)
-    loss_q = sum(q_loss(q, targets, mask, num_tokens)[0] for q in q_taken)
-    loss_v, _ = expectile_loss(v, target_q, mask, cfg.tau, num_tokens)
-    loss_cql = sum(cql_loss(q, actions, mask, num_tokens)[0] for q in qs)
-    if cfg.awac_beta:
-        loss_awac, _ = awac_loss(logits, actions, mask, num_tokens, advantages=(target_q - v).detach(), beta=cfg.awac_beta)
-    else:
-        loss_awac, _ = awac_loss(logits, actions, mask, num_tokens)
-    loss = loss_q + loss_v + cfg.cql_scale * loss_cql + cfg.awac_scale * loss_awac
-
-    def share(x: torch.Tensor) -> torch.Tensor:  # token sum / num_tokens: adds up over microbatches
-        return torch.where(mask, x.detach(), 0.0).sum() / num_tokens
-
-    metrics = {
-        "loss": loss.detach(),
-        "loss_q": loss_q.detach(),
-        "loss_v": loss_v.detach(),
-        "loss_cql": loss_cql.detach(),
-        "loss_awac": loss_awac.detach(),
-        "q_mean": share(sum(q_taken) / len(q_taken)),
-        "target_q_mean": share(target_q),
-        "v_mean": share(v),
-        "td_target_mean": share(targets),
-        "advantage_mean": share(target_q - v),
-    }
-    return loss, metrics
+    target_qs = [out[k][:, at].float().gather(-1, idx).squeeze(-1) for k in ("target_q1", "target_q2") if k in out]
+    target_q = torch.stack(target_qs).amin(0)
+    targets = ilql_targets(token_rewards(mb["rewards"], mask), v.detach(), mask, cfg.gamma)
+    loss_q = sum(q_loss(q, targets, mask, n)[0] for q in q_taken)
+    loss_v = expectile_loss(v, target_q, mask, cfg.tau, n)[0]
+    loss_cql = sum(cql_loss(q, actions, mask, n)[0] for q in qs)
+    weights = dict(advantages=(target_q - v).detach(), beta=cfg.awac_beta) if cfg.awac_beta else {}
+    loss_awac = awac_loss(logits, actions, mask, n, **weights)[0]
+    loss = (
+        loss_q  # Bellman error of each Q head: (Q(s_t, a_t) - r_t - gamma V(s_{t+1}))^2
+        + loss_v  # expectile regression of V towards the smaller target Q
+        + cfg.cql_scale * loss_cql  # conservative Q: cross-entropy of a_t under softmax(Q(s_t, .))
+        + cfg.awac_scale * loss_awac  # behaviour cloning of the LM head: -log pi(a_t | s_t)
+    )
+    terms = {"loss": loss, "loss_q": loss_q, "loss_v": loss_v, "loss_cql": loss_cql, "loss_awac": loss_awac}
+    means = {"q_mean": sum(q_taken) / len(q_taken), "target_q_mean": target_q, "v_mean": v, "td_target_mean": targets,
+             "advantage_mean": target_q - v}  # fmt: skip
+    stats = {k: x.detach() for k, x in terms.items()}
+    return loss, stats | {k: masked_sum(x.detach(), mask) / n for k, x in means.items()}
 
 
 def update(state: State, batch: TensorDictBase, cfg: ILQLConfig) -> TensorDictBase:
-    """Phase 2: forward/backward over microbatches of ``batch``, clip, one optimizer step. Every loss term is
-    divided by the global action-token count, so N ranks take the step one process takes on the whole batch.
-    Adds the terms of ``ilql_loss``, ``grad_norm``, ``rewards`` and ``response_len`` to ``state.metrics``.
+    """Phase 2: one optimizer step on ``objective`` over microbatches of ``batch``
+    (``rlbits.loops.update.optimize``; denominators counted over ``action_mask`` on every rank, so N ranks take
+    the step one process takes on the whole batch). Adds ``objective``'s stats, ``grad_norm``, ``rewards`` and
+    ``response_len`` to ``state.metrics``.
 
     Raises:
         NonFiniteError: a non-finite loss or gradient, naming the step and phase; no update is applied.
     """
-    model, env, m = state.model, state.env, state.metrics
-    step = state.step + 1
-    num_tokens = global_count(batch["action_mask"], env).clamp(min=1)
-    for mb in batch.split(cfg.microbatch_size, dim=0):
-        mb = trim_padding(mb)
-        with autocast(model, cfg):
-            out = model(mb["input_ids"], mb["attention_mask"], position_ids_from_mask(mb["attention_mask"]))
-        out = {k: v.float() for k, v in out.items()}
-        loss, metrics = ilql_loss(out, mb, cfg, num_tokens)
-        if any_rank(~torch.isfinite(loss.detach()), env):  # every rank raises together
-            state.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(f"step {step}, phase update: the ILQL loss is {loss.item()} ({metrics})")
-        loss.backward()
-        for name, value in metrics.items():
-            m.sum(name, value)
-    params = [p for p in model.parameters() if p.requires_grad]
-    try:
-        m.same("grad_norm", clip_and_step(params, state.optimizer, cfg.max_grad_norm))
-    except FloatingPointError as e:
-        raise NonFiniteError(f"step {step}, phase update: {e}") from e
-    phases.add_batch_stats(m, batch)
+    optimize(state, batch, cfg, objective, trained=[Trained(state.model, state.optimizer)])
+    phases.add_batch_stats(state.metrics, batch)
     return batch
 
 
@@ -462,13 +432,13 @@ __all__ = [
     "dataset_stats",
     "evaluate_betas",
     "evaluate_run",
-    "ilql_loss",
     "init_state",
     "load_final",
     "load_or_build_dataset",
     "next_batch",
     "normalize_samples",
     "num_steps",
+    "objective",
     "offline_buffer",
     "read_dataset",
     "save_dataset",

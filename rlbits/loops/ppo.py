@@ -59,10 +59,9 @@ from typing import Any, ClassVar, Literal
 import torch
 from tensordict import TensorDictBase
 
-from rlbits.batch import split_microbatches, split_minibatches
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
-from rlbits.distributed.reduce import all_reduce_sum, any_rank, global_count, masked_var
+from rlbits.distributed.reduce import all_reduce_sum, masked_var
 from rlbits.distributed.reduce import masked_whiten as whiten
 from rlbits.functional import (
     adaptive_kl_coef,
@@ -78,7 +77,7 @@ from rlbits.functional import (
 from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
-from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
+from rlbits.loops.optim import make_optimizer
 from rlbits.loops.run import NonFiniteError, Run, total_steps
 from rlbits.loops.runtime import (
     autocast,
@@ -95,6 +94,7 @@ from rlbits.loops.runtime import (
     with_lora,
 )
 from rlbits.loops.state import OnlineState, frozen, optimizer_of
+from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
 from rlbits.models.load import freeze
@@ -410,91 +410,68 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
     return batch
 
 
+def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denominators) -> tuple[torch.Tensor, dict]:
+    """PPO's loss on one microbatch, every term aggregated (``loss_agg``) over the minibatch's global counts.
+
+    The clipped surrogate of the whitened advantages (Schulman 2017 eq. 7), the entropy bonus and the
+    critic's squared error (eq. 9; the critic is a separate model, so ``vf_coef`` scales its gradient only),
+    and ``kl_coef * KL(pi || pi_ref)`` when the KL is not in the reward. During the critic warm-up
+    (``policy_training_start_step``) the policy is not run and only the critic's term remains.
+    Stats: ``critic_loss``, ``value_clipfrac``; with the policy ``actor_loss``, ``clipfrac``, ``approx_kl``,
+    ``ratio_mean``, ``entropy`` (+ ``kl_loss``); shares of the minibatch's values (``rlbits.loops.update``).
+    """
+    mask, agg, share = micro["action_mask"], den.agg(cfg.loss_agg), den.share(micro["action_mask"])
+    pg_loss = entropy = kl = 0.0
+    stats: dict[str, torch.Tensor] = {}
+    if state.step >= cfg.policy_training_start_step:
+        logprobs, token_entropy = (x.float() for x in policy_logprobs(
+            state.policy, micro, temperature=cfg.temperature, return_entropy=True,
+            entropy_grad=cfg.entropy_coef > 0, **head_args(cfg),
+        ))  # fmt: skip
+        pg_loss, ratio = kernel(ppo_loss, cfg)(
+            logprobs, micro["logprobs"], micro["advantages"], mask,
+            clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, **agg,
+        )  # fmt: skip
+        entropy = aggregate_loss(token_entropy, mask, **agg) if cfg.entropy_coef > 0 else 0.0
+        if not cfg.kl_in_reward and state.kl_coef > 0 and "ref_logprobs" in micro.keys():
+            token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
+            kl = aggregate_loss(token_kl, mask, **agg)
+            stats["kl_loss"] = kl.detach()
+        stats |= {"actor_loss": pg_loss.detach(), "entropy": masked_mean(token_entropy.detach(), mask) * share}
+        stats |= {name: ratio[name] * share for name in ("clipfrac", "approx_kl", "ratio_mean")}
+    values = critic_values(state.value_model, micro).float()
+    v_loss, vstats = kernel(value_loss, cfg)(
+        values, micro["values"], micro["returns"], mask, clip_eps=cfg.value_clip_eps, **agg
+    )
+    loss = (
+        pg_loss  # clipped surrogate: -min(r A, clip(r, 1 - eps, 1 + eps_high) A)
+        - cfg.entropy_coef * entropy  # entropy bonus
+        + state.kl_coef * kl  # KL to the reference, when it is not in the reward
+        + cfg.vf_coef * v_loss  # critic: (clipped) squared error to the GAE returns
+    )
+    return loss, {**stats, "critic_loss": v_loss.detach(), "value_clipfrac": vstats["clipfrac"] * share}
+
+
 def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
-    """Phase 6: ``ppo_epochs`` x ``num_minibatches`` optimizer steps on policy and critic.
+    """Phase 6: ``ppo_epochs`` x ``num_minibatches`` steps of the policy's and the critic's optimizers on
+    ``objective`` (``rlbits.loops.update.optimize``: whole prompt groups shuffled with
+    ``state.minibatch_generator``, ``microbatch_size``-row microbatches, denominators counted over
+    ``action_mask``). During the critic warm-up (``policy_training_start_step``) only the critic trains.
 
-    Each minibatch (whole prompt groups, shuffled with ``state.minibatch_generator``) is cut into
-    ``microbatch_size``-row microbatches whose gradients accumulate; every loss term is aggregated with the
-    minibatch's global action-token count (and row count) as denominator, so the update does not depend on
-    ``microbatch_size`` or the number of ranks. Policy loss: ``ppo_loss`` on the whitened advantages, minus
-    ``entropy_coef * entropy``, plus ``kl_coef * KL(ref)`` when ``kl_in_reward`` is False. Critic loss:
-    ``vf_coef * value_loss`` against ``returns``. During the critic warm-up (``policy_training_start_step``)
-    only the critic is trained and the policy is not run at all.
-
-    Adds to ``state.metrics`` (means over minibatches): ``critic_loss``, ``value_clipfrac``,
-    ``critic_grad_norm`` and, when the policy trains, ``actor_loss``, ``clipfrac``, ``approx_kl``,
-    ``ratio_mean``, ``entropy``, ``grad_norm`` (+ ``kl_loss`` with KL in the loss). Returns ``batch``.
+    Adds to ``state.metrics`` (means over the optimizer steps) ``objective``'s stats, ``grad_norm`` and
+    ``critic_grad_norm``. Returns ``batch``.
 
     Raises:
-        NonFiniteError: a loss is not finite (raised before either model steps), or a gradient norm is not
-            finite (raised before that model steps); on every rank together.
+        NonFiniteError: a non-finite loss or gradient norm, on every rank together; neither model steps.
     """
-    env, m = state.env, state.metrics
-    train_policy = state.step >= cfg.policy_training_start_step
-    ppo_loss_fn, value_loss_fn = kernel(ppo_loss, cfg), kernel(value_loss, cfg)
-    share_of_updates = 1.0 / (cfg.ppo_epochs * cfg.num_minibatches)
-    for epoch in range(cfg.ppo_epochs):
-        for index, minibatch in enumerate(split_minibatches(batch, cfg.num_minibatches, generator=state.minibatch_generator)):
-            num_tokens = global_count(minibatch["action_mask"], env).clamp(min=1)
-            num_seqs = global_count(minibatch["action_mask"].any(-1), env).clamp(min=1)
-            agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
-            losses: dict[str, torch.Tensor] = {}
-            for micro in pad_microbatches(list(split_microbatches(minibatch, cfg.microbatch_size)), env):
-                mask = micro["action_mask"]
-                share = mask.sum() / num_tokens * share_of_updates  # weight of this microbatch's token means
-                total = 0.0
-                if train_policy:
-                    with autocast(state.policy, cfg):
-                        logprobs, entropy = policy_logprobs(
-                            state.policy, micro, temperature=cfg.temperature, return_entropy=True,
-                            entropy_grad=cfg.entropy_coef > 0, **head_args(cfg),
-                        )  # fmt: skip
-                    logprobs, entropy = logprobs.float(), entropy.float()
-                    actor, stats = ppo_loss_fn(
-                        logprobs, micro["logprobs"], micro["advantages"], mask,
-                        clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, **agg,
-                    )  # fmt: skip
-                    total = actor
-                    if cfg.entropy_coef > 0:
-                        total = total - cfg.entropy_coef * aggregate_loss(entropy, mask, **agg)
-                    if not cfg.kl_in_reward and state.kl_coef > 0 and "ref_logprobs" in micro.keys():
-                        kl = aggregate_loss(kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp), mask, **agg)
-                        total = total + state.kl_coef * kl
-                        losses["kl_loss"] = losses.get("kl_loss", 0.0) + kl.detach()
-                    losses["actor_loss"] = losses.get("actor_loss", 0.0) + actor.detach()
-                    for name in ("clipfrac", "approx_kl", "ratio_mean"):
-                        m.sum(name, stats[name] * share)
-                    m.sum("entropy", masked_mean(entropy.detach(), mask) * share)
-                with autocast(state.value_model, cfg):
-                    new_values = critic_values(state.value_model, micro).float()
-                critic, vstats = value_loss_fn(new_values, micro["values"], micro["returns"], mask, clip_eps=cfg.value_clip_eps, **agg)
-                total = total + cfg.vf_coef * critic
-                losses["critic_loss"] = losses.get("critic_loss", 0.0) + critic.detach()
-                m.sum("value_clipfrac", vstats["clipfrac"] * share)
-                total.backward()
-            _step_optimizers(state, cfg, losses, train_policy, where=f"ppo epoch {epoch}, minibatch {index}")
-            for name, value in losses.items():
-                m.sum(name, value * share_of_updates)
+    trained = [Trained(state.value_model, state.value_optimizer, grad_norm="critic_grad_norm")]
+    if state.step >= cfg.policy_training_start_step:
+        trained.insert(0, Trained(state.policy, state.policy_optimizer))
+    optimize(
+        state, batch, cfg, objective, trained=trained, epochs=cfg.ppo_epochs, num_minibatches=cfg.num_minibatches,
+        shuffle=state.minibatch_generator,
+    )  # fmt: skip
     return batch
-
-
-def _step_optimizers(state: State, cfg: PPOConfig, losses: dict, train_policy: bool, *, where: str) -> None:
-    """Clip and step both optimizers after a minibatch, unless a loss or gradient is not finite."""
-    optimizers = (state.policy_optimizer, state.value_optimizer)
-    if any_rank(not all(torch.isfinite(v) for v in losses.values()), state.env):  # every rank raises together
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        raise NonFiniteError(f"non-finite loss at {where}: { {k: float(v) for k, v in losses.items()} }")
-    share = 1.0 / (cfg.ppo_epochs * cfg.num_minibatches)
-    try:
-        if train_policy:
-            state.metrics.same("grad_norm", clip_and_step(list(state.policy.parameters()), state.policy_optimizer, cfg.max_grad_norm) * share)
-        norm = clip_and_step(list(state.value_model.parameters()), state.value_optimizer, cfg.max_grad_norm)
-        state.metrics.same("critic_grad_norm", norm * share)
-    except FloatingPointError as e:
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        raise NonFiniteError(f"non-finite gradient at {where}: {e}") from e
 
 
 def kl_control(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
@@ -577,6 +554,7 @@ __all__ = [
     "advantages",
     "init_state",
     "kl_control",
+    "objective",
     "reference",
     "rollout",
     "scale_rewards",

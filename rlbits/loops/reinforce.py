@@ -65,10 +65,10 @@ import einops
 import torch
 from tensordict import TensorDictBase
 
-from rlbits.batch import collate, split_microbatches, split_minibatches
+from rlbits.batch import collate
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
-from rlbits.distributed.reduce import all_reduce_max, any_rank, global_count
+from rlbits.distributed.reduce import all_reduce_max, any_rank
 from rlbits.functional import (
     aggregate_loss,
     group_normalize,
@@ -82,8 +82,8 @@ from rlbits.functional import (
 from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, ConfigError, RunConfig, check_ranges
 from rlbits.loops.data import PromptStream
-from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
-from rlbits.loops.run import NonFiniteError, Run, agreed, in_phase
+from rlbits.loops.optim import make_optimizer
+from rlbits.loops.run import Run, agreed, in_phase
 from rlbits.loops.runtime import (
     autocast,
     build_policy,
@@ -97,6 +97,7 @@ from rlbits.loops.runtime import (
     with_lora,
 )
 from rlbits.loops.state import OnlineState, frozen, optimizer_of
+from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import policy_logprobs
 from rlbits.models.load import freeze
 from rlbits.tasks import get_task
@@ -399,70 +400,60 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
     return batch
 
 
-def policy_gradient_loss(
-    logprobs: torch.Tensor, micro: TensorDictBase, cfg: ReinforceConfig, num_tokens: torch.Tensor, num_seqs: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The policy-gradient term of one microbatch: ``ppo_loss`` when ``cfg.clipped``, else ``reinforce_loss``
-    (plus ``clipfrac`` 0 and the same ``approx_kl`` so both report the same metrics)."""
-    mask = micro["loss_mask"]
-    agg = dict(agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+def objective(
+    state: State, micro: TensorDictBase, cfg: ReinforceConfig, den: Denominators
+) -> tuple[torch.Tensor, dict]:
+    """REINFORCE's loss on one microbatch, aggregated (``loss_agg``) over the minibatch's global counts of
+    ``loss_mask``: the policy gradient of the group-baselined advantages, ``-A log pi`` (Williams 1992), or
+    PPO's clipped surrogate when ``cfg.clipped``, plus ``kl_loss_coef * KL(pi || pi_ref)`` (GRPO).
+
+    Stats: ``actor_loss``, ``kl_loss`` (shares of the minibatch's values) and the loss-token means over the
+    step of ``clipfrac`` (0 unclipped), ``approx_kl`` (k3 of KL(pi_old || pi) on the sampled tokens, as
+    ``ppo_loss``) and ``entropy``.
+    """
+    mask, agg = micro["loss_mask"], den.agg(cfg.loss_agg)
+    logprobs, entropy = (x.float() for x in policy_logprobs(
+        state.policy, micro, temperature=cfg.temperature, return_entropy=True, entropy_grad=False, **head_args(cfg)
+    ))  # fmt: skip
     if cfg.clipped:
-        loss, m = kernel(ppo_loss, cfg)(logprobs, micro["logprobs"], micro["advantages"], mask, cfg.clip_eps, cfg.clip_eps_high, **agg)
-        return loss, {"clipfrac": m["clipfrac"], "approx_kl": m["approx_kl"]}
-    loss, _ = kernel(reinforce_loss, cfg)(logprobs, micro["advantages"], mask, **agg)
-    # ppo_loss's approx_kl: the k3 estimate of KL(pi_old || pi_theta) on the sampled tokens.
-    approx_kl = masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)
-    return loss, {"clipfrac": torch.zeros(()), "approx_kl": approx_kl}
+        pg_loss, ratio = kernel(ppo_loss, cfg)(
+            logprobs, micro["logprobs"], micro["advantages"], mask, cfg.clip_eps, cfg.clip_eps_high, **agg
+        )  # fmt: skip
+    else:  # the ratio is 1: clipfrac 0; approx_kl as ppo_loss's, the k3 estimate of KL(pi_old || pi)
+        pg_loss, _ = kernel(reinforce_loss, cfg)(logprobs, micro["advantages"], mask, **agg)
+        approx_kl = masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)
+        ratio = {"clipfrac": torch.zeros(()), "approx_kl": approx_kl}
+    kl = torch.zeros(())
+    if cfg.kl_loss_coef > 0:
+        token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
+        kl = aggregate_loss(token_kl, mask, **agg)
+    loss = (
+        pg_loss  # policy gradient: -A log pi, or -min(r A, clip(r) A) when clipped
+        + cfg.kl_loss_coef * kl  # KL to the reference policy
+    )
+    w = mask.sum()
+    means = {"clipfrac": ratio["clipfrac"], "approx_kl": ratio["approx_kl"], "entropy": masked_mean(entropy, mask)}
+    return loss, {"actor_loss": pg_loss.detach(), "kl_loss": kl.detach(), **{k: (v * w, w) for k, v in means.items()}}
 
 
 def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
-    """Phase 5: ``num_iterations`` x ``num_minibatches`` optimizer steps, gradients accumulated over microbatches.
-
-    Each minibatch's loss is normalised by its global loss-token (or sequence) count, so microbatching gives
-    the gradient of one big batch. Adds ``actor_loss`` and ``kl_loss`` (each minibatch's aggregated loss,
-    averaged over minibatches and epochs), loss-token means of ``clipfrac``, ``approx_kl``, ``entropy``, and
-    ``grad_norm`` (mean over optimizer steps, before clipping) to ``state.metrics``.
+    """Phase 5: ``num_iterations`` x ``num_minibatches`` optimizer steps on ``objective``
+    (``rlbits.loops.update.optimize``: whole groups shuffled with ``state.minibatch_generator``,
+    ``microbatch_size``-row microbatches, denominators counted over ``loss_mask``). A batch with fewer
+    groups than ``num_minibatches`` (dynamic sampling) has one minibatch per group; the count is agreed over
+    ranks. Adds ``objective``'s stats and ``grad_norm`` (mean over optimizer steps) to ``state.metrics``.
 
     Raises:
         NonFiniteError: a loss or gradient is not finite (on every rank; the policy is left untouched).
     """
-    env, m, policy = state.env, state.metrics, state.policy
-    policy.train()
-    params = [p for p in policy.parameters() if p.requires_grad]
+    env = state.env
+    state.policy.train()
     num_mb = min(cfg.num_minibatches, int(batch.batch_size[0]) // cfg.num_generations_per_prompt or 1)
     num_mb = -int(all_reduce_max(torch.tensor(-num_mb, device=env.device), env).item())  # the same on every rank
-    per_update = 1.0 / (cfg.num_iterations * num_mb)
-    for _ in range(cfg.num_iterations):
-        for minibatch in split_minibatches(batch, num_mb, generator=state.minibatch_generator, keep_groups=True):
-            num_tokens = global_count(minibatch["loss_mask"], env).clamp(min=1)
-            num_seqs = global_count(minibatch["loss_mask"].any(-1), env).clamp(min=1)
-            for micro in pad_microbatches(list(split_microbatches(minibatch, cfg.microbatch_size)), env):
-                mask = micro["loss_mask"]
-                with autocast(policy, cfg):
-                    logprobs, entropy = policy_logprobs(
-                        policy, micro, temperature=cfg.temperature, return_entropy=True, entropy_grad=False,
-                        **head_args(cfg),
-                    )  # fmt: skip
-                logprobs, entropy = logprobs.float(), entropy.float()
-                loss, stats = policy_gradient_loss(logprobs, micro, cfg, num_tokens, num_seqs)
-                kl_loss = torch.zeros(())
-                if cfg.kl_loss_coef > 0:
-                    kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
-                    kl_loss = aggregate_loss(kl, mask, cfg.loss_agg, num_tokens, num_seqs)
-                    loss = loss + cfg.kl_loss_coef * kl_loss
-                if any_rank(~torch.isfinite(loss.detach()), env):  # every rank raises together
-                    policy.zero_grad(set_to_none=True)
-                    raise NonFiniteError(f"step {state.step + 1}, phase update: the loss is {loss.item()}")
-                loss.backward()
-                weight = mask.sum()
-                m.sum("actor_loss", (loss - cfg.kl_loss_coef * kl_loss).detach() * per_update)
-                m.sum("kl_loss", kl_loss.detach() * per_update)
-                for name, value in (*stats.items(), ("entropy", masked_mean(entropy.detach(), mask))):
-                    m.mean(name, value * weight, weight)
-            try:
-                m.same("grad_norm", clip_and_step(params, state.optimizer, cfg.max_grad_norm) * per_update)
-            except FloatingPointError as e:
-                raise NonFiniteError(f"step {state.step + 1}, phase update: {e}") from e
+    optimize(
+        state, batch, cfg, objective, trained=[Trained(state.policy, state.optimizer)], mask="loss_mask",
+        epochs=cfg.num_iterations, num_minibatches=num_mb, shuffle=state.minibatch_generator,
+    )  # fmt: skip
     return batch
 
 
@@ -532,7 +523,7 @@ __all__ = [
     "informative_groups",
     "init_state",
     "join_rollout",
-    "policy_gradient_loss",
+    "objective",
     "reference",
     "rollout",
     "score",

