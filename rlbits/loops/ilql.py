@@ -50,6 +50,7 @@ from rlbits.distributed.reduce import any_rank, global_count
 from rlbits.functional import awac_loss, cql_loss, expectile_loss, ilql_targets, q_loss, token_rewards
 from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, MIN_TEMPERATURE, ConfigError, RunConfig, check_ranges, field_docs
+from rlbits.loops.ilql_eval import evaluate_betas, evaluate_run, load_final, steered_validate
 from rlbits.loops.optim import clip_and_step, make_optimizer
 from rlbits.loops.run import NonFiniteError, Run
 from rlbits.loops.runtime import (
@@ -59,13 +60,11 @@ from rlbits.loops.runtime import (
     load_policy_and_tokenizer,
     policy_path,
     prepare,
-    setup,
     with_lora,
 )
 from rlbits.loops.state import LoopState, optimizer_of, runtime
 from rlbits.models.forward import position_ids_from_mask
 from rlbits.models.heads import ILQLModel
-from rlbits.models.load import load_tokenizer
 from rlbits.models.steered import SteeredPolicy
 
 
@@ -370,53 +369,6 @@ PHASES = (offline_batch, update, sync_targets, validate)
 
 
 # --------------------------------------------------------------------------------------------------------
-# Steered evaluation
-# --------------------------------------------------------------------------------------------------------
-
-
-def steered_validate(
-    model: ILQLModel, tokenizer: Any, cfg: ILQLConfig, *, beta: float, reward: Any = None,
-    prompts: Sequence[str] | None = None, env: DistEnv | None = None, make_env: Any = None,
-) -> tuple[dict[str, float], TensorDictBase]:
-    """``phases.evaluate_policy`` of ``SteeredPolicy(model, beta)``: the mean reward of steered decoding on
-    ``prompts`` (default the task's test split) with ``reward`` (default the task's), the same prompts and
-    noise as the base model's validation. Returns ``(metrics, batch)``."""
-    if reward is None or prompts is None:
-        run = Setup.of(cfg)
-        reward, make_env = run.reward(reward), run.make_env if make_env is None else make_env
-        prompts = prompts if prompts is not None else run.prompts(tokenizer, None, "test")
-    return phases.evaluate_policy(
-        SteeredPolicy(model, beta), tokenizer, cfg, reward=reward, prompts=prompts, env=env, make_env=make_env
-    )
-
-
-def evaluate_betas(
-    model: ILQLModel, tokenizer: Any, cfg: ILQLConfig, betas: Sequence[float], *, reward: Any = None,
-    prompts: Sequence[str] | None = None,
-) -> dict[float, dict[str, float]]:
-    """``steered_validate`` at each beta (same prompts and noise): ``{beta: metrics}``."""
-    return {b: steered_validate(model, tokenizer, cfg, beta=b, reward=reward, prompts=prompts)[0] for b in betas}
-
-
-def load_final(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ILQLModel, Any]:
-    """The trained ILQL model (LM and heads, dropout off) and tokenizer of ``RUN_DIR/final``."""
-    folder = Path(run_dir) / "final"
-    return disable_dropout(ILQLModel.from_pretrained(folder, device=device)), load_tokenizer(folder)
-
-
-def evaluate_run(run_dir: str | Path, cfg: ILQLConfig) -> dict[str, dict[str, float]]:
-    """``rlbits eval RUN_DIR`` of an ILQL run: the base model (unsteered) and the final model steered at
-    ``cfg.beta``, on the task's test prompts with the same noise. Returns ``{"base": metrics, "final": metrics}``."""
-    env, run = setup(cfg), Setup.of(cfg)
-    policy, tokenizer = load_policy_and_tokenizer(policy_path(cfg), env)
-    kw = dict(reward=run.reward(None), prompts=run.prompts(tokenizer, None, "test"), make_env=run.make_env)
-    base, _ = phases.evaluate_policy(policy, tokenizer, cfg, **kw)
-    model, tokenizer = load_final(run_dir, env.device)
-    final, _ = steered_validate(model, tokenizer, cfg, beta=cfg.beta, **kw)
-    return {"base": base, "final": final}
-
-
-# --------------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------------
 
@@ -459,8 +411,10 @@ def train(
         state = init_state(cfg, run.env, setup=run.setup, reward=reward, val_prompts=val_prompts)
         run.check_lengths(state)
         with run.timed("dataset"):  # 0. the offline set: built from the base policy, or read back on resume
-            data = load_or_build_dataset(cfg, state, samples=samples, reward=reward, prompts=prompts,
-                                         resume=run.checkpoint is not None, write=run.env.is_main)  # fmt: skip
+            data = load_or_build_dataset(
+                cfg, state, samples=samples, reward=state.reward, prompts=prompts, resume=run.checkpoint is not None,
+                write=run.env.is_main,
+            )  # fmt: skip
         state.attach(data, cfg.seed)
         run.start(state, validate=validate)
         state.metrics.update({**dataset_stats(data), "time/dataset": run.elapsed("dataset")})
