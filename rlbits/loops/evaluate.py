@@ -52,16 +52,16 @@ def evaluate(
         ValueError: prompts without a reward; an unknown task. PromptError: a bad prompt list.
         ConfigError: an unknown or invalid setting.
     """
+    base = config if config is not None else {"loop": "reinforce"}
     if isinstance(task_or_prompts, str):
-        cfg = resolve_config(config if config is not None else {"loop": "reinforce"}, {"task": task_or_prompts, **overrides})
+        cfg = resolve_config(base, {"task": task_or_prompts, **overrides})
         setup = Setup.of(cfg)
         prompts, reward, make_env = setup.prompts(tokenizer, None, "test"), setup.reward(reward), setup.make_env
     else:
         prompts, make_env = check_prompts(task_or_prompts, "prompts"), None
         if reward is None:
-            raise ValueError("evaluate(policy, tokenizer, prompts) needs a reward= (a list of prompts has no task reward)")
-        overrides = {"max_val_samples": len(prompts), **overrides}
-        cfg = resolve_config(config if config is not None else {"loop": "reinforce"}, overrides)
+            raise ValueError("evaluate(policy, tokenizer, prompts) needs reward=: a list of prompts has no task reward")
+        cfg = resolve_config(base, {"max_val_samples": len(prompts), **overrides})
     return evaluate_policy(policy, tokenizer, cfg, reward=reward, prompts=prompts, env=env, make_env=make_env)
 
 

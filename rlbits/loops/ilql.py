@@ -375,18 +375,12 @@ PHASES = (offline_batch, update, sync_targets, validate)
 
 def train(
     cfg: ILQLConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Any = None,
-    prompts: Sequence[str] | None = None, samples: Sequence[Any] | None = None,
-    val_prompts: Sequence[str] | None = None,
+    prompts: Sequence[str] | None = None, samples: Sequence[Any] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> Path:  # fmt: skip
     """Train ILQL and return the run directory (``RUN_DIR/final`` holds the LM, tokenizer and heads).
 
     Args:
-        cfg: the config (validated again here).
-        callbacks: objects with ``on_metrics``/``on_samples``/``should_stop``.
-        resume: continue from the newest checkpoint of ``cfg.run_dir`` (exactly reproducing the
-            uninterrupted run on one process).
-        force: also use a ``run_dir`` that is not empty and not an rlbits run, or start an existing run
-            over (``rlbits.loops.run.Run``); a live run's lock is never overridden.
+        cfg, callbacks, resume, force: as ``rlbits.loops.ppo.train`` (``resume``: exact on one process).
         reward: scores the offline set when it is built, and validation; None = the task's reward.
         prompts: prompts to build the offline set from; None = the task's train split.
         samples: the offline set itself: ``(prompt, response, reward)`` triples or dicts.
