@@ -27,8 +27,8 @@ What the run decides, identically for every loop (docs/design.md, "Run lifecycle
   (``total_steps``);
 - validation at step 0 (``val_at_start``), every ``val_period`` steps and after the last step (``val_at_end``);
 - a checkpoint every ``save_period`` steps, after the last step and when a stop is requested (SIGINT/SIGTERM,
-  a callback's ``should_stop()``); ``final/`` (an HF folder of ``state.trained_model``) at the end of every run, stopped
-  or not;
+  a callback's ``should_stop()``); ``final/`` (an HF folder of ``state.trained_model``) at the end of every
+  run, stopped or not;
 - a NaN/inf reward, loss or gradient (``FloatingPointError``, ``InvalidRewardError``): ``on_nonfinite="stop"``
   re-raises it (the last checkpoint stays the newest), ``"skip"`` logs ``skipped_step`` and goes on. Every
   rank takes the same decision;
