@@ -235,6 +235,7 @@ class Run:
         self.callbacks = list(callbacks)
         self.timer = PhaseTimer()
         self.total = cfg.max_num_steps
+        """The run's length in steps, set by ``start`` (``total_steps``)."""
         self._validate: Callable | None = None
         self._saved_step = -1
         self._stopped = False
