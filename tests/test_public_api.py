@@ -101,5 +101,5 @@ def test_evaluate_a_policy_in_memory():
     metrics, batch = rlbits.evaluate(policy, tokenizer, ["a b", "c d"], length, max_new_tokens=2)
     assert batch.batch_size[0] == 2 and batch["rewards"].tolist() == [float(len(r)) for r in batch["response_text"]]
     assert metrics["val_reward"] == pytest.approx(batch["rewards"].mean().item())
-    with pytest.raises(ValueError, match="needs a reward"):
+    with pytest.raises(ValueError, match="needs reward="):
         rlbits.evaluate(policy, tokenizer, ["a b"])
