@@ -68,6 +68,7 @@ _LAZY = {
     "get_task": "rlbits.tasks",
     # loops
     "train": "rlbits.loops.api",
+    "evaluate": "rlbits.loops.evaluate",
 }
 # ``rlbits.viz`` (the side branch: plots, dashboard) is an attribute too, imported on first use only, so that
 # ``rlbits.viz.Dashboard()`` works after ``import rlbits`` while ``import rlbits`` stays free of matplotlib.

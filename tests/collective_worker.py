@@ -79,15 +79,17 @@ class TurnsEnv:
 def main(scenarios: str, policy: str, out: str) -> None:
     import torch.distributed as dist
 
+    import rlbits.tasks
     from rlbits.loops import phases, reinforce
 
     out_dir = Path(out)
-    plain_rollout = phases.rollout
+    plain_rollout = phases.generate_rollout
+    plain_get_task = rlbits.tasks.get_task
 
     def rollout(*args, max_new_tokens, **kw):  # response lengths differ by rank
         return plain_rollout(*args, max_new_tokens=max_new_tokens + 3 * RANK, **kw)
 
-    phases.rollout = rollout
+    phases.generate_rollout = rollout
     plain_reinforce_rollout = reinforce.rollout
     for scenario in scenarios.split(","):
         if scenario not in ("timeout", "hang") and not dist.is_initialized():
@@ -101,7 +103,7 @@ def main(scenarios: str, policy: str, out: str) -> None:
         )  # fmt: skip
         extra: dict = {}
         reinforce.rollout = plain_reinforce_rollout
-        reinforce.get_task = __import__("rlbits.tasks", fromlist=["get_task"]).get_task
+        rlbits.tasks.get_task = plain_get_task
         if scenario == "dynamic_sampling":
             extra = dict(dynamic_sampling=True, dynamic_sampling_max_gen_batches=3)
         elif scenario == "overlong":
@@ -118,13 +120,11 @@ def main(scenarios: str, policy: str, out: str) -> None:
         elif scenario == "nonfinite_skip":
             extra = dict(on_nonfinite="skip")
         elif scenario == "multiturn":
-            from rlbits.tasks import get_task
-
             task = types.SimpleNamespace(
-                reward=get_task("arithmetic").reward, prompts=get_task("arithmetic").prompts,
+                reward=plain_get_task("arithmetic").reward, prompts=plain_get_task("arithmetic").prompts,
                 make_env=lambda prompt, **_: TurnsEnv(prompt, turns=1 + 2 * RANK),
             )  # fmt: skip
-            reinforce.get_task = lambda name, task=task: task
+            rlbits.tasks.get_task = lambda name, task=task: task  # Setup.of looks the task up here
         elif scenario == "validation":
             extra = dict(val_period=1, val_at_start=True, val_at_end=True, max_val_samples=3)
         elif scenario == "timeout":

@@ -160,6 +160,7 @@ def test_nothing_imports_a_deprecated_alias():
 # --------------------------------------------------------------------------------------------------------
 
 MODULE_NAMES = {m for m, _ in MODULES}
+PATHS = dict(MODULES)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -196,12 +197,15 @@ def _module_edges(module: str, path: Path) -> dict[str, int]:
     ``from p import n`` imports the submodule ``p.n`` when there is one, else ``p``; ``import a.b.c`` and
     ``from a.b import c`` also run the packages ``a`` and ``a.b`` first, so those are edges too, except the
     packages that contain ``module`` (Python has imported them before ``module`` started).
-    ``importlib.import_module("literal")`` counts; an import_module of a computed name cannot be seen.
+    ``importlib.import_module("literal")`` counts. An ``import_module`` of a computed name (``api.loop_module``:
+    ``import_module(LOOPS[name][0])``) may import any rlbits module that the module names in a string constant
+    (``"rlbits.loops.ilql"``), or else that the modules it imports name: each of those is an edge.
     """
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     ancestors = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
     edges: dict[str, int] = {}
+    computed: list[int] = []
 
     def add(dotted: str, line: int, *, implicit: bool = False) -> None:
         target = _known(dotted)
@@ -225,16 +229,38 @@ def _module_edges(module: str, path: Path) -> dict[str, int]:
                 source = node.module
             for alias in node.names:
                 add(f"{source}.{alias.name}", node.lineno)
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "import_module"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            add(node.args[0].value, node.lineno)
+        elif _is_import_module(node):
+            if isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                add(node.args[0].value, node.lineno)
+            else:
+                computed.append(node.lineno)
+    if computed:  # the names it may import: its own module-name strings, else those of the modules it imports
+        named = _named_modules(tree) or {n for m in list(edges) for n in _named_modules(_tree(m))}
+        for name in sorted(named):
+            add(name, computed[0], implicit=True)  # "rlbits" (importlib.resources) names no import
     return edges
+
+
+def _is_import_module(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, (ast.Attribute, ast.Name))
+        and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) == "import_module"
+        and bool(node.args)
+    )
+
+
+def _tree(module: str) -> ast.AST:
+    return ast.parse(PATHS[module].read_text(), filename=str(PATHS[module]))
+
+
+def _named_modules(tree: ast.AST) -> set[str]:
+    """The rlbits modules a module names in string constants (``"rlbits.loops.ppo"``)."""
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULE_NAMES
+    }
 
 
 def _find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -282,6 +308,16 @@ def test_import_graph_sees_lazy_and_package_imports():
         ["a", "b", "c", "a"]
     ]
     assert _find_cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_import_graph_sees_computed_imports():
+    """``rlbits.train`` and ``rlbits eval`` import a loop by a name from the config (``api.loop_module``): the
+    graph has an edge from ``api`` to every loop, so a loop importing ``api`` (or ``evaluate``) is a cycle."""
+    loops = {"rlbits.loops.ppo", "rlbits.loops.reinforce", "rlbits.loops.ilql", "rlbits.loops.reward_model"}
+    assert loops <= set(IMPORT_GRAPH["rlbits.loops.api"])
+    assert "rlbits.loops.api" in IMPORT_GRAPH["rlbits.loops.evaluate"]
+    for loop in loops:
+        assert not {"rlbits.loops.api", "rlbits.loops.evaluate"} & set(IMPORT_GRAPH[loop]), loop
 
 
 def test_no_import_cycles():

@@ -19,7 +19,7 @@ from rlbits.distributed.env import DistEnv
 from rlbits.functional import ilql_logits
 from rlbits.loops import ilql
 from rlbits.loops.config import ConfigError, config_from_dict
-from rlbits.loops.run import read_metrics
+from rlbits.loops.run import read_metrics, total_steps
 from rlbits.loops.update import Denominators
 from rlbits.models.forward import position_ids_from_mask
 from rlbits.models.heads import ILQLModel
@@ -200,7 +200,7 @@ def test_non_finite_loss_names_the_step_and_saves_nothing(tiny_path, tmp_path):
 
 def test_epochs_cycle_with_a_fresh_shuffle(tiny_path, tmp_path):
     cfg = make_cfg(tiny_path, tmp_path / "ep", max_num_steps=100, max_num_epochs=2, batch_size=16)
-    assert ilql.num_steps(cfg, len(SAMPLES)) == 3  # ceil(2 * 24 / 16)
+    assert total_steps(cfg, len(SAMPLES), cfg.batch_size) == 3  # ceil(2 * 24 / 16)
     from rlbits.loops.data import PromptStream
 
     stream = PromptStream(list(range(24)), 0)
@@ -402,15 +402,12 @@ def test_memmapped_dataset_round_trip_and_atomic_replace(tmp_path):
 
 
 def test_moved_names_stay_importable_from_the_loop():
-    from rlbits.loops import evaluate
     from rlbits.models.steered import SteeredPolicy
 
     assert ilql.SteeredPolicy is SteeredPolicy
     for name in ("build_offline_dataset", "normalize_samples", "save_dataset", "read_dataset", "tensorize_dataset",
                  "load_or_build_dataset", "dataset_stats", "next_batch"):  # fmt: skip
         assert getattr(ilql, name) is getattr(offline, name), name
-    assert ilql.load_final is evaluate.load_ilql_final and ilql.evaluate_run is evaluate.evaluate_ilql_run
-    assert ilql.evaluate_betas is evaluate.evaluate_betas and ilql.steered_validate is evaluate.steered_validate
     assert set(ilql.__all__) <= set(dir(ilql))
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlbits.data.stream import PromptStream
 from rlbits.distributed.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -25,8 +26,6 @@ from rlbits.loops.config import (
     load_config,
     parse_overrides,
 )
-from rlbits.loops.data import PromptStream
-from rlbits.models.load import load_policy
 from rlbits.models.tiny import tiny_causal_lm
 
 # --- configs ---------------------------------------------------------------------------------------------
@@ -238,52 +237,7 @@ def test_api_picks_the_loop_from_the_config_and_rejects_bad_ones():
         resolve_config({"loop": "ppo", "not_a_field": 1})
 
 
-# --- on_nonfinite="skip" -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory):
-    from rlbits.models.tiny import tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny_policy")
-    tiny_causal_lm("gpt2", 32, seed=0).save_pretrained(path)
-    tiny_tokenizer(32).save_pretrained(path)
-    return str(path)
-
-
-class NanOnCall:
-    """A reward that returns NaN for one sample on its ``bad``-th call, else 0.5."""
-
-    def __init__(self, bad: int):
-        self.calls, self.bad = 0, bad
-
-    def __call__(self, prompts, responses):
-        self.calls += 1
-        return [float("nan") if self.calls == self.bad and i == 1 else 0.5 for i in range(len(prompts))]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("loop", ["ppo", "reinforce"])
-def test_skip_drops_a_step_with_a_nan_reward_and_goes_on(loop, tiny_policy, tmp_path):
-    import rlbits
-    from rlbits.loops.run import read_metrics
-
-    config = {"ppo": "configs/ppo_sentiment.yaml", "reinforce": "configs/rloo_arithmetic.yaml"}[loop]
-    run_dir = tmp_path / "run"
-    kw = dict(policy=tiny_policy, run_dir=str(run_dir), max_num_steps=3, num_prompts_per_step=2,
-              num_generations_per_prompt=2, max_new_tokens=4, microbatch_size=4, val_at_start=False,
-              val_at_end=False, val_period=0, save_period=1, progress=False, tensorboard=False)  # fmt: skip
-    with pytest.raises(ValueError, match=r"step 2, phase score: .*nan for sample 1"):
-        rlbits.train(reward_fn=NanOnCall(bad=2), config=config, **kw)  # the default: stop
-    assert [p.name for p in list_checkpoints(run_dir)] == ["step_1"]
-    with pytest.warns(UserWarning, match="skipping step 2"):
-        rlbits.train(reward_fn=NanOnCall(bad=2), config=config, on_nonfinite="skip", **{**kw, "run_dir": str(tmp_path / "skip")})
-    rows = read_metrics(tmp_path / "skip")
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[1] == {"step": 2, "time_s": rows[1]["time_s"], "skipped_step": 1.0}
-    assert "skipped_step" not in rows[0] and "skipped_step" not in rows[2]
-    final = load_policy(tmp_path / "skip" / "final")
-    assert all(torch.isfinite(p).all() for p in final.parameters())
+# --- on_nonfinite (Run's handling of a skipped step: tests/test_run.py) --------------------------------------
 
 
 def test_on_nonfinite_must_be_stop_or_skip():

@@ -34,6 +34,7 @@ CONTRACT = {
     "generate": ["policy", "prompts_td", "max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "num_samples", "logits_processor"],
     "score": ["batch", "reward"],
     "generate_episodes": ["policy", "tokenizer", "envs", "prompts", "temperature", "generator", "max_episode_tokens", "reward_placement", "max_env_workers", "env_timeout_s", "compile", "logits_processor"],
+    "evaluate": ["policy", "tokenizer", "task_or_prompts", "reward", "config", "env"],
 }
 DEFAULTS = {
     ("masked_whiten", "shift_mean"): True,
@@ -57,6 +58,8 @@ DEFAULTS = {
     ("generate_episodes", "reward_placement"): "token",
     ("generate_episodes", "max_env_workers"): 8,
     ("generate_episodes", "env_timeout_s"): 60.0,
+    ("evaluate", "reward"): None,
+    ("evaluate", "config"): None,
 }
 
 
@@ -80,3 +83,23 @@ def test_every_exported_name_resolves():
 def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no_such_thing"):
         rlbits.no_such_thing  # noqa: B018
+
+
+def test_evaluate_a_policy_in_memory():
+    """``rlbits.evaluate``: a task's test prompts and reward, or prompts and a reward, without a run folder."""
+    from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
+
+    policy, tokenizer = tiny_causal_lm("gpt2", 32, seed=0), tiny_tokenizer(32)
+    metrics, batch = rlbits.evaluate(policy, tokenizer, "arithmetic", max_val_samples=3, max_new_tokens=3)
+    assert set(metrics) == {"val_reward", "val_reward_std", "val_response_len"} and batch.batch_size[0] == 3
+    again, _ = rlbits.evaluate(policy, tokenizer, "arithmetic", max_val_samples=3, max_new_tokens=3)
+    assert again == metrics  # its own seeded generator: the same noise every call
+
+    def length(prompts, responses):
+        return [float(len(r)) for r in responses]
+
+    metrics, batch = rlbits.evaluate(policy, tokenizer, ["a b", "c d"], length, max_new_tokens=2)
+    assert batch.batch_size[0] == 2 and batch["rewards"].tolist() == [float(len(r)) for r in batch["response_text"]]
+    assert metrics["val_reward"] == pytest.approx(batch["rewards"].mean().item())
+    with pytest.raises(ValueError, match="needs reward="):
+        rlbits.evaluate(policy, tokenizer, ["a b"])

@@ -1,116 +1,95 @@
-"""``rlbits eval RUN_DIR``: the test-split reward of a run's final policy next to its base model's; for ILQL,
-steered decoding (``steered_validate``, ``evaluate_betas``, ``evaluate_ilql_run``)."""
+"""Evaluation without training: ``evaluate`` (a policy in memory, on a task or a list of prompts) and
+``evaluate_run`` (``rlbits eval RUN_DIR``: a run's final model next to its initial one, by the run's loop).
+
+No loop imports this module: ``evaluate_run`` finds the loop's own ``evaluate_run`` through
+``rlbits.loops.api.loop_module``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
+from rlbits.data.stream import check_prompts
 from rlbits.distributed.env import DistEnv
 from rlbits.loops.api import loop_module, resolve_config
-from rlbits.loops.common import disable_dropout, load_policy_and_tokenizer, policy_path, setup, validate
 from rlbits.loops.config import RunConfig
-from rlbits.models.heads import ILQLModel
-from rlbits.models.load import load_tokenizer
-from rlbits.models.steered import SteeredPolicy
+from rlbits.loops.phases import evaluate_policy
+from rlbits.loops.runtime import Setup
 
-if TYPE_CHECKING:  # the ILQL loop imports this module
-    from rlbits.loops.ilql import ILQLConfig
+
+def evaluate(
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    task_or_prompts: str | Sequence[str],
+    reward: Any = None,
+    *,
+    config: str | Path | dict[str, Any] | RunConfig | None = None,
+    env: DistEnv | None = None,
+    **overrides: Any,
+) -> tuple[dict[str, float], TensorDictBase]:
+    """The mean reward of ``policy``'s responses, in memory (no run directory): ``evaluate_policy`` with the
+    settings of ``config`` (default: the ``reinforce`` loop's, e.g. ``max_new_tokens``, ``temperature``,
+    ``val_greedy``, ``max_val_samples``, ``seed``), changed by ``overrides``.
+
+    Args:
+        task_or_prompts: a task name (``"arithmetic"``): its test prompts (chat-formatted as a run would),
+            reward and, for a multi-turn task, episodes; or a list of prompts, used as given (each one, up to
+            ``max_val_samples``).
+        reward: anything ``rlbits.score`` accepts; None = the task's (required with a list of prompts).
+        env: the process's place in a torchrun job (every rank must call it then); default one process.
+
+    Returns:
+        ``({"val_reward", "val_reward_std", "val_response_len"[, "val_num_turns"]}, batch)``: the metrics
+        over all ranks and this rank's batch (docs/batch.md, with ``rewards``).
+
+    Raises:
+        ValueError: prompts without a reward; an unknown task. PromptError: a bad prompt list.
+        ConfigError: an unknown or invalid setting.
+    """
+    base = config if config is not None else {"loop": "reinforce"}
+    if isinstance(task_or_prompts, str):
+        cfg = resolve_config(base, {"task": task_or_prompts, **overrides})
+        setup = Setup.of(cfg)
+        prompts, reward, make_env = setup.prompts(tokenizer, None, "test"), setup.reward(reward), setup.make_env
+    else:
+        prompts, make_env = check_prompts(task_or_prompts, "prompts"), None
+        if reward is None:
+            raise ValueError("evaluate(policy, tokenizer, prompts) needs reward=: a list of prompts has no task reward")
+        cfg = resolve_config(base, {"max_val_samples": len(prompts), **overrides})
+    return evaluate_policy(policy, tokenizer, cfg, reward=reward, prompts=prompts, env=env, make_env=make_env)
 
 
 def evaluate_run(
     run_dir: str | Path, *, max_val_samples: int | None = None, greedy: bool = False
 ) -> dict[str, dict[str, float]]:
-    """Validate ``RUN_DIR/final`` and the run's initial policy on the same test prompts with the same noise.
-
-    A loop may define its own ``evaluate_run`` (ILQL evaluates steered decoding); it is used when present.
+    """``rlbits eval RUN_DIR``: the loop's ``evaluate_run(run_dir, cfg)`` with the run's config
+    (``config.yaml``), ``max_val_samples`` and ``greedy`` decoding applied. The online loops compare
+    ``RUN_DIR/final`` with the initial policy on the same test prompts with the same noise; ILQL steers the
+    final model at ``beta``; a reward model is scored on its validation sets.
 
     Returns:
-        ``{"base": metrics, "final": metrics}`` with ``val_reward``, ``val_reward_std``, ``val_response_len``.
+        ``{"base": metrics, "final": metrics}`` (a reward-model run: ``{set name: metrics}``).
 
     Raises:
         FileNotFoundError: no ``config.yaml`` or ``final/`` in ``run_dir``.
     """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(
-            f"{run_dir / 'config.yaml'} does not exist; is {str(run_dir)!r} a run directory?"
-        )
+        raise FileNotFoundError(f"{run_dir / 'config.yaml'} does not exist; is {str(run_dir)!r} a run directory?")
     if not (run_dir / "final").is_dir():
         raise FileNotFoundError(f"{run_dir / 'final'} does not exist; the run has not finished")
     cfg = resolve_config(run_dir / "config.yaml")
-    changes = {"val_greedy": greedy or cfg.val_greedy}
+    changes: dict[str, Any] = {"val_greedy": greedy or cfg.val_greedy}
     if max_val_samples is not None:
         changes["max_val_samples"] = max_val_samples
     cfg = dataclasses.replace(cfg, **changes)
-    module = loop_module(cfg.loop)
-    if hasattr(module, "evaluate_run"):
-        return module.evaluate_run(run_dir, cfg)
-    env = setup(cfg)
-    out = {}
-    for name, path in (("base", policy_path(cfg)), ("final", str(run_dir / "final"))):
-        policy, tokenizer = load_policy_and_tokenizer(path, env)
-        out[name], _ = validate(policy, tokenizer, cfg, reward=cfg.resolve_reward(None))  # reward_model, if set
-    return out
+    return loop_module(cfg.loop).evaluate_run(run_dir, cfg)
 
 
-# --------------------------------------------------------------------------------------------------------
-# ILQL: steered decoding
-# --------------------------------------------------------------------------------------------------------
-
-
-def steered_validate(
-    model: ILQLModel,
-    tokenizer: Any,
-    cfg: RunConfig,
-    *,
-    beta: float,
-    reward: Any = None,
-    prompts: Sequence[str] | None = None,
-    env: DistEnv | None = None,
-) -> tuple[dict[str, float], TensorDictBase]:
-    """Mean test-split reward of steered decoding at ``beta`` (``rlbits.loops.common.validate`` on a
-    ``SteeredPolicy``: same prompts, same noise as the base model's validation)."""
-    return validate(SteeredPolicy(model, beta), tokenizer, cfg, reward=reward, prompts=prompts, env=env)
-
-
-def load_ilql_final(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ILQLModel, Any]:
-    """The trained ILQL model (LM and heads) and tokenizer of ``RUN_DIR/final`` (``rlbits.loops.ilql.load_final``)."""
-    folder = Path(run_dir) / "final"
-    model = ILQLModel.from_pretrained(folder, device=device)
-    return disable_dropout(model), load_tokenizer(folder)
-
-
-def evaluate_betas(
-    model: ILQLModel,
-    tokenizer: Any,
-    cfg: RunConfig,
-    betas: Sequence[float],
-    *,
-    reward: Any = None,
-    prompts: Sequence[str] | None = None,
-) -> dict[float, dict[str, float]]:
-    """``steered_validate`` at each beta (same prompts and noise): ``{beta: metrics}``."""
-    return {
-        b: steered_validate(model, tokenizer, cfg, beta=b, reward=reward, prompts=prompts)[0] for b in betas
-    }
-
-
-def evaluate_ilql_run(run_dir: str | Path, cfg: ILQLConfig) -> dict[str, dict[str, float]]:
-    """For ``rlbits eval`` of an ILQL run (``rlbits.loops.ilql.evaluate_run``): the base model (unsteered) and
-    the final model steered at ``cfg.beta``, on the same test prompts with the same noise. Returns
-    ``{"base": metrics, "final": metrics}``."""
-    env = setup(cfg)
-    policy, tokenizer = load_policy_and_tokenizer(policy_path(cfg), env)
-    base, _ = validate(policy, tokenizer, cfg)
-    model, tokenizer = load_ilql_final(run_dir, env.device)
-    final, _ = steered_validate(model, tokenizer, cfg, beta=cfg.beta)
-    return {"base": base, "final": final}
-
-
-__all__ = ["evaluate_betas", "evaluate_ilql_run", "evaluate_run", "load_ilql_final", "steered_validate"]
+__all__ = ["evaluate", "evaluate_run"]

@@ -1,10 +1,8 @@
 """ILQL: implicit language Q-learning on an offline dataset of ``(prompt, response, reward)``.
 
-Algorithm (Snell et al. 2022, "Offline RL for natural language generation with implicit language Q
-learning"; layout of trlx's ``ILQLConfig`` / ``AccelerateILQLTrainer``). A causal LM carries two Q heads
-over the vocabulary, their target copies and a V head (``rlbits.models.ILQLModel``), all reading the LM's
-last hidden state. For every response token t of a dataset sample (state s_t = prompt + response[:t],
-action a_t = response[t]; the sequence reward sits on the last token):
+Algorithm (Snell et al. 2022; layout of trlx's ``ILQLConfig``). A causal LM carries two Q heads over the
+vocabulary, their target copies and a V head (``rlbits.models.ILQLModel``). For every response token t (state
+s_t = prompt + response[:t], action a_t = response[t]; the sequence reward sits on the last token):
 
     targets   = r_t + gamma * V(s_{t+1})        (V detached, 0 after the last token)   ``ilql_targets``
     loss_q    = sum over heads i of mean (Q_i(s_t, a_t) - targets)^2                       ``q_loss``
@@ -13,54 +11,11 @@ action a_t = response[t]; the sequence reward sits on the last token):
     loss_awac = mean -log pi(a_t | s_t)  (the LM head: behaviour cloning)                  ``awac_loss``
     loss      = loss_q + loss_v + cql_scale * loss_cql + awac_scale * loss_awac
 
-After every ``steps_for_target_q_sync`` optimizer steps the target heads move towards the online ones:
-``target = alpha * online + (1 - alpha) * target`` (``alpha=1``: hard copy; ``steps_for_target_q_sync=1``
-with small ``alpha``: Polyak averaging every step). Decoding samples from
-``logits + beta * (min_i target_Q_i(s, .) - V(s))`` (``ilql_logits``; ``SteeredPolicy`` wraps the model so
-plain ``generate`` decodes steered, KV cache included).
+Every ``steps_for_target_q_sync`` steps ``target = alpha * online + (1 - alpha) * target``. Decoding samples
+from ``logits + beta * (min_i target_Q_i(s, .) - V(s))`` (``SteeredPolicy``; ``steered_validate``).
 
-The offline set comes from ``samples=`` (triples or dicts), from ``dataset_path`` (a JSONL file), or is
-built by ``build_offline_dataset``: ``dataset_size`` responses sampled from the base model at
-``dataset_temperature`` for the task's train prompts and scored with the task's reward. It is padded into
-one TensorDict memory-mapped in ``RUN_DIR/offline_dataset/`` (with a human-readable copy of the rows in
-``RUN_DIR/offline_dataset.jsonl``), and a resumed run reads the folder back. Each step draws the next
-``batch_size`` samples of a seeded per-epoch permutation from a torchrl ``ReplayBuffer`` over that
-TensorDict (``rlbits.data.offline``).
-
-Where the rest lives: ``SteeredPolicy`` in ``rlbits.models.steered``; the dataset (rows, tensors, replay
-buffer, ``next_batch``) in ``rlbits.data.offline``; ``steered_validate``, ``load_final``, ``evaluate_betas``
-and ``evaluate_run`` in ``rlbits.loops.evaluate``. They are all importable from here too.
-
-How rlbits departs from trlx:
-  - Targets and losses skip non-action tokens exactly (``action_mask``); the last response token is
-    terminal whether it is EOS or the response was cut at ``max_new_tokens``.
-  - The losses are token means over the whole step batch (global token count over microbatches), and
-    ``q_loss``/``cql_loss`` are summed over the two heads, as trlx does.
-  - Samples given as text get the tokenizer's EOS appended to the response (trlx does the same); samples
-    built here keep the exact sampled token ids (no decode/re-encode round trip).
-  - trlx's ``top_k`` at decoding is not applied: validation samples the full steered distribution at
-    ``temperature`` so its reward compares directly with the base model's.
-  - trlx's default ``alpha=0.001`` every 5 steps suits tens of thousands of steps; the short CPU runs
-    here sync faster (see ``configs/ilql_sentiment.yaml``).
-
-Launch::
-
-    rlbits train configs/ilql_sentiment.yaml                      # one process (the CLI)
-    torchrun --nproc_per_node 2 -m rlbits train configs/ilql_sentiment.yaml      # 2 FSDP2 ranks
-    python -c "from rlbits.loops import ilql; ilql.train(ilql.ILQLConfig(run_dir='runs/ilql'))"
-
-Under ``torchrun`` the model (LM, Q/V heads, target heads) is sharded with FSDP2; each rank trains on its
-``batch_size`` rows of every ``batch_size * world_size`` drawn, with losses divided by the global token count
-(docs/scaling.md); rank 0 writes the logs and ``final/``.
-
-Logged metrics (``metrics.jsonl``, per step; docs/ilql.md explains each): ``loss``, ``loss_q``, ``loss_v``,
-``loss_cql``, ``loss_awac``, ``q_mean``, ``target_q_mean``, ``v_mean``, ``td_target_mean``,
-``advantage_mean``, ``rewards``, ``response_len``, ``grad_norm``, ``epoch``, ``tokens_per_s``, ``time/*``;
-at validation ``val_reward``, ``val_reward_std``, ``val_response_len`` (steered at ``beta``) and
-``val_reward_policy`` (the trained LM head alone, beta = 0). At step 0 the heads are untrained, so
-``val_reward`` (and its std and length) is the base model's (beta 0, equal to ``val_reward_policy``), and
-steering with the untrained heads goes to ``val_reward_untrained_heads``, ``val_reward_std_untrained_heads``
-and ``val_response_len_untrained_heads``.
+The offline set (``samples=``, ``dataset_path``, or built from the base model) lives in ``rlbits.data.offline``.
+docs/ilql.md: the dataset, how rlbits departs from trlx, the metrics and how to launch a run.
 """
 
 from __future__ import annotations
@@ -102,18 +57,15 @@ from rlbits.functional import (
 )
 from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, MIN_TEMPERATURE, ConfigError, RunConfig, check_ranges, field_docs
-from rlbits.loops.evaluate import evaluate_betas, steered_validate
-from rlbits.loops.evaluate import evaluate_ilql_run as evaluate_run
-from rlbits.loops.evaluate import load_ilql_final as load_final
+from rlbits.loops.ilql_eval import evaluate_betas, evaluate_run, load_final, steered_validate
 from rlbits.loops.optim import make_optimizer
 from rlbits.loops.run import Run
 from rlbits.loops.runtime import (
+    Setup,
     disable_dropout,
-    initial_policy_path,
     load_policy_and_tokenizer,
     policy_path,
     prepare,
-    uses_chat,
     with_lora,
 )
 from rlbits.loops.state import LoopState, optimizer_of, runtime
@@ -121,7 +73,6 @@ from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import position_ids_from_mask
 from rlbits.models.heads import ILQLModel
 from rlbits.models.steered import SteeredPolicy
-from rlbits.tasks import get_task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,9 +180,23 @@ class State(LoopState):
     val_prompts: list[str] = runtime(default_factory=list)
 
     @property
+    def trained_model(self) -> torch.nn.Module:
+        """The LM with its heads."""
+        return self.model
+
+    @property
     def epoch(self) -> int:
         """Passes over the offline set completed."""
         return self.sampler.consumed_samples // max(1, self.dataset_len) if self.sampler is not None else 0
+
+    @property
+    def num_samples(self) -> int:
+        """Rows of the offline set."""
+        return self.dataset_len
+
+    def samples_per_step(self, cfg: ILQLConfig) -> int:
+        """``batch_size`` rows on every rank."""
+        return cfg.batch_size * self.env.world_size
 
     def attach(self, data: TensorDictBase, seed: int) -> None:
         """Draw batches from the offline set ``data`` (a fresh sampler; ``Run.start`` restores its position)."""
@@ -251,29 +216,41 @@ def _fresh_model(cfg: ILQLConfig, env: DistEnv | None = None, *, path: str | Non
 
 
 def init_state(
-    cfg: ILQLConfig, env: DistEnv, *, reward: Any = None, val_prompts: Sequence[str] | None = None
+    cfg: ILQLConfig, env: DistEnv, *, setup: Setup | None = None, reward: Any = None,
+    val_prompts: Sequence[str] | None = None,
 ) -> State:
     """The ILQL model (the initial policy with new heads seeded by ``cfg.seed``), tokenizer and optimizer.
     The offline set is attached next (``State.attach``); a resumed run then restores the checkpoint into
-    the state (``Run.start``). ``val_prompts`` replaces the task's test split in validation."""
-    task = get_task(cfg.task)
-    if uses_chat(cfg):  # its offline rows are tokenized as given: chat-formatted validation alone would not match
+    the state (``Run.start``). ``setup``: the run's resolved task (default ``Setup.of(cfg)``);
+    ``val_prompts`` replaces the task's test split in validation.
+
+    Raises:
+        ConfigError: the task's prompts are chat-formatted (offline rows are tokenized as given).
+    """
+    setup = setup if setup is not None else Setup.of(cfg)
+    if setup.chat:  # its offline rows are tokenized as given: chat-formatted validation alone would not match
         raise ConfigError(
             f"the ilql loop does not format prompts as a chat; run task {cfg.task!r} with chat_template=false"
         )
-    model, tokenizer = _fresh_model(cfg, env, path=initial_policy_path(cfg))  # every rank, at set-up
+    init_path = setup.initial_policy_path()  # every rank, at set-up
+    model, tokenizer = _fresh_model(cfg, env, path=init_path)
     model = prepare(disable_dropout(model).to(env.device).train(), cfg, env)
     return State(
-        env=env, tokenizer=tokenizer, model=model,
+        env=env, tokenizer=tokenizer, model=model, init_path=init_path, make_env=setup.make_env,
         optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
-        reward=reward if reward is not None else task.reward,
-        val_prompts=list(val_prompts) if val_prompts is not None else task.prompts("test"),
+        reward=setup.reward(reward), val_prompts=setup.prompts(tokenizer, val_prompts, "test"),
     )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------
 # Phases: phase(state, batch, cfg) -> batch
 # --------------------------------------------------------------------------------------------------------
+
+
+def offline_batch(state: State, batch: TensorDictBase | None, cfg: ILQLConfig) -> TensorDictBase:
+    """Phase 1: this rank's ``batch_size`` rows of the next ``batch_size * world_size`` of the offline set
+    (``rlbits.data.offline.next_batch``); ``batch`` is not read."""
+    return next_batch(state.buffer, cfg.batch_size, state.env)
 
 
 def objective(state: State, micro: TensorDictBase, cfg: ILQLConfig, den: Denominators) -> tuple[torch.Tensor, dict]:
@@ -345,7 +322,7 @@ def validate(state: State, batch: TensorDictBase | None, cfg: ILQLConfig) -> Ten
     model), and the batch returned is its decodes. Steering with the untrained heads (random Q - V, not the
     base) is logged under ``val_reward_untrained_heads``, ``val_reward_std_untrained_heads``,
     ``val_response_len_untrained_heads``."""
-    kw = dict(reward=state.reward, prompts=state.val_prompts, env=state.env)
+    kw = dict(reward=state.reward, prompts=state.val_prompts, env=state.env, make_env=state.make_env)
     values, val_batch = steered_validate(state.model, state.tokenizer, cfg, beta=cfg.beta, **kw)
     plain, plain_batch = (
         steered_validate(state.model, state.tokenizer, cfg, beta=0.0, **kw) if cfg.beta != 0 else (values, val_batch)
@@ -357,9 +334,8 @@ def validate(state: State, batch: TensorDictBase | None, cfg: ILQLConfig) -> Ten
     return val_batch
 
 
-def num_steps(cfg: ILQLConfig, dataset_len: int) -> int:
-    """Steps of the run: ``max_num_steps``, or fewer if ``max_num_epochs`` passes over the set end first."""
-    return min(cfg.max_num_steps, math.ceil(cfg.max_num_epochs * dataset_len / cfg.batch_size))
+PHASES = (offline_batch, update, sync_targets, validate)
+"""The phases of a step, in order (``validate``: the validation phase), each ``phase(state, batch, cfg) -> batch``."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -369,18 +345,12 @@ def num_steps(cfg: ILQLConfig, dataset_len: int) -> int:
 
 def train(
     cfg: ILQLConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Any = None,
-    prompts: Sequence[str] | None = None, samples: Sequence[Any] | None = None,
-    val_prompts: Sequence[str] | None = None,
+    prompts: Sequence[str] | None = None, samples: Sequence[Any] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> Path:  # fmt: skip
     """Train ILQL and return the run directory (``RUN_DIR/final`` holds the LM, tokenizer and heads).
 
     Args:
-        cfg: the config (validated again here).
-        callbacks: objects with ``on_metrics``/``on_samples``/``should_stop``.
-        resume: continue from the newest checkpoint of ``cfg.run_dir`` (exactly reproducing the
-            uninterrupted run on one process).
-        force: also use a ``run_dir`` that is not empty and not an rlbits run, or start an existing run
-            over (``rlbits.loops.run.Run``); a live run's lock is never overridden.
+        cfg, callbacks, resume, force: as ``rlbits.loops.ppo.train`` (``resume``: exact on one process).
         reward: scores the offline set when it is built, and validation; None = the task's reward.
         prompts: prompts to build the offline set from; None = the task's train split.
         samples: the offline set itself: ``(prompt, response, reward)`` triples or dicts.
@@ -402,29 +372,32 @@ def train(
         prompts, val_prompts = run.check_inputs(
             reward=reward, prompts=prompts, val_prompts=val_prompts, samples=samples, optional=("prompts", "samples")
         )  # fmt: skip
-        state = init_state(cfg, run.env, reward=reward, val_prompts=val_prompts)
+        state = init_state(cfg, run.env, setup=run.setup, reward=reward, val_prompts=val_prompts)
         run.check_lengths(state)
-        with run.timer("dataset"):  # 0. the offline set: built from the base policy, or read back on resume
-            data = load_or_build_dataset(cfg, state, samples=samples, reward=reward, prompts=prompts,
-                                         resume=run.checkpoint is not None, write=run.env.is_main)  # fmt: skip
+        with run.timed("dataset"):  # 0. the offline set: built from the base policy, or read back on resume
+            data = load_or_build_dataset(
+                cfg, state, samples=samples, reward=state.reward, prompts=prompts, resume=run.checkpoint is not None,
+                write=run.env.is_main,
+            )  # fmt: skip
         state.attach(data, cfg.seed)
-        run.start(state, validate=validate, total_steps=num_steps(cfg, len(data)))
-        state.metrics.update({**dataset_stats(data), "time/dataset": run.timer.seconds["dataset"]})
+        run.start(state, validate=validate)
+        state.metrics.update({**dataset_stats(data), "time/dataset": run.elapsed("dataset")})
         for _ in run.steps(state):
             with run.step(state):
                 with run.phase("data"):  # 1. the next batch of offline rows
-                    batch = next_batch(state.buffer, cfg.batch_size, run.env)
+                    batch = offline_batch(state, None, cfg)
                 with run.phase("update"):  # 2. Q, V, CQL and AWAC losses; one optimizer step
                     batch = update(state, batch, cfg)
                 with run.phase("sync"):  # 3. target Q heads towards the online ones
                     batch = sync_targets(state, batch, cfg)
                 run.end_step(state, batch)  # 4. log; validate and save when due
-        return run.finish(state, model=state.model, build=lambda: _fresh_model(cfg)[0])
+        return run.finish(state, build=lambda: _fresh_model(cfg, path=state.init_path)[0])
 
 
 __all__ = [
     "DATASET_DIR",
     "DATASET_FILE",
+    "PHASES",
     "ILQLConfig",
     "State",
     "SteeredPolicy",
@@ -437,8 +410,8 @@ __all__ = [
     "load_or_build_dataset",
     "next_batch",
     "normalize_samples",
-    "num_steps",
     "objective",
+    "offline_batch",
     "offline_buffer",
     "read_dataset",
     "save_dataset",

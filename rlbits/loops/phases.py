@@ -1,7 +1,7 @@
-"""Phase building blocks the loops share: sample, score, reference logprobs, validate, step statistics.
-
-The loops' own phases (``rlbits.loops.ppo.rollout`` etc.) have the uniform signature
-``phase(state, batch, cfg) -> batch``; these are the model-level pieces beneath them, usable in any loop.
+"""What the loops share: the online phases ``rollout``, ``reference`` and ``validate_policy``, each
+``phase(state, batch, cfg) -> batch``, and the model-level building blocks beneath them (``generate_rollout``,
+``run_episodes``, ``score_rollout``, ``reference_logprobs``, ``evaluate_policy``, ``add_batch_stats``),
+usable in any loop or notebook.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from rlbits.distributed.reduce import all_reduce_sum
 from rlbits.functional import kl_penalty, masked_sum
 from rlbits.loops.config import RunConfig
 from rlbits.loops.metrics import StepMetrics
-from rlbits.loops.runtime import autocast, generator
+from rlbits.loops.runtime import autocast, generator, head_args
 from rlbits.models.forward import HEAD_MEMORY_BUDGET_MB, policy_logprobs
 from rlbits.models.lora import adapters_disabled, is_lora
 from rlbits.rollout.generate import generate_texts
@@ -37,7 +38,7 @@ def prompt_texts(batch: TensorDictBase | Sequence[str]) -> list[str]:
     return list(batch)
 
 
-def rollout(
+def generate_rollout(
     policy: torch.nn.Module,
     tokenizer: Any,
     prompts: Sequence[str],
@@ -78,7 +79,7 @@ def env_options(make_env: Callable[..., Any], cfg: RunConfig) -> dict[str, Any]:
     return options
 
 
-def episodes(
+def run_episodes(
     policy: torch.nn.Module,
     tokenizer: Any,
     prompts: Sequence[str],
@@ -159,7 +160,7 @@ def decoding(state: Any, cfg: RunConfig) -> Iterator[torch.nn.Module]:
 
 def score_rollout(batch: TensorDictBase, reward: Any) -> torch.Tensor:
     """Write ``rewards`` [B] from ``reward`` (callable, reward model or server URL; see ``rlbits.score``).
-    An episode batch (``episodes``: it has ``turn_rewards``) keeps the rewards its envs gave; ``reward`` is
+    An episode batch (``run_episodes``: it has ``turn_rewards``) keeps the rewards its envs gave; ``reward`` is
     not called."""
     if "turn_rewards" in batch.keys():
         return batch["rewards"]
@@ -186,6 +187,44 @@ def reference_model(state: Any) -> Iterator[torch.nn.Module]:
         raise ValueError("the state has no reference policy (state.reference is None) and its policy no LoRA adapters")
 
 
+def sample(state: Any, batch: TensorDictBase, cfg: RunConfig, policy: torch.nn.Module) -> TensorDictBase:
+    """``cfg.num_generations_per_prompt`` responses of ``policy`` per prompt of ``batch["prompt_text"]`` at
+    ``cfg.temperature`` (groups contiguous), drawn with ``state.sampling_generator``: ``generate_rollout``, or
+    for a multi-turn task (``state.make_env``) one episode per sample (``run_episodes``). Returns the new
+    batch (docs/batch.md)."""
+    common = dict(
+        temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt, generator=state.sampling_generator,
+        compile=cfg.compile_generate, pack_weights=pack_weights(cfg),
+    )  # fmt: skip
+    if state.make_env is not None:
+        return run_episodes(policy, state.tokenizer, prompt_texts(batch), state.make_env, cfg, **common)
+    return generate_rollout(policy, state.tokenizer, prompt_texts(batch), max_new_tokens=cfg.max_new_tokens, **common)
+
+
+def rollout(state: Any, batch: TensorDictBase, cfg: RunConfig) -> TensorDictBase:
+    """The rollout phase of the online loops: ``sample`` of ``state.policy`` (through ``decoding``: its
+    bfloat16 copy under ``precision: bf16``) for the prompts of ``batch``. Returns the new batch with
+    ``prompts``, ``prompt_mask``, ``responses``, ``action_mask``, ``response_mask``, ``input_ids``,
+    ``attention_mask``, ``logprobs``, ``group``, ``truncated``, ``prompt_text``, ``response_text`` (an episode
+    batch adds ``rewards``, ``turn_rewards``, ``turn_index``, ``num_turns``, ``stop_reason``)."""
+    with decoding(state, cfg) as model:
+        return sample(state, batch, cfg, model)
+
+
+def reference(state: Any, batch: TensorDictBase, cfg: RunConfig) -> TensorDictBase:
+    """The reference phase of the online loops: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen
+    initial policy (``reference_model``: with LoRA the policy with its adapters disabled). Nothing when no
+    term uses them (``cfg.uses_ref_logprobs`` False): the batch then has no ``ref_logprobs``, every KL is 0
+    and ``init_policy_kl`` is not logged."""
+    if not cfg.uses_ref_logprobs:
+        return batch
+    with reference_model(state) as ref, unsharded(ref), autocast(ref, cfg):
+        reference_logprobs(
+            ref, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg)
+        )
+    return batch
+
+
 def reference_logprobs(
     ref_policy: torch.nn.Module, batch: TensorDictBase, *, temperature: float, microbatch_size: int,
     head: str = "auto", head_memory_budget_mb: float = HEAD_MEMORY_BUDGET_MB,
@@ -200,7 +239,7 @@ def reference_logprobs(
     return batch["ref_logprobs"]
 
 
-def validate(
+def evaluate_policy(
     policy: torch.nn.Module,
     tokenizer: Any,
     cfg: RunConfig,
@@ -214,7 +253,7 @@ def validate(
     make_env: Callable[..., Any] | None = None,
 ) -> tuple[dict[str, float], TensorDictBase]:
     """Mean reward of one response to each of the first ``max_val_samples`` of ``prompts``; with ``make_env``
-    (a multi-turn task) of one episode per prompt (``episodes``), whose reward is the sum of its turns', and
+    (a multi-turn task) of one episode per prompt (``run_episodes``), whose reward is the sum of its turns', and
     ``{prefix}_num_turns`` (mean policy turns per episode) is added.
 
     Uses its own generator (``derive_seed(seed, rank, "validation")``), so validating never shifts the
@@ -233,17 +272,12 @@ def validate(
     temperature = 0.0 if cfg.val_greedy else cfg.temperature
     with autocast(policy, cfg):
         if make_env is not None:
-            batch = episodes(policy, tokenizer, prompts, make_env, cfg, temperature=temperature, generator=gen)
+            batch = run_episodes(policy, tokenizer, prompts, make_env, cfg, temperature=temperature, generator=gen)
         else:
-            batch = rollout(
-                policy,
-                tokenizer,
-                prompts,
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=temperature,
-                generator=gen,
-                logits_processor=logits_processor,
-            )
+            batch = generate_rollout(
+                policy, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
+                generator=gen, logits_processor=logits_processor,
+            )  # fmt: skip
     rewards = score_rollout(batch, reward).double().cpu()
     lengths = batch["action_mask"].sum(-1).double().cpu()
     turns = batch["num_turns"].double().cpu() if make_env is not None else torch.zeros_like(rewards)
@@ -262,15 +296,37 @@ def validate(
 
 
 def validate_policy(state: Any, batch: TensorDictBase | None, cfg: RunConfig) -> TensorDictBase:
-    """The validation phase of the online loops (PPO, REINFORCE): ``validate`` of ``state.policy`` on
+    """The validation phase of the online loops (PPO, REINFORCE): ``evaluate_policy`` of ``state.policy`` on
     ``state.val_prompts`` with ``state.reward`` (episodes of ``state.make_env`` for a multi-turn task); adds
     ``val_reward``, ``val_reward_std``, ``val_response_len`` (and ``val_num_turns``) to ``state.metrics``.
     ``batch`` is not read. Returns this rank's validation batch."""
-    _, val_batch = validate(
+    _, val_batch = evaluate_policy(
         state.policy, state.tokenizer, cfg, reward=state.reward, prompts=state.val_prompts, env=state.env,
         metrics=state.metrics, make_env=getattr(state, "make_env", None),
     )  # fmt: skip
     return val_batch
+
+
+def evaluate_run(run_dir: str | Path, cfg: RunConfig) -> dict[str, dict[str, float]]:
+    """``rlbits eval RUN_DIR`` of an online run (PPO, REINFORCE): ``evaluate_policy`` of ``RUN_DIR/final`` and
+    of the run's initial policy (``policy_path``) on the task's test prompts, with the same noise, the run's
+    reward (``cfg.resolve_reward``: its ``reward_model``, else the task's) and, for a multi-turn task, episodes.
+
+    Returns:
+        ``{"base": metrics, "final": metrics}`` with ``val_reward``, ``val_reward_std``, ``val_response_len``.
+    """
+    from rlbits.loops.runtime import Setup, load_policy_and_tokenizer, policy_path, setup
+
+    env, run = setup(cfg), Setup.of(cfg)
+    reward = run.reward(cfg.resolve_reward(None))
+    out = {}
+    for name, path in (("base", policy_path(cfg)), ("final", str(Path(run_dir) / "final"))):
+        policy, tokenizer = load_policy_and_tokenizer(path, env)
+        out[name], _ = evaluate_policy(
+            policy, tokenizer, cfg, reward=reward, prompts=run.prompts(tokenizer, None, "test"), env=env,
+            make_env=run.make_env,
+        )  # fmt: skip
+    return out
 
 
 def kl_per_sequence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
@@ -303,14 +359,20 @@ __all__ = [
     "add_batch_stats",
     "bf16_copy",
     "decoding",
-    "episodes",
+    "env_options",
+    "evaluate_policy",
+    "evaluate_run",
+    "generate_rollout",
     "kl_per_sequence",
+    "pack_weights",
     "prompt_batch",
     "prompt_texts",
+    "reference",
     "reference_logprobs",
     "reference_model",
     "rollout",
+    "run_episodes",
+    "sample",
     "score_rollout",
-    "validate",
     "validate_policy",
 ]

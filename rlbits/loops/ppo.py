@@ -1,52 +1,19 @@
 """Actor-critic PPO for language models: the RLHF loop of Ouyang 2022, on any reward.
 
-Algorithm (Schulman 2017, "Proximal Policy Optimization Algorithms"; for language models Ziegler 2019,
-"Fine-Tuning Language Models from Human Preferences", and Ouyang 2022, "Training language models to follow
-instructions with human feedback", eq. 2). Each step:
+Algorithm (Schulman 2017; for language models Ziegler 2019 and Ouyang 2022, eq. 2). Each step:
 
-1. rollout    sample ``num_generations_per_prompt`` responses for ``num_prompts_per_step`` train prompts
-              (behaviour logprobs at ``temperature``);
-2. score      the sequence reward of each response (``rewards``), optionally the reference policy's reward
-              on the same prompts (``reward_subtract_reference``);
+1. rollout    ``num_generations_per_prompt`` responses for each of ``num_prompts_per_step`` prompts;
+2. score      the sequence reward of each response (``reward_subtract_reference``: minus the reference's);
 3. reference  the frozen initial policy's logprobs of the sampled tokens (``ref_logprobs``);
 4. values     the critic's V(s_t) before each response token (``values``);
-5. advantages scaled rewards on the last token minus ``kl_coef * KL`` on every token (``token_rewards``),
-              GAE(gamma, lam) advantages for the policy, GAE(gamma, critic_lam) returns for the critic,
-              advantages whitened over the batch;
-6. update     ``ppo_epochs`` x ``num_minibatches`` Adam steps on the clipped surrogate (policy) and the
-              squared value error (critic), each minibatch split into ``microbatch_size`` rows whose
-              gradients accumulate; every loss is divided by the minibatch's global action-token count so
-              microbatching does not change the update;
-7. kl control the adaptive KL controller (Ziegler 2019, sec. 2.2) updates ``kl_coef`` from the step's KL;
-              the new value applies from the next step;
-8. log, validate every ``val_period`` steps, save every ``save_period`` steps (``rlbits.loops.run.Run``).
+5. advantages scaled reward on the last token minus ``kl_coef * KL`` on every token, GAE(gamma, lam)
+              advantages (whitened) and GAE(gamma, critic_lam) returns;
+6. update     ``ppo_epochs`` x ``num_minibatches`` steps on the clipped surrogate and the value loss;
+7. kl control the adaptive KL controller (Ziegler 2019, sec. 2.2) moves ``kl_coef`` for the next step;
+8. log, validate and save (``rlbits.loops.run.Run``).
 
-Every phase is ``phase(state, batch, cfg) -> batch`` (docs/design.md, "Phases"): a notebook can run one
-step phase by phase (tutorials/04), a new algorithm can reuse any of them.
-
-How rlbits departs from the papers and from trlx / NeMo-Aligner / NeMo-RL / TRL (details in docs/ppo.md):
-
-- The critic is a separate model (``ValueModel``: a copy of the policy's backbone plus a scalar head) with its
-  own AdamW optimizer and learning rate (``critic_learning_rate``), as NeMo-Aligner and OpenRLHF do; trlx and
-  the original lm-human-preferences share one optimizer over a two-headed model. ``vf_coef`` therefore only
-  scales the critic's gradient (which matters for gradient clipping, barely for Adam).
-- GAE runs over action tokens only (tokens where ``action_mask`` is False are skipped, not treated as
-  steps), and the policy and the critic can use different lambdas (``critic_lam``, as VAPO, Yuan 2025).
-- The old logprobs are the sampler's (``generate`` computes them with the same forward pass a training step
-  uses), not a second forward pass.
-- No learning-rate schedule: constant learning rates.
-
-Launch (one process, or N data-parallel FSDP2 ranks with ``torchrun``; docs/scaling.md)::
-
-    rlbits train configs/ppo_sentiment.yaml run_dir=runs/ppo1
-    torchrun --nproc_per_node 2 -m rlbits train configs/ppo_sentiment.yaml run_dir=runs/ppo2
-
-Metrics (one ``metrics.jsonl`` line per step; docs/ppo.md explains each): ``rewards``, ``rewards_with_kl``,
-``init_policy_kl``, ``kl_coef`` (``kl_loss_coef`` with the KL in the loss), ``advantages``, ``returns``,
-``values``, ``explained_variance``, ``actor_loss``, ``critic_loss``, ``clipfrac``, ``approx_kl``,
-``ratio_mean``, ``entropy``, ``value_clipfrac``, ``grad_norm``, ``critic_grad_norm``, ``response_len``,
-``tokens_per_s``, ``time/<phase>``, ``epoch``, and ``val_reward`` (+ ``val_reward_std``,
-``val_response_len``) on validation steps (step 0 = before training).
+Every phase is ``phase(state, batch, cfg) -> batch`` (``PHASES``). docs/ppo.md: how rlbits departs from the
+papers and from trlx / NeMo-Aligner / TRL, the metrics and how to launch a run.
 """
 
 from __future__ import annotations
@@ -59,6 +26,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from tensordict import TensorDictBase
 
+from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_sum, masked_var
@@ -76,20 +44,18 @@ from rlbits.functional import (
 )
 from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, ConfigError, RunConfig, check_ranges
-from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import make_optimizer
-from rlbits.loops.run import NonFiniteError, Run, total_steps
+from rlbits.loops.run import NonFiniteError, Run
 from rlbits.loops.runtime import (
+    Setup,
     autocast,
     build_policy,
     disable_dropout,
     fused_gelu,
     generator,
     head_args,
-    initial_policy_path,
     kernel,
     load_policy_and_tokenizer,
-    loop_prompts,
     prepare,
     with_lora,
 )
@@ -99,7 +65,6 @@ from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
 from rlbits.models.load import freeze
 from rlbits.models.lora import share_frozen_parameters
-from rlbits.tasks import get_task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +205,11 @@ class State(OnlineState):
     kl_coef: float
     """Current coefficient of the active KL term (changes only with ``adaptive_kl``)."""
 
+    @property
+    def trained_model(self) -> torch.nn.Module:
+        """The policy (the critic trains too, but ``final/`` is the policy)."""
+        return self.policy
+
 
 def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> ValueModel:
     if cfg.critic_init == "policy":
@@ -254,19 +224,20 @@ def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> Value
 
 
 def init_state(
-    cfg: PPOConfig, env: DistEnv, *, reward: Any = None, prompts: Sequence[str] | None = None,
-    val_prompts: Sequence[str] | None = None,
+    cfg: PPOConfig, env: DistEnv, *, setup: Setup | None = None, reward: Any = None,
+    prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> State:
     """Load policy, reference, critic and tokenizer from the initial weights; build optimizers, generators
     and the prompt stream. A resumed run then restores the checkpoint into it (``Run.start``).
 
     Args:
+        setup: the run's resolved task (default ``Setup.of(cfg)``).
         reward, prompts: override the task's reward and train prompts.
         val_prompts: override the task's test split as validation prompts.
     """
-    task = get_task(cfg.task)
-    make_env = getattr(task, "make_env", None)
-    init_path = initial_policy_path(cfg)
+    setup = setup if setup is not None else Setup.of(cfg)
+    make_env = setup.make_env
+    init_path = setup.initial_policy_path()
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None
     needs_reference = cfg.uses_ref_logprobs or cfg.reward_subtract_reference
@@ -285,10 +256,9 @@ def init_state(
         value_optimizer=make_optimizer(value_model.parameters(), critic_lr, cfg.weight_decay),
         sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
         minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
-        stream=PromptStream(loop_prompts(cfg, tokenizer, prompts, "train"), cfg.seed),
-        kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef,
-        reward=reward if reward is not None else task.reward, make_env=make_env,
-        val_prompts=loop_prompts(cfg, tokenizer, val_prompts, "test"),
+        stream=PromptStream(setup.prompts(tokenizer, prompts, "train"), cfg.seed), init_path=init_path,
+        kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef, reward=setup.reward(reward),
+        make_env=make_env, val_prompts=setup.prompts(tokenizer, val_prompts, "test"),
     )  # fmt: skip
 
 
@@ -297,30 +267,8 @@ def init_state(
 # --------------------------------------------------------------------------------------------------------
 
 
-def rollout(state: State, batch: TensorDictBase, cfg: PPOConfig, *, policy: torch.nn.Module | None = None) -> TensorDictBase:
-    """Phase 1: ``num_generations_per_prompt`` responses per prompt of ``batch["prompt_text"]`` at
-    ``temperature``, sampled with ``state.sampling_generator`` (``policy``: default ``state.policy``).
-
-    Returns a new batch with ``prompts``, ``prompt_mask``, ``responses``, ``action_mask``, ``response_mask``,
-    ``input_ids``, ``attention_mask``, ``logprobs``, ``group``, ``truncated``, ``prompt_text``,
-    ``response_text``. A multi-turn task (``state.make_env``): one episode per sample (``phases.episodes``),
-    with ``rewards``, ``turn_rewards``, ``turn_index``, ``num_turns`` and ``stop_reason`` as well.
-    """
-    context = phases.decoding(state, cfg) if policy is None else autocast(policy, cfg)
-    with context as model:
-        if state.make_env is not None:
-            return phases.episodes(
-                policy if policy is not None else model, state.tokenizer, phases.prompt_texts(batch),
-                state.make_env, cfg, temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt,
-                generator=state.sampling_generator, compile=cfg.compile_generate,
-                pack_weights=phases.pack_weights(cfg),
-            )  # fmt: skip
-        return phases.rollout(
-            policy if policy is not None else model, state.tokenizer, phases.prompt_texts(batch),
-            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            num_samples=cfg.num_generations_per_prompt, compile=cfg.compile_generate,
-            pack_weights=phases.pack_weights(cfg), generator=state.sampling_generator,
-        )  # fmt: skip
+rollout = phases.rollout
+"""Phase 1: ``num_generations_per_prompt`` responses per prompt at ``temperature`` (``phases.rollout``)."""
 
 
 def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
@@ -331,21 +279,14 @@ def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase
     phases.score_rollout(batch, state.reward)
     if cfg.reward_subtract_reference:
         prompts = phases.prompt_batch(list(batch["prompt_text"])[:: cfg.num_generations_per_prompt])
-        with phases.reference_model(state) as ref:
-            ref_batch = rollout(state, prompts, cfg, policy=ref)
+        with phases.reference_model(state) as ref, autocast(ref, cfg):
+            ref_batch = phases.sample(state, prompts, cfg, ref)
         batch["reference_rewards"] = phases.score_rollout(ref_batch, state.reward).to(batch["rewards"].device)
     return batch
 
 
-def reference(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
-    """Phase 3: ``ref_logprobs`` [B, R] under the frozen reference. Nothing when no term uses them
-    (``cfg.uses_ref_logprobs`` is False): the batch then has no ``ref_logprobs``, every KL is 0 and
-    ``init_policy_kl`` is not logged."""
-    if not cfg.uses_ref_logprobs:
-        return batch
-    with phases.reference_model(state) as ref, unsharded(ref), autocast(ref, cfg):
-        phases.reference_logprobs(ref, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg))
-    return batch
+reference = phases.reference
+"""Phase 3: ``ref_logprobs`` [B, R] under the frozen reference, when a term uses them (``phases.reference``)."""
 
 
 def values(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
@@ -489,6 +430,12 @@ def kl_control(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
 validate = phases.validate_policy
 """Validation: mean reward of one response per test prompt (``rlbits.loops.phases.validate_policy``)."""
 
+evaluate_run = phases.evaluate_run
+"""``rlbits eval RUN_DIR``: the final policy's test-split reward next to the base model's."""
+
+PHASES = (rollout, score, reference, values, advantages, update, kl_control, validate)
+"""The phases of a step, in order (``validate``: the validation phase), each ``phase(state, batch, cfg) -> batch``."""
+
 
 # --------------------------------------------------------------------------------------------------------
 # The loop
@@ -526,7 +473,7 @@ def train(
     reward = cfg.resolve_reward(reward)  # the reward_model key: a reward-model folder instead of the task's reward
     with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
         prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
-        state = init_state(cfg, run.env, reward=reward, prompts=prompts, val_prompts=val_prompts)
+        state = init_state(cfg, run.env, setup=run.setup, reward=reward, prompts=prompts, val_prompts=val_prompts)
         run.start(state, validate=validate)  # restores a checkpoint into the state; opens the logs
         for _ in run.steps(state):
             with run.step(state):
@@ -544,14 +491,16 @@ def train(
                     batch = update(state, batch, cfg)
                 batch = kl_control(state, batch, cfg)  # 7. adaptive KL coefficient
                 run.end_step(state, batch)  # 8. log; validate and save when due
-        return run.finish(state, build=lambda: build_policy(cfg))
+        return run.finish(state, build=lambda: build_policy(cfg, state.init_path))
 
 
 __all__ = [
     "NonFiniteError",
+    "PHASES",
     "PPOConfig",
     "State",
     "advantages",
+    "evaluate_run",
     "init_state",
     "kl_control",
     "objective",
@@ -559,7 +508,6 @@ __all__ = [
     "rollout",
     "scale_rewards",
     "score",
-    "total_steps",
     "train",
     "update",
     "validate",

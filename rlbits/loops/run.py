@@ -4,7 +4,7 @@ A loop's ``train()`` keeps its algorithm visible and hands the rest to a ``Run``
 
     with Run(cfg, callbacks=callbacks, resume=resume) as run:    # process group, seeds, resume checkpoint
         prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
-        state = init_state(cfg, run.env, ...)                     # models, optimizers, generators
+        state = init_state(cfg, run.env, setup=run.setup, ...)    # models, optimizers, generators, data
         run.start(state, validate=validate)                       # restore a checkpoint; open the logs
         for step in run.steps(state):                             # validates at step 0; stops on signal etc.
             with run.step(state):                                 # times phases; on_nonfinite="skip"
@@ -15,15 +15,20 @@ A loop's ``train()`` keeps its algorithm visible and hands the rest to a ``Run``
                 run.end_step(state, batch)                        # log, validate, save when due
         run.finish(state, build=...)                              # last checkpoint, RUN_DIR/final/
 
+The run reads the state through the contract of ``rlbits.loops.state.LoopState``: ``trained_model``,
+``num_samples``, ``samples_per_step(cfg)``, ``epoch``, ``count_tokens(batch)`` and the counters. Every phase
+is ``phase(state, batch, cfg) -> batch``.
+
 What the run decides, identically for every loop (docs/design.md, "Run lifecycle"):
 
 - seeds: every random stream is ``rlbits.loops.runtime.generator(seed, rank, name)``, seeded by
   ``derive_seed(seed, rank, name)``;
-- total steps: ``max_num_steps``, or fewer when ``max_num_epochs`` passes over the data end first;
+- total steps: ``max_num_steps``, or fewer when ``max_num_epochs`` passes over the data end first
+  (``total_steps``);
 - validation at step 0 (``val_at_start``), every ``val_period`` steps and after the last step (``val_at_end``);
 - a checkpoint every ``save_period`` steps, after the last step and when a stop is requested (SIGINT/SIGTERM,
-  a callback's ``should_stop()``); ``final/`` (an HF folder of the policy) at the end of every run, stopped
-  or not;
+  a callback's ``should_stop()``); ``final/`` (an HF folder of ``state.trained_model``) at the end of every
+  run, stopped or not;
 - a NaN/inf reward, loss or gradient (``FloatingPointError``, ``InvalidRewardError``): ``on_nonfinite="stop"``
   re-raises it (the last checkpoint stays the newest), ``"skip"`` logs ``skipped_step`` and goes on. Every
   rank takes the same decision;
@@ -36,6 +41,7 @@ What the run decides, identically for every loop (docs/design.md, "Run lifecycle
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -47,11 +53,17 @@ from tensordict import TensorDictBase
 
 from rlbits.distributed.checkpoint import export_model, restore_checkpoint, resume_checkpoint, save_checkpoint
 from rlbits.distributed.env import DistEnv, is_collective_failure
-from rlbits.distributed.reduce import any_rank, global_count
+from rlbits.distributed.reduce import all_reduce_sum, any_rank
 from rlbits.loops.config import RunConfig
 from rlbits.loops.logger import RunLogger, elastic_restart, read_metrics
 from rlbits.loops.metrics import StepMetrics
-from rlbits.loops.provenance import check_lengths, start_provenance, user_prompts, write_provenance
+from rlbits.loops.provenance import (
+    check_lengths,
+    check_resume,
+    describe_inputs,
+    user_prompts,
+    write_provenance,
+)
 from rlbits.loops.rundir import (
     DiskFullError,
     RunDirClaim,
@@ -60,7 +72,7 @@ from rlbits.loops.rundir import (
     disk_full,
     disk_full_error,
 )
-from rlbits.loops.runtime import setup
+from rlbits.loops.runtime import Setup, setup
 from rlbits.loops.state import LoopState
 from rlbits.rollout.multiturn import episode_turns
 from rlbits.rollout.score import InvalidRewardError
@@ -93,7 +105,7 @@ def collective_errors(step: int, phase: str, timeout_s: float | None = None) -> 
             raise
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         prefix = f"step {step}, phase {phase}: "
-        text = text.split(": ", 2)[-1] if text.startswith("step ") else text  # in_phase's prefix, once
+        text = text.split(": ", 2)[-1] if text.startswith("step ") else text  # drop in_phase's prefix
         if "timed out" in text.lower() or "timeout" in text.lower():
             after = f" after {timeout_s:g} s (collective_timeout_s)" if timeout_s is not None else ""
             what = (
@@ -166,13 +178,20 @@ def agreed(env: DistEnv, enabled: bool = True) -> Iterator[None]:
         raise error if error is not None else FloatingPointError("another rank hit a non-finite value")
 
 
-def total_steps(cfg: RunConfig, num_samples: int, samples_per_step: int) -> int:
+def total_steps(cfg: RunConfig, num_samples: int | None, samples_per_step: int) -> int:
     """Steps a run takes: ``max_num_steps``, or fewer if ``max_num_epochs`` passes over ``num_samples``
-    (drawn ``samples_per_step`` per step, all ranks together) end first; at least 1."""
-    return max(1, min(cfg.max_num_steps, cfg.max_num_epochs * num_samples // samples_per_step))
+    (drawn ``samples_per_step`` per step, all ranks together) end first, the last step rounded up (every
+    sample is seen ``max_num_epochs`` times; that step may reach into the next pass); at least 1.
+    ``num_samples`` None: no epochs, ``max_num_steps``.
 
-
-_total_steps = total_steps  # ``Run.start`` has an argument of that name
+    Raises:
+        ValueError: ``samples_per_step`` < 1.
+    """
+    if num_samples is None:
+        return cfg.max_num_steps
+    if samples_per_step < 1:
+        raise ValueError(f"samples_per_step must be >= 1, got {samples_per_step}")
+    return max(1, min(cfg.max_num_steps, -(-cfg.max_num_epochs * num_samples // samples_per_step)))
 
 
 class Run:
@@ -216,6 +235,7 @@ class Run:
         self.callbacks = list(callbacks)
         self.timer = PhaseTimer()
         self.total = cfg.max_num_steps
+        """The run's length in steps, set by ``start`` (``total_steps``)."""
         self._validate: Callable | None = None
         self._saved_step = -1
         self._stopped = False
@@ -224,10 +244,15 @@ class Run:
         self._prompts: tuple[list[str] | None, list[str] | None] | None = None
         self._lengths_checked = False
         self.provenance: dict[str, Any] | None = None
-        """What the run is started with (``rlbits.loops.provenance.start_provenance``); ``start`` writes it to
+        """What the run is started with (``record_provenance``); ``start`` writes it to
         ``RUN_DIR/provenance.json`` on a fresh run (rank 0)."""
 
     # --- set-up -------------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def setup(self) -> Setup:
+        """The run's resolved task and prompt format (``Setup.of(cfg)``, resolved on first use)."""
+        return Setup.of(self.cfg)
 
     def _claim_run_dir(self, force: bool) -> RunDirClaim | None:
         """The main process checks and locks the run directory (``claim_run_dir``) before anything is read
@@ -259,22 +284,36 @@ class Run:
             PromptError: a bad prompt. ResumeMismatchError: a resume with other inputs.
         """
         prompts, val_prompts = user_prompts(self.cfg, prompts, val_prompts)
-        self.provenance = start_provenance(
-            self.cfg, resumed=self.checkpoint is not None, reward=reward, prompts=prompts, val_prompts=val_prompts,
-            samples=samples, optional=optional,
-        )  # fmt: skip
+        given = {"prompts": prompts, "samples": samples}
+        record = describe_inputs(
+            self.cfg, reward=reward, prompts=prompts, val_prompts=val_prompts, samples=samples, task=self.setup.task
+        )
+        self.record_provenance(record, not_given=[k for k in optional if given.get(k) is None])
         self._prompts = (prompts, val_prompts)
         return prompts, val_prompts
 
+    def record_provenance(self, record: dict[str, Any], *, not_given: Sequence[str] = ()) -> None:
+        """Record what the run is started with (``record``: JSON values, e.g. ``describe_inputs``); ``start``
+        writes it to ``RUN_DIR/provenance.json`` on a fresh run. On a resumed run, first compare it with the
+        recorded one (``check_resume``; ``not_given``: entries this call left out, which are not compared).
+
+        Raises:
+            ResumeMismatchError: a resumed run given other inputs (unless ``allow_changed_inputs``).
+        """
+        if self.checkpoint is not None:
+            check = {k: v for k, v in record.items() if k not in not_given}
+            allow = getattr(self.cfg, "allow_changed_inputs", False)
+            check_resume(self.cfg.run_dir, check, allow_changed=allow, optional=not_given)
+        self.provenance = record
+
     def check_lengths(self, state: LoopState) -> None:
-        """Every user prompt plus ``max_new_tokens`` fits the context of the state's model (``policy`` or
-        ``model``), once it is loaded and before the first step (``start`` calls it if the loop has not)."""
+        """Every user prompt plus ``max_new_tokens`` fits the context of ``state.trained_model``, once it is
+        loaded and before the first step (``start`` calls it if the loop has not)."""
         if self._prompts is not None and not self._lengths_checked:
-            model = getattr(state, "policy", None) or getattr(state, "model", None)
-            check_lengths(model, state.tokenizer, self.cfg, *self._prompts)
+            check_lengths(state.trained_model, state.tokenizer, self.cfg, *self._prompts, task=self.setup.task)
         self._lengths_checked = True
 
-    def start(self, state: LoopState, *, validate: Callable, total_steps: int | None = None) -> None:
+    def start(self, state: LoopState, *, validate: Callable) -> None:
         """Restore ``state`` from the resume checkpoint (if any; ``restore_checkpoint``: a checkpoint that does
         not load, for any reason, is skipped with a warning and the previous one loaded), open the run
         directory's logs at its step and install the SIGINT/SIGTERM handlers.
@@ -282,18 +321,15 @@ class Run:
         Args:
             state: the loop's freshly built state.
             validate: the loop's validation phase ``validate(state, batch, cfg) -> batch``.
-            total_steps: the run's length; default ``total_steps(cfg, len(state.stream), num_prompts_per_step *
-                world_size)`` for a state with a prompt stream, else ``max_num_steps``.
+
+        The run's length is ``total_steps(cfg, state.num_samples, state.samples_per_step(cfg))`` (``self.total``).
 
         Raises:
             CheckpointError: resuming, and no checkpoint of the run loads.
         """
         self.check_lengths(state)
         self._validate = validate
-        if total_steps is None and hasattr(state, "stream"):
-            per_step = self.cfg.num_prompts_per_step * self.env.world_size
-            total_steps = _total_steps(self.cfg, len(state.stream), per_step)
-        self.total = total_steps if total_steps is not None else self.cfg.max_num_steps
+        self.total = total_steps(self.cfg, state.num_samples, state.samples_per_step(self.cfg))
         if self.checkpoint is not None:  # the newest that loads; each one that does not is skipped, warned
             self.checkpoint, saved = restore_checkpoint(
                 self.cfg.run_dir, newest=self.checkpoint, models=state.models, optimizers=state.optimizers,
@@ -326,6 +362,16 @@ class Run:
         stack.enter_context(self._collectives(self._step_number, name))
         return stack
 
+    def timed(self, name: str) -> contextlib.AbstractContextManager:
+        """Time the block as ``name`` without the phase's error handling (set-up work before the first step,
+        such as ILQL's offline set); its seconds are ``elapsed(name)``."""
+        return self.timer(name)
+
+    def elapsed(self, name: str) -> float:
+        """Seconds spent in ``name`` (a ``phase`` or ``timed`` block) since this step began (before the first
+        step: since the run began); 0.0 if it did not run."""
+        return self.timer.seconds.get(name, 0.0)
+
     @property
     def should_stop(self) -> bool:
         """True once a signal or a callback asked the run to end (agreed over ranks)."""
@@ -333,8 +379,7 @@ class Run:
 
     def done(self, state: LoopState) -> bool:
         """The run has taken its last step: ``total_steps`` reached or ``max_num_epochs`` passes consumed."""
-        epoch = getattr(state, "epoch", 0)
-        return state.step >= self.total or epoch >= self.cfg.max_num_epochs
+        return state.step >= self.total or (state.epoch or 0) >= self.cfg.max_num_epochs
 
     def steps(self, state: LoopState) -> Iterator[int]:
         """Log step 0 (the validation before training when ``val_at_start``, and any statistics the loop
@@ -384,10 +429,10 @@ class Run:
         and save when due. Returns the logged values."""
         state.step += 1
         with self._collectives(state.step, "log"):
-            has_actions = "action_mask" in batch.keys()
-            num_tokens = int(global_count(batch["action_mask"], self.env).item()) if has_actions else 0
+            count = torch.as_tensor(state.count_tokens(batch), dtype=torch.float32, device=self.env.device)
+            num_tokens = int(all_reduce_sum(count, self.env).item())
             state.total_valid_tokens += num_tokens
-            if hasattr(state, "epoch"):
+            if state.epoch is not None:
                 state.metrics.same("epoch", float(state.epoch))
             logged = state.metrics.reduce(self.env)
             last = self.done(state) or self.should_stop  # a stop asked during the step: validate at the end
@@ -430,16 +475,16 @@ class Run:
     def finish(
         self, state: LoopState, *, model: torch.nn.Module | None = None, build: Callable | None = None
     ) -> Path:
-        """End the run: checkpoint the last step if it is not saved yet, then export ``model`` (default the
-        policy) with the tokenizer to ``RUN_DIR/final/`` (``build`` makes an unsharded replica, for FSDP2).
-        Returns the run directory."""
+        """End the run: checkpoint the last step if it is not saved yet, then export ``model`` (default
+        ``state.trained_model``) with the tokenizer to ``RUN_DIR/final/`` (``build`` makes an unsharded
+        replica, for FSDP2). Returns the run directory."""
         if self.logger is not None:
             self.logger.honor_stop()  # the run ends here: a stop signal now lets it save and export
         with self._collectives(state.step, "save"):
             if self._saved_step != state.step:
                 self.save(state)
             export_model(
-                model if model is not None else state.policy, self.dir / "final", tokenizer=state.tokenizer,
+                model if model is not None else state.trained_model, self.dir / "final", tokenizer=state.tokenizer,
                 env=self.env, build=build,
             )  # fmt: skip
         return self.dir

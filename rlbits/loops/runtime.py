@@ -2,13 +2,17 @@
 
 Seeds come from one derivation, ``derive_seed(seed, rank, stream)``: every random stream of a run (sampling,
 minibatch shuffles, validation, prompt order, initialisation) is named, so no two streams share a seed by
-accident (as ``seed + 1000 * rank`` once did for seed 1000 on rank 0 and seed 0 on rank 1).
+accident (``seed + 1000 * rank`` would give seed 1000 on rank 0 and seed 0 on rank 1 the same stream).
+
+``Setup`` is what a run resolves from its config once, before it builds its state: the task object, whether
+prompts are chat-formatted, the folder of the initial policy; ``init_state`` and ``Run`` read it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import platform
 import random
@@ -150,28 +154,74 @@ def initial_policy_path(cfg: RunConfig) -> str:
     return main_rank_first(lambda: policy_path(cfg))
 
 
-def uses_chat(cfg: RunConfig) -> bool:
+def uses_chat(cfg: RunConfig, task: Any = None) -> bool:
     """Whether prompts are formatted with the chat template: ``cfg.chat_template``, or when it is None
-    (the default) the task's ``CHAT`` flag (False for a task without one)."""
+    (the default) the task's ``CHAT`` flag (False for a task without one). ``task``: the task object of
+    ``cfg.task`` when the caller holds it (default: looked up)."""
     if cfg.chat_template is not None:
         return cfg.chat_template
-    from rlbits.tasks import get_task
+    if task is None:
+        from rlbits.tasks import get_task
 
-    return bool(getattr(get_task(cfg.task), "CHAT", False))
+        task = get_task(cfg.task)
+    return bool(getattr(task, "CHAT", False))
 
 
-def loop_prompts(cfg: RunConfig, tokenizer: Any, prompts: Sequence[str] | None, split: str) -> list[str]:
+def loop_prompts(
+    cfg: RunConfig, tokenizer: Any, prompts: Sequence[str] | None, split: str, task: Any = None
+) -> list[str]:
     """The prompts a loop feeds its stream or its validation: ``prompts``, or the task's ``split`` when
     None, each formatted as one user turn with the tokenizer's chat template when ``uses_chat(cfg)``
-    (``rlbits.text.chat_prompts``). The reward then sees the decoded formatted prompt.
+    (``rlbits.text.chat_prompts``). The reward then sees the decoded formatted prompt. ``task``: the task
+    object of ``cfg.task`` when the caller holds it (default: looked up).
 
     Raises:
         ValueError: chat formatting is on and the tokenizer has no chat template.
     """
-    from rlbits.tasks import get_task
+    if task is None:
+        from rlbits.tasks import get_task
 
-    texts = list(prompts) if prompts is not None else get_task(cfg.task).prompts(split)
-    return chat_prompts(tokenizer, texts) if uses_chat(cfg) else texts
+        task = get_task(cfg.task)
+    texts = list(prompts) if prompts is not None else task.prompts(split)
+    return chat_prompts(tokenizer, texts) if uses_chat(cfg, task) else texts
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a run resolves from its config once, up front (``Setup.of(cfg)``); ``init_state``, ``Run`` and
+    evaluation read it instead of looking the task up again."""
+
+    cfg: RunConfig
+    task: Any
+    """The task object of ``cfg.task`` (``rlbits.tasks.get_task``): its prompts, reward and ``make_env``."""
+    chat: bool
+    """Prompts are formatted with the tokenizer's chat template (``uses_chat``)."""
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Setup:
+        """Resolve ``cfg``'s task (one ``get_task``). Raises ValueError naming the valid tasks."""
+        from rlbits.tasks import get_task
+
+        task = get_task(cfg.task)
+        return cls(cfg=cfg, task=task, chat=uses_chat(cfg, task))
+
+    @property
+    def make_env(self) -> Callable[..., Any] | None:
+        """The task's ``make_env(prompt, **options) -> Env`` (a multi-turn task), else None."""
+        return getattr(self.task, "make_env", None)
+
+    def reward(self, reward: Any = None) -> Any:
+        """``reward`` when given, else the task's reward."""
+        return reward if reward is not None else self.task.reward
+
+    def prompts(self, tokenizer: Any, prompts: Sequence[str] | None, split: str) -> list[str]:
+        """``loop_prompts`` of the run: ``prompts`` or the task's ``split``, chat-formatted when ``chat``."""
+        texts = list(prompts) if prompts is not None else self.task.prompts(split)
+        return chat_prompts(tokenizer, texts) if self.chat else texts
+
+    def initial_policy_path(self) -> str:
+        """``initial_policy_path(cfg)`` (every rank calls it: a collective under torchrun)."""
+        return initial_policy_path(self.cfg)
 
 
 def fused_gelu(model: torch.nn.Module) -> torch.nn.Module:
@@ -210,13 +260,15 @@ def with_lora(model: torch.nn.Module, cfg: RunConfig, name: str = "policy") -> t
     )  # fmt: skip
 
 
-def build_policy(cfg: RunConfig) -> torch.nn.Module:
-    """A fresh, unsharded CPU copy of the initial policy with the run's adapters (``with_lora``): what
-    ``Run.finish`` loads a sharded policy's full weights into before exporting ``final/``."""
-    return with_lora(load_pretrained(policy_path(cfg))[0], cfg)
+def build_policy(cfg: RunConfig, path: str | None = None) -> torch.nn.Module:
+    """A fresh, unsharded CPU copy of the initial policy (from ``path``, default ``policy_path(cfg)``) with
+    the run's adapters (``with_lora``): what ``Run.finish`` loads a sharded policy's full weights into before
+    exporting ``final/``."""
+    return with_lora(load_pretrained(path if path is not None else policy_path(cfg))[0], cfg)
 
 
 __all__ = [
+    "Setup",
     "autocast",
     "build_policy",
     "initial_policy_path",

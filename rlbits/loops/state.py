@@ -1,7 +1,7 @@
 """A loop's state: one dataclass holding its models, optimizers, generators, data position and counters.
 
 Each loop subclasses ``LoopState`` with its own fields; the checkpoint reads the fields by type, so a state
-is saved and restored as a whole (``Run.save`` / ``Run.restore``):
+is saved and restored as a whole (``Run.save`` / ``Run.start``):
 
 - ``torch.nn.Module`` fields are models (weights in ``dcp/``), except those marked ``frozen()`` (a reference
   policy: rebuilt from the initial weights, never saved);
@@ -11,6 +11,12 @@ is saved and restored as a whole (``Run.save`` / ``Run.restore``):
   ``int``/``float``/``bool``/``str``/``None`` fields are counters, written to ``state.json``;
 - fields marked ``runtime()`` (the process's ``DistEnv``, the tokenizer, the reward, this step's metrics)
   are not saved: they come from the config and the process.
+
+What ``Run`` reads from a state (the run contract, docs/design.md "Run lifecycle"): ``trained_model`` (the
+model whose context the prompts must fit and that ``final/`` exports; each loop's state defines it),
+``num_samples`` and ``samples_per_step(cfg)`` (the run's length under ``max_num_epochs``, ``total_steps``),
+``epoch`` (passes over the data done), ``count_tokens(batch)`` (``tokens_per_s``), and the counters ``step``,
+``total_valid_tokens``, ``val_reward`` and ``metrics``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import typing
 from typing import Any
 
 import torch
+from tensordict import TensorDictBase
 
 from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
@@ -53,6 +60,8 @@ class LoopState:
     env: DistEnv = runtime(default_factory=DistEnv, repr=False)
     """The process's place in the job (rank, world size, device)."""
     tokenizer: Any = runtime(default=None, repr=False)
+    init_path: str | None = runtime(default=None)
+    """The folder the trained model was loaded from (the initial policy): what an export replica loads."""
     make_env: Any = runtime(default=None, repr=False)
     """A multi-turn task's ``make_env(prompt, **cfg.env_options) -> Env``, or None (single-turn task)."""
     step: int = 0
@@ -63,6 +72,36 @@ class LoopState:
     """Latest validation reward."""
     metrics: StepMetrics = runtime(default_factory=StepMetrics, repr=False)
     """The current step's statistics (reset by the run at the start of each step)."""
+
+    @property
+    def trained_model(self) -> torch.nn.Module:
+        """The model the run trains: prompts are checked against its context, ``RUN_DIR/final/`` exports it.
+
+        Raises:
+            NotImplementedError: the loop's state does not define it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define trained_model (the model the run exports)")
+
+    @property
+    def num_samples(self) -> int | None:
+        """Samples in one pass over the train data (prompts, offline rows), or None: no epochs."""
+        return None
+
+    def samples_per_step(self, cfg: Any) -> int:
+        """Samples one step draws from the train data, all ranks together (1 for a state without data)."""
+        return 1
+
+    @property
+    def epoch(self) -> int | None:
+        """Passes over the train data completed, or None for a state without epochs (not logged)."""
+        return None
+
+    def count_tokens(self, batch: TensorDictBase) -> torch.Tensor:
+        """This rank's tokens trained on in the step that returned ``batch`` (summed over ranks into
+        ``total_valid_tokens`` and ``tokens_per_s``): the count of ``batch["action_mask"]``, 0 without one."""
+        if "action_mask" not in batch.keys():
+            return torch.zeros(())
+        return batch["action_mask"].sum()
 
     def _fields(self, role: str) -> dict[str, Any]:
         out = {}
@@ -140,7 +179,7 @@ class LoopState:
         for name in self._fields("counter"):
             if name in saved:
                 setattr(self, name, saved[name])
-        for name, data in self._fields("data").items():  # earlier checkpoints: consumed_samples at the top
+        for name, data in self._fields("data").items():  # a lone data field may sit at the top of state.json
             data.load_state_dict(saved[name] if name in saved else saved)
 
 
@@ -184,6 +223,15 @@ class OnlineState(LoopState):
     def epoch(self) -> int:
         """Passes over the train prompts completed."""
         return self.stream.epoch
+
+    @property
+    def num_samples(self) -> int:
+        """Train prompts in one epoch."""
+        return len(self.stream)
+
+    def samples_per_step(self, cfg: Any) -> int:
+        """``num_prompts_per_step`` prompts on every rank."""
+        return cfg.num_prompts_per_step * self.env.world_size
 
 
 __all__ = ["LoopState", "OnlineState", "frozen", "optimizer_of", "runtime"]
