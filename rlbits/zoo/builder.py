@@ -131,7 +131,6 @@ RECIPES: dict[str, dict] = {
 }
 
 
-
 def train_tokenizer(texts: list[str], vocab_size: int, added_tokens: tuple[str, ...] | list[str] = ()):
     """A byte-level BPE tokenizer trained on ``texts``, wrapped as ``PreTrainedTokenizerFast``.
 
@@ -181,8 +180,6 @@ def train_tokenizer(texts: list[str], vocab_size: int, added_tokens: tuple[str, 
     if added:
         fast.add_tokens(added)
     return fast
-
-
 
 
 def recipe(task: str) -> dict:
@@ -295,6 +292,7 @@ def _save_atomically(out: Path, write) -> None:
     # A temporary sibling folder renamed into place: readers never see half a model.
     with atomic_folder(out) as tmp:
         write(tmp)
+
 
 def train_step(model, optimizer, data, lengths, starts, idx: torch.Tensor, lr: float) -> torch.Tensor:
     """One supervised step of ``model`` on the documents ``idx`` [b] of ``data`` (``encode_corpus``) at ``lr``.
@@ -424,7 +422,9 @@ def pretrain(
         bar = tqdm(range(cfg["steps"]), desc=f"pretrain {task}", disable=not progress, mininterval=1.0)
         for step in bar:
             idx = torch.randint(len(data), (cfg["batch_size"],), generator=order)
-            loss = train_step(model, optimizer, data, lengths, starts, idx, _lr_at(step, cfg["steps"], cfg["lr"]))
+            loss = train_step(
+                model, optimizer, data, lengths, starts, idx, _lr_at(step, cfg["steps"], cfg["lr"])
+            )
             losses.append(loss.item())
             if step % 25 == 0:
                 bar.set_postfix(loss=f"{statistics.fmean(losses[-25:]):.3f}")

@@ -20,6 +20,7 @@ LOCK_TIMEOUT_S = 3600.0
 # Seconds between the "waiting for another process" lines on stderr.
 LOCK_REPORT_EVERY_S = 30.0
 
+
 def cache_dir() -> Path:
     """``$RLBITS_CACHE`` if set, else ``~/.cache/rlbits``."""
     return Path(os.environ.get("RLBITS_CACHE") or Path.home() / ".cache" / "rlbits").expanduser()
@@ -111,5 +112,11 @@ def file_lock(path: Path, *, what: str = "", timeout: float | None = None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-
-__all__ = ["LOCK_TIMEOUT_S", "LOCK_REPORT_EVERY_S", "cache_dir", "default_model_dir", "file_lock", "lock_timeout"]
+__all__ = [
+    "LOCK_TIMEOUT_S",
+    "LOCK_REPORT_EVERY_S",
+    "cache_dir",
+    "default_model_dir",
+    "file_lock",
+    "lock_timeout",
+]

@@ -139,7 +139,6 @@ def evaluate(
     )
 
 
-
 def plateau_check(
     model_path: str | os.PathLike,
     task: str,
