@@ -204,9 +204,39 @@ def prepare_tokenizer(tokenizer, *, eos_token: str | None = None, where: str = "
             f"{where} has no EOS token, so generation could never stop; pass eos_token='<token>' "
             "(a token in its vocabulary) to load_tokenizer, or set tokenizer.eos_token and save it again"
         )
-    if tokenizer.pad_token is None:
+    return pad_with_eos(tokenizer, where)
+
+
+def pad_with_eos(tokenizer, where: str = "the tokenizer"):
+    """Make the EOS token ``tokenizer``'s pad token if it has none (in place; returned).
+
+    Safe in rlbits because padding is always found by ``attention_mask`` / ``action_mask``, never by comparing
+    ids with ``pad_token_id`` (code that did would also drop real EOS tokens). ``where`` names the tokenizer in
+    the error.
+
+    Raises:
+        ValueError: the tokenizer has neither a pad token nor an EOS token.
+    """
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"{where} has neither a pad token nor an eos token to pad with; set pad_token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def context_length(model: nn.Module) -> tuple[str, int] | None:
+    """``(config field, n)``: the most positions (prompt plus response tokens) ``model`` takes, or None.
+
+    ``n`` is the first int among the config's ``max_position_embeddings``, ``n_positions`` and ``n_ctx``; the
+    config is ``model.config``, else that of ``model.policy`` (a ``ValueModel`` or ``ILQLModel``). None when the
+    config names no context length (e.g. a model with relative positions only).
+    """
+    config = getattr(model, "config", None) or getattr(getattr(model, "policy", None), "config", None)
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return name, value
+    return None
 
 
 def _vocab_mismatch(path, tok, vocab: int) -> str:
