@@ -608,6 +608,23 @@ def test_shared_prefill_equals_repeated_prompts(models, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_generate_emits_no_future_warning(models, arch):
+    """The KV cache goes to the model under the keyword its forward names (``cache`` in transformers 5.2x,
+    where ``past_key_values`` prints a FutureWarning on every call): no warning on the static-cache path, nor
+    on the dynamic one (under autocast), with K samples sharing a prefill."""
+    import warnings
+
+    td = _prompts([3, 5])
+    kw = dict(max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD, num_samples=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(models[arch], td, **kw, generator=_gen(2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            generate(models[arch], td, **kw, generator=_gen(2))
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_autocast_generate_matches_autocast_forward(models, arch):
     """Under bf16 autocast (``precision: bf16``) decoding works for GPT-2, Llama and Qwen2 (RoPE models
     used to fail: fp32 keys and bf16 values in one static cache) and its logprobs are those of the

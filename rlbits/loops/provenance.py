@@ -191,7 +191,7 @@ def check_lengths(model: Any, tokenizer: Any, cfg: Any, prompts: Sequence[str] |
     ``cfg.max_new_tokens`` fits the model's context (``max_position_embeddings`` / ``n_positions`` /
     ``n_ctx`` of its config, or of ``model.policy``'s). Raises PromptError naming the prompt."""
     from rlbits.data.stream import check_prompt_lengths
-    from rlbits.models.load import context_length
+    from rlbits.models.forward import context_length
 
     limit = (context_length(model) or (None, None))[1]
     from rlbits.loops.runtime import loop_prompts

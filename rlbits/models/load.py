@@ -224,21 +224,6 @@ def pad_with_eos(tokenizer, where: str = "the tokenizer"):
     return tokenizer
 
 
-def context_length(model: nn.Module) -> tuple[str, int] | None:
-    """``(config field, n)``: the most positions (prompt plus response tokens) ``model`` takes, or None.
-
-    ``n`` is the first int among the config's ``max_position_embeddings``, ``n_positions`` and ``n_ctx``; the
-    config is ``model.config``, else that of ``model.policy`` (a ``ValueModel`` or ``ILQLModel``). None when the
-    config names no context length (e.g. a model with relative positions only).
-    """
-    config = getattr(model, "config", None) or getattr(getattr(model, "policy", None), "config", None)
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return name, value
-    return None
-
-
 def _vocab_mismatch(path, tok, vocab: int) -> str:
     # What ``load_pretrained`` says when the tokenizer has ids past the embedding: which tokens, where they
     # come from, and the two ways to make the folder consistent.

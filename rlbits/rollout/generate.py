@@ -1,11 +1,13 @@
 """Sampling responses from a causal LM with a KV cache: ``generate``.
 
-The decode loop is a chain of small functions, after gpt-fast's ``generate.py``: ``_forward_last`` (the
-prefill over the left-padded prompts, then one token per step from the cache) -> ``_next_token``
-(logits processor, temperature, top-k, top-p, sample, logprob) -> ``_sample`` (inverse-CDF sampling on one
-uniform per row from the caller's generator; no ``torch.multinomial``). Nothing in the loop reads a value
-on the host except one "have all rows finished?" check per step on CPU (every ``_EOS_CHECK_EVERY`` steps
-on an accelerator, where a sync per step would stall the launch queue). A step whose distribution holds NaN
+``generate`` is a chain of small functions, after gpt-fast's ``generate.py``: set-up (``_check_args``,
+``_setup_decoder``: small-batch head, KV cache, compiled step) -> ``prefill`` (the left-padded prompts once,
+shared by the K samples of each) -> ``decode_n_tokens`` (per step ``_next_token``: logits processor,
+temperature, top-k, top-p, sample, logprob; then ``decode_one_token`` from the cache) -> ``_to_batch``.
+``_sample`` draws by inverse-CDF sampling on one uniform per row from the caller's generator (no
+``torch.multinomial``). Nothing in the loop reads a value on the host except one "have all rows finished?"
+check per step on CPU (every ``_EOS_CHECK_EVERY`` steps on an accelerator, where a sync per step would stall
+the launch queue). A step whose distribution holds NaN
 (NaN/inf logits, or ``logits / temperature`` overflowing float32) cannot yield a token id outside the
 vocabulary: the id is clamped, its logprob set to NaN, and ``generate`` raises ``FloatingPointError`` once
 after the loop.
@@ -17,7 +19,9 @@ buffer whose future columns are 0. Left padding works with it for GPT-2, Llama a
 positions come from ``position_ids``, not from the cache index. Fixed shapes make the memory predictable
 and the step compilable; on CPU the speed is the same as ``DynamicCache`` within 2% (4-layer GPT-2, V =
 32k, B = 8 and 32, 32 and 200 new tokens: the LM head dominates). Models without static-cache support use
-HF's ``DynamicCache``.
+HF's ``DynamicCache``. The cache goes to the model under the keyword its forward names
+(``rlbits.models.forward.cache_argument``: ``cache`` in transformers 5.2x, whose ``past_key_values`` prints a
+FutureWarning on every call).
 
 On CPU with at most 64 rows, the decode step of GPT-2/Llama/Mistral/Qwen2/Qwen3 models runs the backbone
 and applies the LM head itself to the last position only (see ``_small_batch_head``): the head's own forward
@@ -37,6 +41,7 @@ OpenRLHF and verl). Greedy decoding (``temperature=0``) reports logprobs at temp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,7 +50,14 @@ from tensordict import TensorDict
 
 from rlbits.batch import build_batch, decode, group_ids, tokenize_prompts
 from rlbits.functional import entropy_from_logits
-from rlbits.models.forward import accepts_logits_to_keep, position_ids_from_mask, split_head
+from rlbits.models.forward import (
+    accepts_logits_to_keep,
+    cache_argument,
+    context_length,
+    output_cache,
+    position_ids_from_mask,
+    split_head,
+)
 from rlbits.models.packed import packed_linears
 
 # Steps between host-side "all rows finished?" checks. On an accelerator each check stalls the launch
@@ -250,29 +262,50 @@ def _small_batch_head(policy: torch.nn.Module, batch_size: int, device: torch.de
     return split_head(policy)
 
 
-def _forward_last(policy, split, input_ids, attention_mask, position_ids, cache, keep_last: bool):
-    """Logits of the last position, [B, V] float32, and the (updated) cache.
+@dataclasses.dataclass
+class _Decoder:
+    """The policy as the decode loop calls it, and its KV cache (``_setup_decoder`` builds it).
 
-    ``split`` is None (call the policy; ``keep_last``: it takes ``logits_to_keep``) or ``(backbone,
-    lm_head)`` from ``_small_batch_head``.
+    ``split``: ``(backbone, lm_head)`` when the eager step applies the head itself (``_small_batch_head``),
+    else None. ``keep_last``: the policy takes ``logits_to_keep``. ``cache_arg``: the keyword its forward
+    takes the cache under (``rlbits.models.forward.cache_argument``). ``cache``: the KV cache, a
+    ``StaticCache`` of ``cache_len`` positions when ``static``, else None until the prefill returns HF's
+    ``DynamicCache``. ``compiled``: ``(step, backbone, head weight, cache keyword)`` of the compiled decode
+    step, or None (eager).
     """
-    kwargs = dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-    )
-    if split is not None:
-        backbone, head = split
+
+    policy: torch.nn.Module
+    split: tuple[torch.nn.Module, torch.nn.Module] | None
+    keep_last: bool
+    cache_arg: str
+    cache: Any
+    cache_len: int
+    static: bool
+    compiled: tuple[Callable, torch.nn.Module, torch.Tensor, str] | None
+
+
+def _forward_last(decoder: _Decoder, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    """Logits of the last position, [B, V] float32, through the eager policy; ``decoder.cache`` updated."""
+    kwargs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        decoder.cache_arg: decoder.cache,
+        "use_cache": True,
+    }
+    if decoder.split is not None:
+        backbone, head = decoder.split
         out = backbone(**kwargs)
         # The head's own forward (F.linear, or oneDNN under packed_linears), not _head_last's (W @ h.T).T:
         # inside the decode loop (weights out of cache between steps) F.linear took 0.88x the rollout time
         # at 8, 32 and 64 rows (4-layer GPT-2, V = 32k, 2 CPU threads).
         logits = head(out.last_hidden_state[:, -1])
-        return logits.float(), out.past_key_values
-    out = policy(**kwargs, logits_to_keep=1) if keep_last else policy(**kwargs)
-    return out.logits[:, -1].float(), out.past_key_values
+    else:
+        policy = decoder.policy
+        out = policy(**kwargs, logits_to_keep=1) if decoder.keep_last else policy(**kwargs)
+        logits = out.logits[:, -1]
+    decoder.cache = output_cache(out)
+    return logits.float()
 
 
 def _head_last(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -281,13 +314,17 @@ def _head_last(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     return (weight @ hidden[:, -1].T).T.float().contiguous()
 
 
-def _decode_step(backbone, weight, input_ids, attention_mask, position_ids, cache):
-    """One decode step for ``torch.compile``: the backbone on [B, 1] new tokens with the static cache,
-    then the head on the last position. Returns [B, V] float32 logits."""
+def _decode_step(backbone, weight, input_ids, attention_mask, position_ids, cache, cache_arg="cache"):
+    """One decode step for ``torch.compile``: the backbone on [B, 1] new tokens with the static cache
+    (passed as ``cache_arg``), then the head on the last position. Returns [B, V] float32 logits."""
+    kwargs = {cache_arg: cache}
     out = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=cache, use_cache=True,
-    )  # fmt: skip
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        **kwargs,
+    )
     return _head_last(weight, out.last_hidden_state)
 
 
@@ -308,7 +345,7 @@ def compiled_decode_step(device_type: str = "cpu"):
     return _compiled_decode_steps[device_type]
 
 
-# --- generate -------------------------------------------------------------------------------------------
+# --- generate: set-up, prefill, decode -------------------------------------------------------------------
 
 
 def _check_args(
@@ -346,14 +383,31 @@ def _check_args(
         raise ValueError("pad_token_id must be an int token id (it fills responses after EOS)")
 
 
-def _max_positions(policy: torch.nn.Module) -> tuple[str, int] | None:
-    """``(config field, value)`` of the model's context length, or None when its config names none."""
-    config = getattr(policy, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        value = getattr(config, name, None) if config is not None else None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return name, value
-    return None
+def _check_prompts(
+    policy, prompts: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pad_token_id: int
+):
+    """Raise ValueError if ``P + max_new_tokens`` exceeds the model's context, a row has no real token, or the
+    pad id or a real prompt token is outside the vocabulary."""
+    P = prompts.shape[1]
+    limit = context_length(policy)
+    if limit is not None and P + max_new_tokens > limit[1]:
+        raise ValueError(
+            f"prompt length P = {P} plus max_new_tokens = {max_new_tokens} = {P + max_new_tokens} exceeds the "
+            f"model's context ({limit[0]} = {limit[1]}); lower max_new_tokens or truncate the prompts"
+        )
+    empty = (~prompt_mask.any(dim=1)).nonzero().flatten()
+    if empty.numel():
+        raise ValueError(f"prompt row(s) {empty.tolist()[:10]} have no real token (prompt_mask all False)")
+    vocab = getattr(getattr(policy, "config", None), "vocab_size", None)
+    if vocab is not None:
+        if not 0 <= pad_token_id < vocab:
+            raise ValueError(f"pad_token_id = {pad_token_id} is outside the model's vocabulary [0, {vocab})")
+        outside = prompt_mask & ((prompts < 0) | (prompts >= vocab))
+        if outside.any():
+            i, j = outside.nonzero()[0].tolist()
+            raise ValueError(
+                f"prompts[{i}, {j}] = {int(prompts[i, j])} is outside the model's vocabulary [0, {vocab})"
+            )
 
 
 def _check_finite(logprobs: torch.Tensor, temperature: float) -> None:
@@ -372,6 +426,202 @@ def _check_finite(logprobs: torch.Tensor, temperature: float) -> None:
         f"sampling produced non-finite probabilities in {rows} of {logprobs.shape[0]} rows (first: row {row}, "
         f"new token {step}) at temperature {temperature:g}: the logits divided by the temperature hold NaN or "
         "inf (a temperature too small for float32, or NaN/inf logits from the model or the logits processor)"
+    )
+
+
+@dataclasses.dataclass
+class _Samples:
+    """What decoding writes, in place: ``input_ids`` [B, P + N] (the prompt rows, then one column per step),
+    ``attention_mask`` [B, cache_len] bool (the prompt mask, then True where a step's token is real),
+    ``logprobs`` [B, N] float32 and ``entropy`` [B, N] float32 or None (0 after a row's end), ``finished``
+    [B] bool; ``position`` [B, 1] is each row's position of its first response token."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    finished: torch.Tensor
+    position: torch.Tensor
+    prompt_len: int
+
+
+def _new_samples(
+    prompt_rows, mask_rows, max_new_tokens: int, cache_len: int, pad_token_id: int, entropy: bool
+):
+    """Empty ``_Samples`` for the [B, P] prompt rows; the mask spans the whole static cache (future columns
+    0), or the columns the dynamic one grows to."""
+    (B, P), device = prompt_rows.shape, prompt_rows.device
+    input_ids = torch.full((B, P + max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    input_ids[:, :P] = prompt_rows
+    attention_mask = torch.zeros((B, cache_len), dtype=torch.bool, device=device)
+    attention_mask[:, :P] = mask_rows
+    logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+    return _Samples(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        logprobs=logprobs,
+        entropy=torch.zeros_like(logprobs) if entropy else None,
+        finished=torch.zeros(B, dtype=torch.bool, device=device),
+        position=mask_rows.long().sum(dim=1, keepdim=True),
+        prompt_len=P,
+    )
+
+
+def _setup_decoder(
+    policy: torch.nn.Module, rows: int, total: int, device: torch.device, compile: bool
+) -> _Decoder:
+    """How the decode loop calls ``policy`` for ``rows`` rows and ``total`` = P + max_new_tokens positions:
+    the small-batch head, the KV cache (static where the model supports it), and with ``compile`` the
+    compiled step, whose static cache is rounded up to a multiple of ``_COMPILE_CACHE_BUCKET`` (at most the
+    model's context) so prompt batches of different lengths reuse one compiled graph."""
+    split = _small_batch_head(policy, rows, device)
+    compiled = None
+    cache_len = total
+    # The compiled step applies the head itself, wherever the static cache applies (any row count).
+    step_split = split_head(policy) if compile and _make_cache(policy, total) is not None else None
+    if step_split is not None:
+        cache_len = -(-total // _COMPILE_CACHE_BUCKET) * _COMPILE_CACHE_BUCKET
+        limit = context_length(policy)
+        cache_len = min(cache_len, limit[1]) if limit is not None else cache_len
+        backbone, head = step_split
+        compiled = (compiled_decode_step(device.type), backbone, head.weight, cache_argument(backbone))
+    cache = _make_cache(policy, cache_len)
+    return _Decoder(
+        policy=policy,
+        split=split,
+        keep_last=accepts_logits_to_keep(policy),
+        cache_arg=cache_argument(split[0] if split is not None else policy),
+        cache=cache,
+        cache_len=cache_len,
+        static=cache is not None,
+        compiled=compiled,
+    )
+
+
+def prefill(
+    decoder: _Decoder, prompts: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int
+) -> torch.Tensor:
+    """Run the left-padded prompts through the policy once, filling ``decoder.cache``.
+
+    Position ids are ``cumsum(prompt_mask) - 1`` clamped at 0 (``position_ids_from_mask``), so padding
+    shifts no position. The K samples of a prompt share its prefill: the logits and the cache rows are
+    repeated K times (rows ``i*K .. i*K+K-1`` belong to prompt i).
+
+    Args:
+        decoder: from ``_setup_decoder``.
+        prompts: [B, P] int64, left-padded. prompt_mask: [B, P] bool.
+        num_samples: K.
+
+    Returns:
+        [B*K, V] float32 logits of each prompt's last position.
+    """
+    B, P = prompts.shape
+    prefill_mask = torch.zeros(
+        (B, decoder.cache_len if decoder.static else P), dtype=torch.bool, device=prompts.device
+    )
+    prefill_mask[:, :P] = prompt_mask
+    logits = _forward_last(decoder, prompts, prefill_mask, position_ids_from_mask(prompt_mask))
+    if num_samples > 1:
+        logits = logits.repeat_interleave(num_samples, dim=0)
+        _repeat_rows(decoder.cache, num_samples)
+    return logits
+
+
+def decode_one_token(
+    decoder: _Decoder,
+    new_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    length: int,
+) -> torch.Tensor:
+    """Feed one new token per row, ``new_ids`` [B, 1] at ``position_ids`` [B, 1], through the policy and its
+    cache; returns the next [B, V] float32 logits. ``attention_mask`` [B, cache_len] covers the cache (of
+    which the dynamic cache reads the first ``length`` columns)."""
+    if decoder.compiled is not None:
+        step, backbone, weight, cache_arg = decoder.compiled
+        if new_ids.device.type == "cuda":
+            # A new replay of the CUDA graph; the last step's logits are no longer read.
+            torch.compiler.cudagraph_mark_step_begin()
+        # contiguous: the slice's stride is P + max_new_tokens, a new graph for every prompt length
+        return step(
+            backbone, weight, new_ids.contiguous(), attention_mask, position_ids, decoder.cache, cache_arg
+        )
+    mask = attention_mask if decoder.static else attention_mask[:, :length]
+    return _forward_last(decoder, new_ids, mask, position_ids)
+
+
+def decode_n_tokens(
+    decoder: _Decoder,
+    logits: torch.Tensor,
+    out: _Samples,
+    max_new_tokens: int,
+    *,
+    stop: torch.Tensor,
+    stopping: StoppingFn | None,
+    pad_token_id: int,
+    **sampling: Any,
+) -> int:
+    """Sample up to ``max_new_tokens`` tokens per row from the prefill's ``logits`` on, writing ``out``.
+
+    Each step: ``_next_token(logits, ids so far, **sampling)`` (``sampling``: ``temperature``, ``top_k``,
+    ``top_p``, ``logits_processor``, ``generator``), then the next logits from ``decode_one_token``. A row
+    finishes on a ``stop`` id [S] int64 or where ``stopping`` says so; finished rows keep decoding, their new
+    tokens masked out and set to ``pad_token_id``. The loop ends after ``max_new_tokens`` steps, or once every
+    row has finished (checked on the host every ``_EOS_CHECK_EVERY`` steps on an accelerator, every step on
+    CPU). Returns the number of steps taken.
+    """
+    P, temperature = out.prompt_len, sampling["temperature"]
+    check_every = _EOS_CHECK_EVERY_CPU if logits.device.type == "cpu" else _EOS_CHECK_EVERY
+    steps = 0
+    for t in range(max_new_tokens):
+        tokens, lp = _next_token(logits, out.input_ids[:, : P + t], **sampling)
+        alive = ~out.finished
+        out.input_ids[:, P + t] = torch.where(alive, tokens, pad_token_id)
+        out.attention_mask[:, P + t] = alive
+        out.logprobs[:, t] = torch.where(alive, lp, 0.0)
+        if out.entropy is not None:
+            ent = entropy_from_logits(logits, temperature if temperature > 0 else 1.0)
+            out.entropy[:, t] = torch.where(alive, ent, 0.0)
+        if stop.numel():
+            out.finished = out.finished | torch.isin(tokens, stop)
+        if stopping is not None:
+            out.finished = out.finished | (alive & stopping(out.input_ids[:, P : P + t + 1]).to(alive.device))
+        steps = t + 1
+        if t + 1 == max_new_tokens or (
+            (stop.numel() or stopping is not None) and steps % check_every == 0 and bool(out.finished.all())
+        ):
+            break
+        new_ids = out.input_ids[:, P + t : P + t + 1]
+        logits = decode_one_token(decoder, new_ids, out.attention_mask, out.position + t, P + t + 1)
+    return steps
+
+
+def _to_batch(
+    out: _Samples,
+    prompt_rows,
+    mask_rows,
+    steps: int,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float,
+) -> TensorDict:
+    """The batch ``generate`` returns: responses trimmed to the longest one. Raises FloatingPointError
+    (``_check_finite``) if a step's distribution held NaN."""
+    P = out.prompt_len
+    action_mask = out.attention_mask[:, P : P + steps]
+    _check_finite(out.logprobs[:, :steps], temperature)
+    R = int(action_mask.sum(dim=1).max())  # the other sync: trim to the longest response
+    action_mask = action_mask[:, :R].contiguous()
+    B, finished = action_mask.shape[0], out.finished
+    columns = {
+        "logprobs": out.logprobs[:, :R].contiguous(),
+        "group": group_ids(B // num_samples, num_samples, device=action_mask.device),
+        "truncated": action_mask[:, -1] & ~finished if R == max_new_tokens else torch.zeros_like(finished),
+    }
+    if out.entropy is not None:
+        columns["entropy"] = out.entropy[:, :R].contiguous()
+    return build_batch(
+        prompt_rows, mask_rows, out.input_ids[:, P : P + R].contiguous(), action_mask, **columns
     )
 
 
@@ -465,46 +715,15 @@ def generate(
     )
     prompts = prompts_td["prompts"].long()
     prompt_mask = prompts_td["prompt_mask"].bool()
-    P = prompts.shape[1]
-    limit = _max_positions(policy)
-    if limit is not None and P + max_new_tokens > limit[1]:
-        raise ValueError(
-            f"prompt length P = {P} plus max_new_tokens = {max_new_tokens} = {P + max_new_tokens} exceeds the "
-            f"model's context ({limit[0]} = {limit[1]}); lower max_new_tokens or truncate the prompts"
-        )
-    empty = (~prompt_mask.any(dim=1)).nonzero().flatten()
-    if empty.numel():
-        raise ValueError(f"prompt row(s) {empty.tolist()[:10]} have no real token (prompt_mask all False)")
-    vocab = getattr(getattr(policy, "config", None), "vocab_size", None)
-    if vocab is not None:
-        if not 0 <= pad_token_id < vocab:
-            raise ValueError(f"pad_token_id = {pad_token_id} is outside the model's vocabulary [0, {vocab})")
-        outside = prompt_mask & ((prompts < 0) | (prompts >= vocab))
-        if outside.any():
-            i, j = outside.nonzero()[0].tolist()
-            raise ValueError(
-                f"prompts[{i}, {j}] = {int(prompts[i, j])} is outside the model's vocabulary [0, {vocab})"
-            )
+    _check_prompts(policy, prompts, prompt_mask, max_new_tokens, pad_token_id)
     stop_ids = [eos_token_id] if eos_token_id is not None else []
     stop_ids += list(stop_token_ids or [])
-
-    device = prompts.device
-    B0, K = prompts.shape[0], num_samples
-    B = B0 * K
-    total = P + max_new_tokens
+    device, K = prompts.device, num_samples
+    B = prompts.shape[0] * K
     # Rows i*K .. i*K+K-1 sample prompt i; the prompts are prefilled once and the cache rows repeated.
     prompt_rows = prompts.repeat_interleave(K, dim=0) if K > 1 else prompts
     mask_rows = prompt_mask.repeat_interleave(K, dim=0) if K > 1 else prompt_mask
-    input_ids = torch.full((B, total), pad_token_id, dtype=torch.long, device=device)
-    input_ids[:, :P] = prompt_rows
-    logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
-    entropy = torch.zeros_like(logprobs) if return_entropy else None
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    position = mask_rows.long().sum(dim=1, keepdim=True)  # position of the first response token
-
-    was_training = policy.training
-    policy.eval()
     if pack_weights is None:
         # Packing costs about two decode steps' matmuls (SmolLM2-135M, 16 rows: 0.09-0.19 s against 45 ms
         # saved per step), so a call of a few tokens runs unpacked.
@@ -513,98 +732,38 @@ def generate(
             and not torch.is_autocast_enabled("cpu")
             and max_new_tokens >= _PACK_MIN_NEW_TOKENS
         )
+    was_training = policy.training
+    policy.eval()
     packing = contextlib.ExitStack()
     try:
         if pack_weights and not compile:  # the compiled step traces F.linear, not the packed op
             packing.enter_context(packed_linears(policy, batch_size=B))
-        split = _small_batch_head(policy, B, device)
-        step_fn = None
-        cache_len = total
-        # The compiled step applies the head itself, wherever the static cache applies (any row count).
-        step_split = split_head(policy) if compile and _make_cache(policy, total) is not None else None
-        if step_split is not None:
-            cache_len = -(-total // _COMPILE_CACHE_BUCKET) * _COMPILE_CACHE_BUCKET
-            limit = _max_positions(policy)
-            cache_len = min(cache_len, limit[1]) if limit is not None else cache_len
-            step_fn = compiled_decode_step(device.type)
-            step_backbone, step_weight = step_split[0], step_split[1].weight
-        cache = _make_cache(policy, cache_len)
-        static = cache is not None
-        # The attention mask spans the whole static cache (future columns 0), or grows with the dynamic one.
-        attention_mask = torch.zeros((B, cache_len), dtype=torch.bool, device=device)
-        attention_mask[:, :P] = mask_rows
-        prefill_mask = torch.zeros((B0, cache_len if static else P), dtype=torch.bool, device=device)
-        prefill_mask[:, :P] = prompt_mask
-        keep_last = accepts_logits_to_keep(policy)
-        check_every = _EOS_CHECK_EVERY_CPU if device.type == "cpu" else _EOS_CHECK_EVERY
-        logits, cache = _forward_last(
-            policy, split, prompts, prefill_mask, position_ids_from_mask(prompt_mask), cache, keep_last
+        decoder = _setup_decoder(policy, B, prompts.shape[1] + max_new_tokens, device, compile)
+        out = _new_samples(
+            prompt_rows, mask_rows, max_new_tokens, decoder.cache_len, pad_token_id, return_entropy
         )
-        if K > 1:
-            logits = logits.repeat_interleave(K, dim=0)
-            _repeat_rows(cache, K)
-        steps = 0
-        for t in range(max_new_tokens):
-            tokens, lp = _next_token(
-                logits,
-                input_ids[:, : P + t],
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                logits_processor=logits_processor,
-                generator=generator,
-            )
-            alive = ~finished
-            input_ids[:, P + t] = torch.where(alive, tokens, pad_token_id)
-            attention_mask[:, P + t] = alive
-            logprobs[:, t] = torch.where(alive, lp, 0.0)
-            if entropy is not None:
-                ent = entropy_from_logits(logits, temperature if temperature > 0 else 1.0)
-                entropy[:, t] = torch.where(alive, ent, 0.0)
-            if stop.numel():
-                finished = finished | torch.isin(tokens, stop)
-            if stopping is not None:
-                finished = finished | (alive & stopping(input_ids[:, P : P + t + 1]).to(device))
-            steps = t + 1
-            if t + 1 == max_new_tokens or (
-                (stop.numel() or stopping is not None) and steps % check_every == 0 and bool(finished.all())
-            ):
-                break
-            # Finished rows keep decoding (their outputs are discarded); their new token is masked out.
-            new_ids = input_ids[:, P + t : P + t + 1]
-            if step_fn is not None:
-                if device.type == "cuda":
-                    # A new replay of the CUDA graph; the last step's logits are no longer read.
-                    torch.compiler.cudagraph_mark_step_begin()
-                # contiguous: the slice's stride is P + max_new_tokens, a new graph for every prompt length
-                args = (new_ids.contiguous(), attention_mask, position + t, cache)
-                logits = step_fn(step_backbone, step_weight, *args)
-                continue
-            logits, cache = _forward_last(
-                policy,
-                split,
-                new_ids,
-                attention_mask if static else attention_mask[:, : P + t + 1],
-                position + t,
-                cache,
-                keep_last,
-            )
+        logits = prefill(decoder, prompts, prompt_mask, K)
+        sampling = dict(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            logits_processor=logits_processor,
+            generator=generator,
+        )
+        steps = decode_n_tokens(
+            decoder,
+            logits,
+            out,
+            max_new_tokens,
+            stop=stop,
+            stopping=stopping,
+            pad_token_id=pad_token_id,
+            **sampling,
+        )
     finally:
         packing.close()
         policy.train(was_training)
-
-    action_mask = attention_mask[:, P : P + steps]
-    _check_finite(logprobs[:, :steps], temperature)
-    R = int(action_mask.sum(dim=1).max())  # the other sync: trim to the longest response
-    action_mask = action_mask[:, :R].contiguous()
-    columns = {
-        "logprobs": logprobs[:, :R].contiguous(),
-        "group": group_ids(B // num_samples, num_samples, device=device),
-        "truncated": action_mask[:, -1] & ~finished if R == max_new_tokens else torch.zeros_like(finished),
-    }
-    if entropy is not None:
-        columns["entropy"] = entropy[:, :R].contiguous()
-    return build_batch(prompt_rows, mask_rows, input_ids[:, P : P + R].contiguous(), action_mask, **columns)
+    return _to_batch(out, prompt_rows, mask_rows, steps, num_samples, max_new_tokens, temperature)
 
 
 def generate_texts(

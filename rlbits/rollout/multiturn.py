@@ -27,7 +27,8 @@ from tensordict import TensorDict
 
 from rlbits.batch import build_batch, decode, group_ids, make_prompts, pad_left, pad_right
 from rlbits.envs.base import Env, Observation, StepResult
-from rlbits.rollout.generate import LogitsProcessor, _max_positions, generate
+from rlbits.models.forward import context_length
+from rlbits.rollout.generate import LogitsProcessor, generate
 
 STOP_REASONS = ("done", "eos", "max_turns", "context", "env_timeout", "env_error")
 """Why an episode ended (``stop_reason``): the env said done; the policy sampled EOS (``stop.stop_on_eos``);
@@ -265,7 +266,7 @@ def generate_episodes(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if pad is None:
         raise ValueError("the tokenizer has neither a pad_token_id nor an eos_token_id")
-    limit = _max_positions(policy)
+    limit = context_length(policy)
     model_limit = limit[1] if limit is not None else None
     room = min(x for x in (max_episode_tokens, model_limit, math.inf) if x is not None)
     device = next(policy.parameters()).device
