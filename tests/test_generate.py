@@ -8,7 +8,7 @@ from tensordict import TensorDict
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from rlbits.batch import make_prompts, validate
-from rlbits.models.forward import policy_logprobs
+from rlbits.models.forward import cache_argument, policy_logprobs
 from rlbits.models.tiny import tiny_causal_lm
 from rlbits.rollout import generate as generate_mod
 from rlbits.rollout.generate import _sample, _top_k_filter, _top_p_filter, generate
@@ -153,8 +153,8 @@ class _NoLogitsToKeep(torch.nn.Module):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
+            **{cache_argument(self.model): past_key_values},
         )
 
 
