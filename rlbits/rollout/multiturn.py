@@ -28,7 +28,8 @@ from tensordict import TensorDict
 from rlbits.batch import build_batch, decode, group_ids, make_prompts, pad_left, pad_right
 from rlbits.envs.base import Env, Observation, StepResult
 from rlbits.models.forward import context_length
-from rlbits.rollout.generate import LogitsProcessor, generate
+from rlbits.rollout.generate import generate
+from rlbits.rollout.sampling import LogitsProcessor
 
 STOP_REASONS = ("done", "eos", "max_turns", "context", "env_timeout", "env_error")
 """Why an episode ended (``stop_reason``): the env said done; the policy sampled EOS (``stop.stop_on_eos``);
