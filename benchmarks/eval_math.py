@@ -24,7 +24,7 @@ import torch
 from rlbits.tasks import get_task
 from rlbits.text import chat_prompts
 from rlbits.zoo import resolve_model
-from rlbits.zoo.pretrain import REAL_TASK_MAX_NEW_TOKENS, hf_responses
+from rlbits.zoo.evaluator import REAL_TASK_MAX_NEW_TOKENS, hf_responses
 
 _TERMS = re.compile(r"(\d+) ([+-]) (\d+) =\s*$")
 
@@ -46,7 +46,7 @@ def generate_greedy(
     model_path: str, prompts: list[str], max_new_tokens: int, batch_size: int = 64
 ) -> list[str]:
     """Greedy responses (decoded text) of the causal LM in ``model_path`` to ``prompts`` as chat turns
-    (``rlbits.zoo.pretrain.hf_responses``, what ``rlbits.zoo.evaluate`` runs)."""
+    (``rlbits.zoo.evaluator.hf_responses``, what ``rlbits.zoo.evaluate`` runs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_path, use_safetensors=True).eval()

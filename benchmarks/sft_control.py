@@ -8,7 +8,7 @@ so its greedy answers are wrong on most carry problems however long it imitates.
 2. trains each ``--config`` RL run (``rlbits.loops.reinforce.train``), timing its wall clock and the CPU time
    of this process (``time.process_time``, all threads), and evaluates its ``final/`` policy the same way;
 3. continues the base model's own supervised training for the same CPU time with
-   ``rlbits.zoo.plateau_check`` -- the corpus and recipe of ``rlbits.zoo.pretrain`` (a fresh
+   ``rlbits.zoo.plateau_check`` -- the corpus and recipe of ``rlbits.zoo.builder`` (a fresh
    draw of the task corpus, AdamW betas (0.9, 0.95), weight decay 0.01, the build's batch size, loss on the
    answer tokens, gradient clip 1.0) at the learning rate the build's schedule ended at -- and evaluates it
    the same way;

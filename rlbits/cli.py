@@ -33,10 +33,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from rlbits.zoo import pretrain
+    from rlbits.zoo import builder
 
     try:
-        path = pretrain.pretrain(args.task, args.out, seed=args.seed, steps=args.steps, progress=True)
+        path = builder.pretrain(args.task, args.out, seed=args.seed, steps=args.steps, progress=True)
     except ValueError as e:  # e.g. a real-data task: nothing to pretrain
         print(f"rlbits pretrain: {e}", file=sys.stderr)
         return 2

@@ -42,8 +42,8 @@ TRAINING_ENTRY_POINTS = (
     "rlbits.loops.reinforce:train",
     "rlbits.loops.ilql:train",
     "rlbits.loops.reward_model:train",
-    "rlbits.zoo.pretrain:pretrain",  # the base-model builder (rlbits.zoo.base_model builds through it)
-    "rlbits.zoo.pretrain:plateau_check",  # keeps pretraining a base model for a while
+    "rlbits.zoo.builder:pretrain",  # the base-model builder (rlbits.zoo.base_model builds through it)
+    "rlbits.zoo.evaluator:plateau_check",  # keeps pretraining a base model for a while
 )
 TRAINS_A_MODEL = "this test trains a model: mark it @pytest.mark.slow"
 

@@ -29,7 +29,7 @@ from tensordict import TensorDict
 import rlbits
 from rlbits.loops.api import LOOPS, config_class, resolve_config
 from rlbits.loops.config import ConfigError, config_from_dict, parse_overrides
-from rlbits.rollout.score import InvalidRewardError, RewardError, score, score_texts, validate_rewards
+from rlbits.rollout.score import InvalidRewardError, RewardError, check_rewards, score, score_texts
 
 CLEAR = (ValueError, TypeError)
 
@@ -500,9 +500,9 @@ def test_score_rejects_malformed_batches_with_the_key_named(n, texts, columns):
     assert n == 0 or (texts == "ok" and columns in (None, "ok")), f"accepted texts={texts} columns={columns} (n={n})"
 
 
-def test_validate_rewards_overflowing_ints_are_named():
+def test_check_rewards_overflowing_ints_are_named():
     with pytest.raises(InvalidRewardError, match=r"sample 1 \(prompt='b'"):
-        validate_rewards([0.5, 10**400], ["a", "b"], ["c", "d"])
+        check_rewards([0.5, 10**400], ["a", "b"], ["c", "d"])
 
 
 # --------------------------------------------------------------------------------------------------------

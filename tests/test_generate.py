@@ -8,10 +8,13 @@ from tensordict import TensorDict
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from rlbits.batch import check
-from rlbits.models.forward import policy_logprobs
+from rlbits.models.forward import cache_argument, policy_logprobs
 from rlbits.models.tiny import tiny_causal_lm
+from rlbits.rollout import decoder as decoder_mod
 from rlbits.rollout import generate as generate_mod
-from rlbits.rollout.generate import _sample, _top_k_filter, _top_p_filter, generate
+from rlbits.rollout import sampling as sampling_mod
+from rlbits.rollout.generate import generate
+from rlbits.rollout.sampling import inverse_cdf_sample, top_k_filter, top_p_filter
 from rlbits.text import make_prompts
 
 ARCHS = ("gpt2", "llama", "qwen2")
@@ -134,7 +137,7 @@ def test_static_and_dynamic_cache_agree(models, monkeypatch):
     td = _prompts([3, 7, 2])
     kw = dict(max_new_tokens=10, temperature=1.0, eos_token_id=EOS, pad_token_id=PAD)
     static = generate(model, td, generator=_gen(4), **kw)
-    monkeypatch.setattr(generate_mod, "_make_cache", lambda policy, n: None)
+    monkeypatch.setattr(decoder_mod, "_make_cache", lambda policy, n: None)
     dynamic = generate(model, td, generator=_gen(4), **kw)
     assert static["responses"].tolist() == dynamic["responses"].tolist()
     assert torch.allclose(static["logprobs"], dynamic["logprobs"], atol=1e-5)
@@ -154,8 +157,8 @@ class _NoLogitsToKeep(torch.nn.Module):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
+            **{cache_argument(self.model): past_key_values},
         )
 
 
@@ -397,20 +400,20 @@ def test_top_p_and_top_k_filters_match_hf():
     dyadic = torch.full((1, 40), -1e4)
     dyadic[0, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
     logits = torch.cat([logits, dyadic])
-    assert _top_p_filter(dyadic, 0.75).isfinite().sum() == 2
+    assert top_p_filter(dyadic, 0.75).isfinite().sum() == 2
     for p in (0.1, 0.5, 0.75, 0.9, 0.99):
-        ours = _top_p_filter(logits, p)
+        ours = top_p_filter(logits, p)
         hf = TopPLogitsWarper(p)(None, logits.clone())
         assert torch.equal(ours.isinf(), hf.isinf())
     for k in (1, 5, 40, 100):
-        assert torch.equal(_top_k_filter(logits, k), TopKLogitsWarper(k)(None, logits.clone()))
+        assert torch.equal(top_k_filter(logits, k), TopKLogitsWarper(k)(None, logits.clone()))
 
 
 def test_sampler_distribution_matches_weights():
     weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 6.0, 0.0])
     n = 20000
     u = 1 - torch.rand(n, 1, generator=_gen(1))
-    draws = _sample(weights.expand(n, -1).contiguous(), u)
+    draws = inverse_cdf_sample(weights.expand(n, -1).contiguous(), u)
     counts = torch.bincount(draws, minlength=6).double()
     assert counts[[0, 2, 5]].sum() == 0  # zero weight: never drawn
     expected = weights.double() / weights.sum() * n
@@ -420,15 +423,15 @@ def test_sampler_distribution_matches_weights():
 
 def test_sampler_edges_and_blocks(monkeypatch):
     # u = 1 hits the last token with weight, u -> 0 the first; across several blocks
-    monkeypatch.setattr(generate_mod, "_SAMPLE_BLOCK", 4)
+    monkeypatch.setattr(sampling_mod, "_SAMPLE_BLOCK", 4)
     weights = torch.zeros(3, 11)
     weights[:, [2, 5, 9]] = torch.tensor([1.0, 2.0, 1.0])
     u = torch.tensor([[1.0], [1e-30], [0.5]])
-    assert _sample(weights, u).tolist() == [9, 2, 5]
+    assert inverse_cdf_sample(weights, u).tolist() == [9, 2, 5]
     # exhaustive: inverse CDF on a grid of u against a Python loop
     w = torch.rand(2, 11, generator=_gen(3)) * (torch.rand(2, 11, generator=_gen(4)) > 0.4)
     for q in torch.linspace(0.01, 1.0, 37):
-        got = _sample(w, torch.full((2, 1), q.item()))
+        got = inverse_cdf_sample(w, torch.full((2, 1), q.item()))
         for r in range(2):
             target, acc = q.item() * w[r].sum().item(), 0.0
             for j in range(11):
@@ -499,16 +502,16 @@ def test_small_batch_head_path_equals_policy_call(models, monkeypatch):
     for arch in ARCHS:
         model = models[arch]
         td = _prompts([3, 6, 2])
-        assert generate_mod._small_batch_head(model, 6, torch.device("cpu")) is not None
+        assert decoder_mod._small_batch_head(model, 6, torch.device("cpu")) is not None
         kw = dict(max_new_tokens=8, temperature=0.8, eos_token_id=EOS, pad_token_id=PAD, num_samples=2)
         fast = generate(model, td, generator=_gen(6), **kw)
         with monkeypatch.context() as m:
-            m.setattr(generate_mod, "_SMALL_BATCH_HEAD_ROWS", 0)
-            assert generate_mod._small_batch_head(model, 6, torch.device("cpu")) is None
+            m.setattr(decoder_mod, "_SMALL_BATCH_HEAD_ROWS", 0)
+            assert decoder_mod._small_batch_head(model, 6, torch.device("cpu")) is None
             plain = generate(model, td, generator=_gen(6), **kw)
         assert fast["responses"].tolist() == plain["responses"].tolist()
         assert torch.allclose(fast["logprobs"], plain["logprobs"], atol=1e-5)
-    assert generate_mod._small_batch_head(_Uniform(8), 1, torch.device("cpu")) is None
+    assert decoder_mod._small_batch_head(_Uniform(8), 1, torch.device("cpu")) is None
 
 
 def test_sparse_eos_checks_give_the_same_batch(models, monkeypatch):
@@ -609,6 +612,23 @@ def test_shared_prefill_equals_repeated_prompts(models, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_generate_emits_no_future_warning(models, arch):
+    """The KV cache goes to the model under the keyword its forward names (``cache`` in transformers 5.2x,
+    where ``past_key_values`` prints a FutureWarning on every call): no warning on the static-cache path, nor
+    on the dynamic one (under autocast), with K samples sharing a prefill."""
+    import warnings
+
+    td = _prompts([3, 5])
+    kw = dict(max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD, num_samples=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(models[arch], td, **kw, generator=_gen(2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            generate(models[arch], td, **kw, generator=_gen(2))
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_autocast_generate_matches_autocast_forward(models, arch):
     """Under bf16 autocast (``precision: bf16``) decoding works for GPT-2, Llama and Qwen2 (RoPE models
     used to fail: fp32 keys and bf16 values in one static cache) and its logprobs are those of the
@@ -655,21 +675,19 @@ def test_compiled_decode_step_without_small_batch_head(models, monkeypatch):
     """Where the eager decode step calls the policy as is (on CUDA, or above ``_SMALL_BATCH_HEAD_ROWS``
     rows on CPU), ``compile=True`` still compiles the step with the split head, and samples what eager
     decoding samples."""
-    import rlbits.rollout.generate as gen_module
-
-    monkeypatch.setattr(gen_module, "_SMALL_BATCH_HEAD_ROWS", 1)
+    monkeypatch.setattr(decoder_mod, "_SMALL_BATCH_HEAD_ROWS", 1)
     td = _prompts([3, 6, 2], seed=12)
     kw = dict(max_new_tokens=6, temperature=0.9, eos_token_id=EOS, pad_token_id=PAD, num_samples=2)
-    assert gen_module._small_batch_head(models["llama"], 6, torch.device("cpu")) is None
+    assert decoder_mod._small_batch_head(models["llama"], 6, torch.device("cpu")) is None
     eager = generate(models["llama"], td, **kw, generator=_gen(13))
     steps = []
-    original = gen_module.compiled_decode_step
+    original = decoder_mod.compiled_decode_step
 
     def spy(device_type="cpu"):
         step = original(device_type)
         return lambda *args: steps.append(args) or step(*args)
 
-    monkeypatch.setattr(gen_module, "compiled_decode_step", spy)
+    monkeypatch.setattr(decoder_mod, "compiled_decode_step", spy)
     compiled = generate(models["llama"], td, **kw, generator=_gen(13), compile=True)
     assert len(steps) == kw["max_new_tokens"] - 1  # every decode step went through the compiled step
     assert torch.equal(eager["responses"], compiled["responses"])

@@ -16,8 +16,9 @@ from rlbits.loops import reward_model as rm
 from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops.reward_model import Labelled, Pair, RewardModelConfig, read_dataset, train
 from rlbits.loops.run import read_metrics
+from rlbits.models.reward import RewardModel, encode_texts
 from rlbits.models.tiny import tiny_config, tiny_tokenizer
-from rlbits.rollout.score import RewardModel, encode_texts, score_texts
+from rlbits.rollout.score import score_texts
 
 GOOD = ["great", "fun", "superb", "moving", "lovely", "best"]
 BAD = ["awful", "dull", "boring", "worst", "bad", "weak"]

@@ -536,7 +536,7 @@ def test_pickle_weights_are_refused_everywhere(tmp_path):
     """load_policy / ValueModel / ILQLModel / RewardModel read safetensors only; the error says how to convert."""
     from transformers import GPT2ForSequenceClassification
 
-    from rlbits.rollout.score import RewardModel
+    from rlbits.models.reward import RewardModel
 
     folder = _pickle_only_folder(tmp_path / "bin", tiny_causal_lm())
     tiny_tokenizer(V).save_pretrained(folder)

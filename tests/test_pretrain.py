@@ -1,13 +1,16 @@
 """Base-model builder: tokenizer, a few-step pretrain into a temp dir, loading, determinism, cache, evaluate."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rlbits.zoo.pretrain as pt
+import rlbits.zoo.builder as builder
+import rlbits.zoo.cache as zoo_cache
+import rlbits.zoo.evaluator as zoo_eval
 from rlbits import zoo
 from rlbits.tasks import TASKS, arithmetic, get_task, sentiment
 
@@ -16,11 +19,11 @@ TINY = dict(steps=3, batch_size=8, n_embd=16, n_layer=1, n_head=2, corpus_size=3
 
 @pytest.fixture(scope="module")
 def tiny_arith(tmp_path_factory):
-    return pt.pretrain("arithmetic", tmp_path_factory.mktemp("a") / "model", seed=0, **TINY)
+    return builder.pretrain("arithmetic", tmp_path_factory.mktemp("a") / "model", seed=0, **TINY)
 
 
 def test_tokenizer_digits_single_tokens_and_specials():
-    tok = pt.train_tokenizer(arithmetic.corpus(500, seed=0) + ["1111111111 2222222222 12341234"] * 50, 300)
+    tok = builder.train_tokenizer(arithmetic.corpus(500, seed=0) + ["1111111111 2222222222 12341234"] * 50, 300)
     assert tok.tokenize("123+45=168") == ["1", "2", "3", "+", "4", "5", "=", "1", "6", "8"]
     # Even digit runs repeated many times are never merged.
     assert all(len(t.lstrip("Ġ")) <= 1 for t in tok.tokenize("1111111111 2222222222 12341234"))
@@ -31,12 +34,12 @@ def test_tokenizer_digits_single_tokens_and_specials():
 
 def test_tokenizer_round_trips_text():
     docs = sentiment.corpus(200, seed=0)
-    tok = pt.train_tokenizer(docs, 400)
+    tok = builder.train_tokenizer(docs, 400)
     for doc in docs[:20]:
         assert tok.decode(tok(doc)["input_ids"]) == doc
     assert len(tok("I watched it last weekend, and the editing")["input_ids"]) < 20  # merges happened
     with pytest.raises(ValueError, match="vocab_size must be >= 258"):
-        pt.train_tokenizer(docs, 100)
+        builder.train_tokenizer(docs, 100)
 
 
 @pytest.mark.slow
@@ -49,27 +52,27 @@ def test_pretrain_folder_loads(tiny_arith):
         and model.config.pad_token_id == tok.pad_token_id == 0
     )
     assert tok.tokenize("12+3=") == ["1", "2", "+", "3", "="]
-    info = json.loads((pt.Path(tiny_arith) / "base_model.json").read_text())
+    info = json.loads((Path(tiny_arith) / "base_model.json").read_text())
     assert info["task"] == "arithmetic" and info["seed"] == 0 and info["steps"] == 3
     assert info["params"] == sum(p.numel() for p in model.parameters())
     assert info["final_loss"] > 0 and info["build_seconds"] >= 0
-    assert (pt.Path(tiny_arith) / "model.safetensors").exists()
+    assert (Path(tiny_arith) / "model.safetensors").exists()
     # No temporary folders left beside it.
-    assert [p.name for p in pt.Path(tiny_arith).parent.iterdir()] == ["model"]
+    assert [p.name for p in Path(tiny_arith).parent.iterdir()] == ["model"]
 
 
 @pytest.mark.slow
 def test_pretrain_deterministic(tiny_arith, tmp_path):
-    again = pt.pretrain("arithmetic", tmp_path / "again", seed=0, **TINY)
-    other = pt.pretrain("arithmetic", tmp_path / "other", seed=1, **TINY)
-    w0 = load_file(pt.Path(tiny_arith) / "model.safetensors")
-    w1 = load_file(pt.Path(again) / "model.safetensors")
-    w2 = load_file(pt.Path(other) / "model.safetensors")
+    again = builder.pretrain("arithmetic", tmp_path / "again", seed=0, **TINY)
+    other = builder.pretrain("arithmetic", tmp_path / "other", seed=1, **TINY)
+    w0 = load_file(Path(tiny_arith) / "model.safetensors")
+    w1 = load_file(Path(again) / "model.safetensors")
+    w2 = load_file(Path(other) / "model.safetensors")
     assert w0.keys() == w1.keys()
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     assert not all(torch.equal(w0[k], w2[k]) for k in w0 if w0[k].shape == w2[k].shape)
-    assert (pt.Path(tiny_arith) / "tokenizer.json").read_text() == (
-        pt.Path(again) / "tokenizer.json"
+    assert (Path(tiny_arith) / "tokenizer.json").read_text() == (
+        Path(again) / "tokenizer.json"
     ).read_text()
 
 
@@ -78,7 +81,7 @@ def test_pretrain_restores_global_state(tmp_path):
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    pt.pretrain("sentiment", tmp_path / "s", seed=0, **TINY)
+    builder.pretrain("sentiment", tmp_path / "s", seed=0, **TINY)
     assert torch.equal(torch.rand(3), expected)
     assert not torch.are_deterministic_algorithms_enabled()
 
@@ -89,7 +92,7 @@ def test_pretrain_replaces_existing_folder(tmp_path):
     out.mkdir()
     (out / "config.json").write_text("{}")  # an old model folder is replaced whole
     (out / "stale.txt").write_text("old")
-    assert pt.pretrain("arithmetic", out, seed=0, **TINY) == str(out)
+    assert builder.pretrain("arithmetic", out, seed=0, **TINY) == str(out)
     assert not (out / "stale.txt").exists() and (out / "config.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
@@ -100,20 +103,20 @@ def test_pretrain_refuses_to_overwrite_a_folder_that_is_not_a_model(tmp_path):
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
     with pytest.raises(ValueError, match="refusing to overwrite"):
-        pt.pretrain("arithmetic", out, seed=0, **TINY)
+        builder.pretrain("arithmetic", out, seed=0, **TINY)
     assert (out / "mine.txt").read_text() == "keep me"
 
 
 @pytest.mark.slow
 def test_pretrain_bad_settings(tmp_path):
     with pytest.raises(ValueError, match="unknown task 'chess'"):
-        pt.pretrain("chess", tmp_path / "x")
+        builder.pretrain("chess", tmp_path / "x")
     with pytest.raises(ValueError, match=r"n_embd \(30\) must be divisible by n_head \(4\)"):
-        pt.pretrain("arithmetic", tmp_path / "x", n_embd=30, n_head=4)
+        builder.pretrain("arithmetic", tmp_path / "x", n_embd=30, n_head=4)
     with pytest.raises(ValueError, match="steps must be a positive int, got 0"):
-        pt.pretrain("arithmetic", tmp_path / "x", steps=0)
+        builder.pretrain("arithmetic", tmp_path / "x", steps=0)
     with pytest.raises(ValueError, match="more than n_positions=4"):
-        pt.pretrain("arithmetic", tmp_path / "x", n_positions=4, **TINY)
+        builder.pretrain("arithmetic", tmp_path / "x", n_positions=4, **TINY)
     assert not (tmp_path / "x").exists()
 
 
@@ -132,7 +135,7 @@ def _reference_greedy(model, tok, prompt: str, max_new_tokens: int) -> str:
 
 @pytest.mark.slow
 def test_evaluate_greedy_matches_reference(tiny_arith):
-    res = pt.evaluate(tiny_arith, "arithmetic", n=12, max_new_tokens=4)
+    res = zoo_eval.evaluate(tiny_arith, "arithmetic", n=12, max_new_tokens=4)
     assert res["n"] == 12 and set(res) == {"mean", "std", "accuracy", "n", "samples"}
     model = AutoModelForCausalLM.from_pretrained(tiny_arith).eval()
     tok = AutoTokenizer.from_pretrained(tiny_arith)
@@ -145,18 +148,18 @@ def test_evaluate_greedy_matches_reference(tiny_arith):
 
 @pytest.mark.slow
 def test_evaluate_sampling_seeded(tiny_arith):
-    a = pt.evaluate(tiny_arith, "arithmetic", greedy=False, n=10, max_new_tokens=3, seed=5)
-    b = pt.evaluate(tiny_arith, "arithmetic", greedy=False, n=10, max_new_tokens=3, seed=5)
+    a = zoo_eval.evaluate(tiny_arith, "arithmetic", greedy=False, n=10, max_new_tokens=3, seed=5)
+    b = zoo_eval.evaluate(tiny_arith, "arithmetic", greedy=False, n=10, max_new_tokens=3, seed=5)
     assert a == b
     with pytest.raises(ValueError, match="split must be one of"):
-        pt.evaluate(tiny_arith, "arithmetic", split="dev")
+        zoo_eval.evaluate(tiny_arith, "arithmetic", split="dev")
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("RLBITS_CACHE", str(tmp_path))
-    assert pt.default_model_dir("sentiment") == tmp_path / "sentiment-base"
+    assert zoo_cache.default_model_dir("sentiment") == tmp_path / "sentiment-base"
     monkeypatch.delenv("RLBITS_CACHE")
-    assert pt.cache_dir() == pt.Path.home() / ".cache" / "rlbits"
+    assert zoo_cache.cache_dir() == Path.home() / ".cache" / "rlbits"
 
 
 def test_base_model_builds_once(monkeypatch, tmp_path):
@@ -166,10 +169,10 @@ def test_base_model_builds_once(monkeypatch, tmp_path):
     def fake_pretrain(task, out_dir=None, **kwargs):
         calls.append((task, out_dir))
         out_dir.mkdir(parents=True)
-        (out_dir / "base_model.json").write_text(json.dumps(pt.build_settings()))
+        (out_dir / "base_model.json").write_text(json.dumps(builder.build_settings()))
         return str(out_dir)
 
-    monkeypatch.setattr(pt, "pretrain", fake_pretrain)
+    monkeypatch.setattr(builder, "pretrain", fake_pretrain)
     path = zoo.base_model("arithmetic")
     assert path == str(tmp_path / "arithmetic-base")
     assert zoo.base_model("arithmetic") == path
@@ -179,14 +182,14 @@ def test_base_model_builds_once(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="unknown task"):
         zoo.base_model("chess")
     with pytest.raises(ValueError, match="unknown task"):
-        pt.ensure_base_model("chess")
+        builder.ensure_base_model("chess")
 
 
 def _fake_build(calls, threads=None):
     def fake_pretrain(task, out_dir=None, **kwargs):
         calls.append((task, out_dir))
         out_dir.mkdir(parents=True, exist_ok=True)
-        info = {**pt.build_settings(), **({} if threads is None else {"torch_threads": threads})}
+        info = {**builder.build_settings(), **({} if threads is None else {"torch_threads": threads})}
         (out_dir / "base_model.json").write_text(json.dumps(info))
         return str(out_dir)
 
@@ -196,10 +199,10 @@ def _fake_build(calls, threads=None):
 def test_base_model_rebuilds_a_cached_model_built_with_other_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("RLBITS_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(pt, "pretrain", _fake_build(calls, threads=2))
+    monkeypatch.setattr(builder, "pretrain", _fake_build(calls, threads=2))
     zoo.base_model("arithmetic")  # an old build at the caller's 2 threads
-    monkeypatch.setattr(pt, "pretrain", _fake_build(calls))
-    path = pt.Path(zoo.base_model("arithmetic"))  # rebuilt with BUILD_THREADS
+    monkeypatch.setattr(builder, "pretrain", _fake_build(calls))
+    path = Path(zoo.base_model("arithmetic"))  # rebuilt with BUILD_THREADS
     assert len(calls) == 2 and json.loads((path / "base_model.json").read_text())["torch_threads"] == 1
     assert zoo.base_model("arithmetic") == str(path) and len(calls) == 2  # now current: kept
     info = json.loads((path / "base_model.json").read_text())
@@ -219,7 +222,7 @@ def test_base_model_waiting_for_a_held_lock_says_so_and_times_out(monkeypatch, t
     import threading
 
     monkeypatch.setenv("RLBITS_CACHE", str(tmp_path))
-    monkeypatch.setattr(pt, "LOCK_REPORT_EVERY_S", 0.2)
+    monkeypatch.setattr(zoo_cache, "LOCK_REPORT_EVERY_S", 0.2)
     lock = tmp_path / ".arithmetic-base.lock"
     folder = tmp_path / "arithmetic-base"
     with open(lock, "a+") as held:  # another process's build (flock: another open file conflicts)
@@ -243,7 +246,7 @@ def test_base_model_waiting_for_a_held_lock_says_so_and_times_out(monkeypatch, t
         monkeypatch.delenv("RLBITS_LOCK_TIMEOUT")
         # The other process finishes its build and lets go: the waiter uses that build, builds nothing.
         calls = []
-        monkeypatch.setattr(pt, "pretrain", _fake_build(calls))
+        monkeypatch.setattr(builder, "pretrain", _fake_build(calls))
 
         def finish():
             _fake_build([])("arithmetic", folder)
@@ -264,14 +267,14 @@ def test_pretrain_weights_do_not_depend_on_the_callers_threads(tmp_path):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            paths.append(pt.Path(pt.pretrain("arithmetic", tmp_path / f"t{threads}", seed=0, **TINY)))
+            paths.append(Path(builder.pretrain("arithmetic", tmp_path / f"t{threads}", seed=0, **TINY)))
             assert torch.get_num_threads() == threads  # the caller's count is restored
     finally:
         torch.set_num_threads(before)
     one, two = ((p / "model.safetensors").read_bytes() for p in paths)
     assert one == two
     info = json.loads((paths[1] / "base_model.json").read_text())
-    assert info["torch_threads"] == pt.BUILD_THREADS == 1 and info["deterministic_algorithms"] is True
+    assert info["torch_threads"] == builder.BUILD_THREADS == 1 and info["deterministic_algorithms"] is True
     assert info["torch_version"] == torch.__version__
 
 
@@ -285,7 +288,7 @@ def test_cli_pretrain_prints_path_last(monkeypatch, tmp_path, capsys):
         print("training...")
         return str(tmp_path / "built")
 
-    monkeypatch.setattr(pt, "pretrain", fake_pretrain)
+    monkeypatch.setattr(builder, "pretrain", fake_pretrain)
     assert (
         cli.main(["pretrain", "arithmetic", "--out", str(tmp_path / "o"), "--seed", "3", "--steps", "7"]) == 0
     )
@@ -297,43 +300,43 @@ def test_cli_pretrain_prints_path_last(monkeypatch, tmp_path, capsys):
 
 
 def test_loss_starts_after_separator():
-    tok = pt.train_tokenizer(["12+34=46", "5+6=11"], 260)
-    data, lengths = pt._encode(tok, ["12+34=46", "5+6=11"], 16)
+    tok = builder.train_tokenizer(["12+34=46", "5+6=11"], 260)
+    data, lengths = builder.encode_corpus(tok, ["12+34=46", "5+6=11"], 16)
     assert lengths.tolist() == [9, 7]  # digits, +, =, answer digits, <eos>
-    assert pt._loss_starts(tok, data, "=").tolist() == [6, 4]
-    assert pt._loss_starts(tok, data, None).tolist() == [0, 0]
+    assert builder.loss_starts(tok, data, "=").tolist() == [6, 4]
+    assert builder.loss_starts(tok, data, None).tolist() == [0, 0]
     with pytest.raises(ValueError, match=r"loss_after='\*' does not occur in every corpus document"):
-        pt._loss_starts(tok, data, "*")
+        builder.loss_starts(tok, data, "*")
     with pytest.raises(ValueError, match="loss_after must be a single token"):
-        pt._loss_starts(tok, data, "+=")
+        builder.loss_starts(tok, data, "+=")
 
 
 @pytest.mark.slow
 def test_plateau_check_runs_and_keeps_model(tiny_arith):
-    before = (pt.Path(tiny_arith) / "model.safetensors").read_bytes()
-    res = pt.plateau_check(tiny_arith, "arithmetic", cpu_seconds=0.5, n=6)
+    before = (Path(tiny_arith) / "model.safetensors").read_bytes()
+    res = zoo_eval.plateau_check(tiny_arith, "arithmetic", cpu_seconds=0.5, n=6)
     assert res["steps"] >= 1 and res["cpu_seconds"] >= 0.5
-    assert res["lr"] == pytest.approx(0.1 * pt.RECIPES["arithmetic"]["lr"])
+    assert res["lr"] == pytest.approx(0.1 * builder.RECIPES["arithmetic"]["lr"])
     assert res["before"]["n"] == res["after"]["n"] == 6
-    assert (pt.Path(tiny_arith) / "model.safetensors").read_bytes() == before
+    assert (Path(tiny_arith) / "model.safetensors").read_bytes() == before
 
 
 def test_recipes_are_those_of_the_cached_builds():
     # Pinned: these settings (and their order, which base_model.json keeps) define what a cached
     # ``<task>-base`` folder holds; they moved from the task modules' ``PRETRAIN`` dicts unchanged.
-    assert list(pt.RECIPES["sentiment"].items()) == [
+    assert list(builder.RECIPES["sentiment"].items()) == [
         ("vocab_size", 1024), ("n_embd", 128), ("n_layer", 4), ("n_head", 4), ("n_positions", 128),
         ("steps", 1000), ("batch_size", 32), ("lr", 2e-3), ("corpus_size", 30_000), ("max_new_tokens", 40),
         ("loss_after", None),
     ]  # fmt: skip
-    assert list(pt.RECIPES["arithmetic"].items()) == [
+    assert list(builder.RECIPES["arithmetic"].items()) == [
         ("vocab_size", 300), ("n_embd", 128), ("n_layer", 3), ("n_head", 4), ("n_positions", 64),
         ("steps", 1500), ("batch_size", 64), ("lr", 3e-3), ("corpus_size", 60_000), ("max_new_tokens", 6),
         ("loss_after", "="),
     ]  # fmt: skip
     synthetic = [t for t in TASKS if getattr(get_task(t), "BASE_MODEL", None) is None]  # imdb, math: zoo models
-    assert sorted(pt.RECIPES) == sorted(synthetic)
-    assert all(tuple(k for k in r if k not in pt.OPTIONAL_SETTINGS) == pt.SETTINGS for r in pt.RECIPES.values())
+    assert sorted(builder.RECIPES) == sorted(synthetic)
+    assert all(tuple(k for k in r if k not in builder.OPTIONAL_SETTINGS) == builder.SETTINGS for r in builder.RECIPES.values())
 
 
 @pytest.mark.slow
@@ -346,31 +349,16 @@ def test_task_registered_outside_rlbits_brings_its_recipe(monkeypatch, tmp_path)
     monkeypatch.setitem(sys.modules, "my_task", mod)
     monkeypatch.setitem(TASKS, "mine", "my_task")
     with pytest.raises(ValueError, match=r"task 'mine' has no base-model recipe: add one to rlbits\.zoo"):
-        pt.pretrain("mine", tmp_path / "x", **TINY)
-    mod.PRETRAIN = {**pt.RECIPES["arithmetic"], "steps": 2}
-    info = json.loads((pt.Path(pt.pretrain("mine", tmp_path / "m", **TINY)) / "base_model.json").read_text())
+        builder.pretrain("mine", tmp_path / "x", **TINY)
+    mod.PRETRAIN = {**builder.RECIPES["arithmetic"], "steps": 2}
+    info = json.loads((Path(builder.pretrain("mine", tmp_path / "m", **TINY)) / "base_model.json").read_text())
     assert info["task"] == "mine" and info["steps"] == 3 and info["n_positions"] == 64  # TINY overrides
-
-
-@pytest.mark.parametrize("old", ["rlbits.tasks.pretrain", "rlbits.models.pretrain"])
-def test_old_module_names_are_deprecated_aliases(old, monkeypatch):
-    import importlib
-    import sys
-
-    monkeypatch.delitem(sys.modules, old, raising=False)  # imported before: import it afresh
-    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated: .* use rlbits\.zoo\.pretrain"):
-        alias = importlib.import_module(old)
-    assert alias is pt  # the module itself: patching through the old name patches the builder
-    for name in pt.__all__:
-        assert getattr(alias, name) is getattr(pt, name)
-    parent, _, leaf = old.rpartition(".")
-    assert getattr(importlib.import_module(parent), leaf) is pt  # ``from rlbits.tasks import pretrain``
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "sentiment"])  # the tasks whose module once had PRETRAIN
 def test_task_pretrain_is_a_deprecated_name_of_the_recipe(task):
     module = get_task(task)
     with pytest.warns(DeprecationWarning, match=rf"get_task\('{task}'\)\.PRETRAIN is deprecated"):
-        assert module.PRETRAIN is pt.RECIPES[task]
+        assert module.PRETRAIN is builder.RECIPES[task]
     with pytest.raises(AttributeError, match="no attribute 'NOT_THERE'"):
         module.NOT_THERE  # noqa: B018

@@ -20,12 +20,12 @@ import torch
 from tensordict import TensorDict
 
 from rlbits.cli import build_parser
+from rlbits.models.reward import RewardModel
 from rlbits.models.tiny import tiny_config, tiny_tokenizer
 from rlbits.rollout.reward_server import RewardClient, RewardServer, load_reward, serve
 from rlbits.rollout.score import (
     InvalidRewardError,
     RewardError,
-    RewardModel,
     RewardServerError,
     score,
     score_texts,

@@ -12,7 +12,7 @@ from rlbits.tasks import TASKS, get_task
 from rlbits.tasks import calculator as calc
 from rlbits.tasks import guess_number as gn
 from rlbits.zoo import RECIPES
-from rlbits.zoo.pretrain import train_tokenizer
+from rlbits.zoo.builder import train_tokenizer
 
 TAGS = RECIPES["calculator"]["added_tokens"]
 
@@ -425,7 +425,7 @@ def test_tiny_build_keeps_the_tags_and_fits_the_episodes(task, tmp_path):
 
     from rlbits.zoo import pretrain
 
-    path = pretrain.pretrain(task, tmp_path / "m", steps=3, corpus_size=300, progress=False)
+    path = pretrain(task, tmp_path / "m", steps=3, corpus_size=300, progress=False)
     tok = AutoTokenizer.from_pretrained(path)
     for tag in RECIPES[task].get("added_tokens", ()):
         ids = tok(tag, add_special_tokens=False)["input_ids"]

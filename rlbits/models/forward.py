@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -50,6 +51,40 @@ def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
         return "logits_to_keep" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The keyword under which ``model.forward`` takes its KV cache: ``"cache"`` where the signature has it
+    (transformers 5.2x, whose ``past_key_values`` is a deprecated spelling that prints a FutureWarning on
+    every call), else ``"past_key_values"`` (earlier transformers, wrappers such as ``SteeredPolicy``)."""
+    forward = getattr(getattr(model, "_orig_mod", model), "forward", None)  # a torch.compile'd module's own
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache a forward with ``use_cache=True`` returned: ``out.cache`` where the output has that field,
+    else ``out.past_key_values`` (read only then: transformers 5.2x logs a deprecation for it)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def context_length(model: torch.nn.Module) -> tuple[str, int] | None:
+    """``(config field, n)``: the most positions (prompt plus response tokens) ``model`` takes, or None.
+
+    ``n`` is the first int among the config's ``max_position_embeddings``, ``n_positions`` and ``n_ctx``; the
+    config is ``model.config``, else that of ``model.policy`` (a ``ValueModel`` or ``ILQLModel``). None when the
+    config names no context length (e.g. a model with relative positions only).
+    """
+    config = getattr(model, "config", None) or getattr(getattr(model, "policy", None), "config", None)
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return name, value
+    return None
 
 
 def _is_sharded(module: torch.nn.Module) -> bool:

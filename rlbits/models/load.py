@@ -204,7 +204,22 @@ def prepare_tokenizer(tokenizer, *, eos_token: str | None = None, where: str = "
             f"{where} has no EOS token, so generation could never stop; pass eos_token='<token>' "
             "(a token in its vocabulary) to load_tokenizer, or set tokenizer.eos_token and save it again"
         )
-    if tokenizer.pad_token is None:
+    return pad_with_eos(tokenizer, where)
+
+
+def pad_with_eos(tokenizer, where: str = "the tokenizer"):
+    """Make the EOS token ``tokenizer``'s pad token if it has none (in place; returned).
+
+    Safe in rlbits because padding is always found by ``attention_mask`` / ``action_mask``, never by comparing
+    ids with ``pad_token_id`` (code that did would also drop real EOS tokens). ``where`` names the tokenizer in
+    the error.
+
+    Raises:
+        ValueError: the tokenizer has neither a pad token nor an EOS token.
+    """
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"{where} has neither a pad token nor an eos token to pad with; set pad_token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

@@ -10,7 +10,11 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rlbits.functional import ilql_logits
+from rlbits.models.forward import cache_argument, output_cache
 from rlbits.models.heads import ILQLModel
+
+# The output's cache field: ``cache`` in transformers 5.2x (``past_key_values`` there logs a deprecation).
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class SteeredPolicy(torch.nn.Module):
@@ -58,7 +62,7 @@ class SteeredPolicy(torch.nn.Module):
         kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         out = m.policy(
             **kw,
-            past_key_values=past_key_values,
+            **{cache_argument(m.policy): past_key_values},
             use_cache=use_cache,
             output_hidden_states=m.trunk is None,
             logits_to_keep=logits_to_keep,
@@ -72,8 +76,9 @@ class SteeredPolicy(torch.nn.Module):
             mask = attention_mask
             if mask is not None and cache is not None:
                 mask = mask[:, : cache.get_seq_length() + input_ids.shape[1]]
-            t_out = m.trunk(**{**kw, "attention_mask": mask}, past_key_values=cache, use_cache=use_cache)
-            self._trunk_cache = t_out.past_key_values if use_cache else None
+            t_kw = {**kw, "attention_mask": mask, cache_argument(m.trunk): cache}
+            t_out = m.trunk(**t_kw, use_cache=use_cache)
+            self._trunk_cache = output_cache(t_out) if use_cache else None
             hidden = t_out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
@@ -86,7 +91,9 @@ class SteeredPolicy(torch.nn.Module):
                     q = torch.minimum(q, m.target_q2(hidden).float())
                 v = m.v(hidden).squeeze(-1).float()
             logits = ilql_logits(logits, q, v, self.beta)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
+        return CausalLMOutputWithPast(
+            logits=logits, **{_CACHE_FIELD: output_cache(out) if use_cache else None}
+        )
 
 
 __all__ = ["SteeredPolicy"]

