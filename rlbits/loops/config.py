@@ -411,7 +411,10 @@ def _unknown_key(cls: type, key: str, fields: list[str]) -> str:
     for group in GROUPS:
         if key in group.__dataclass_fields__ and not issubclass(cls, group):
             summary = " ".join(inspect.getdoc(group).split())
-            return f"{key} is not a field of {owner}, which does not use {group.__name__} ({summary}); valid keys: {valid}"
+            return (
+                f"{key} is not a field of {owner}, which does not use {group.__name__} ({summary}); "
+                f"valid keys: {valid}"
+            )
     close = difflib.get_close_matches(key, fields, n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     return f"unknown config key {show(key)} for {owner}{hint} (valid keys: {valid})"
@@ -427,9 +430,8 @@ def config_from_dict(cls: type[C], values: dict[str, Any]) -> C:
     fields = [f.name for f in dataclasses.fields(cls)]
     for key in values:
         if not isinstance(key, str):
-            raise ConfigError(
-                f"config key {show(key)} is a {type(key).__name__}; keys are field names (valid keys: {', '.join(fields)})"
-            )
+            what = f"config key {show(key)} is a {type(key).__name__}"
+            raise ConfigError(f"{what}; keys are field names (valid keys: {', '.join(fields)})")
         if key not in fields:
             raise ConfigError(_unknown_key(cls, key, fields))
     return cls(**values)
