@@ -255,7 +255,7 @@ def test_a_pipeline_runs_its_configs_in_order_with_overrides_on_the_last(tmp_pat
 
     def fake_train(config, resume, force):  # records the order; each run writes what the next one reads
         assert not resume and not force
-        calls.append((config.loop, config.reward_model, config.max_num_steps))
+        calls.append((config.loop, getattr(config, "reward_model", None), config.max_num_steps))  # RM: no such field
         run_dir = _fake_run(Path(config.run_dir))
         (run_dir / "final").mkdir(exist_ok=True)  # the next config checks that its reward_model exists
         return run_dir
