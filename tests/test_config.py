@@ -155,6 +155,14 @@ def test_an_unknown_key_names_the_loop_and_the_nearest_fields():
         config_from_dict(PPOConfig, {1: 2})
 
 
+def test_resolve_reward_prefers_one_source(tmp_path):
+    cfg = PolicyConfig(reward_model=str(tmp_path))
+    assert cfg.resolve_reward(None) == str(tmp_path)
+    with pytest.raises(ConfigError, match="give one of them"):
+        cfg.resolve_reward(lambda p, r: [0.0] * len(p))
+    assert PolicyConfig().resolve_reward("x") == "x"
+
+
 def test_removed_names_are_gone():
     assert not hasattr(RunConfig, "validate") and not hasattr(OnlineConfig, "rollout_batch_size")
     assert not hasattr(ReinforceConfig, "ppo_epochs") and not hasattr(ReinforceConfig, "RENAMED")

@@ -410,7 +410,7 @@ def _unknown_key(cls: type, key: str, fields: list[str]) -> str:
     owner, valid = describe_config(cls), ", ".join(fields)
     for group in GROUPS:
         if key in group.__dataclass_fields__ and not issubclass(cls, group):
-            summary = " ".join(inspect.getdoc(group).split())
+            summary = " ".join(inspect.getdoc(group).split()).rstrip(".")
             return (
                 f"{key} is not a field of {owner}, which does not use {group.__name__} ({summary}); "
                 f"valid keys: {valid}"
