@@ -60,8 +60,7 @@ class RunConfig:
     validation, checkpoints, logging and the process."""
 
     loop: str = "ppo"
-    """Which loop runs this config: a key of ``LOOPS`` (``ppo``, ``reinforce``, ``ilql``,
-    ``reward_model``)."""
+    """Which loop runs this config: a key of ``LOOPS``."""
     run_dir: str = "runs/default"
     """Where the run is written: config.yaml, metrics.jsonl, samples.jsonl, TensorBoard events, checkpoints/,
     final/. It must be new, empty or a run rlbits started (it holds ``.rlbits-run``); ``rlbits train --force``
