@@ -14,7 +14,7 @@ from tensordict import TensorDictBase
 from rlbits.distributed.env import DistEnv
 from rlbits.loops.api import loop_module, resolve_config
 from rlbits.loops.common import disable_dropout, load_policy_and_tokenizer, policy_path, setup, validate
-from rlbits.loops.config import RunConfig
+from rlbits.loops.config import PolicyConfig, RunConfig
 from rlbits.models.heads import ILQLModel
 from rlbits.models.load import load_tokenizer
 from rlbits.models.steered import SteeredPolicy
@@ -44,7 +44,7 @@ def evaluate_run(
     if not (run_dir / "final").is_dir():
         raise FileNotFoundError(f"{run_dir / 'final'} does not exist; the run has not finished")
     cfg = resolve_config(run_dir / "config.yaml")
-    changes = {"val_greedy": greedy or cfg.val_greedy}
+    changes = {"val_greedy": greedy or cfg.val_greedy} if isinstance(cfg, PolicyConfig) else {}
     if max_val_samples is not None:
         changes["max_val_samples"] = max_val_samples
     cfg = dataclasses.replace(cfg, **changes)
