@@ -37,26 +37,16 @@ class Range:
 
     def describe(self, none_ok: bool = False) -> str:
         """``>= 1``, ``> 0 or null``, ``in [0, 1]``, ``in (0, 1)``, ...: the bounds, as error messages say them."""
-        low = (
-            f"[{_number(self.ge)}"
-            if self.ge is not None
-            else f"({_number(self.gt)}"
-            if self.gt is not None
-            else None
-        )
-        high = (
-            f"{_number(self.le)}]"
-            if self.le is not None
-            else f"{_number(self.lt)})"
-            if self.lt is not None
-            else None
-        )
-        if low is not None and high is not None:
-            text = f"in {low}, {high}"
-        elif low is not None:
-            text = (">= " if low[0] == "[" else "> ") + low[1:]
+        low = ("[", self.ge) if self.ge is not None else ("(", self.gt) if self.gt is not None else None
+        high = ("]", self.le) if self.le is not None else (")", self.lt) if self.lt is not None else None
+        if low and high:
+            text = f"in {low[0]}{_number(low[1])}, {_number(high[1])}{high[0]}"
+        elif low:
+            text = (">= " if low[0] == "[" else "> ") + _number(low[1])
+        elif high:
+            text = ("<= " if high[0] == "]" else "< ") + _number(high[1])
         else:
-            text = ("<= " if high[-1] == "]" else "< ") + high[:-1]
+            text = "any number"
         return text + (" or null" if none_ok else "")
 
     def problem(self, value: float, none_ok: bool = False) -> str | None:
