@@ -162,3 +162,6 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             f"config file {str(path)!r} must hold a mapping of key: value, got {type(data).__name__}"
         )
     return data
+
+
+__all__ = ["MAX_ALIAS_NODES", "MAX_VALUE", "ConfigError", "load_yaml", "parse_overrides", "read_yaml", "show"]
