@@ -127,23 +127,28 @@ def _format_value(value: Any) -> str:
 
 
 def config_help(loop: str = "ppo", width: int = 100) -> str:
-    """Every field of loop ``loop``'s config with its type, default and docstring (``field_docs``): the
-    fields every loop shares (``RunConfig``) first, then the loop's own. Raises ConfigError for an unknown loop."""
+    """Every field of loop ``loop``'s config with its type, default and docstring (``field_docs``), grouped:
+    the fields every loop shares (``RunConfig``), then each field group the loop uses (``GROUPS``), then the
+    loop's own. Raises ConfigError for an unknown loop."""
     import dataclasses
+    import inspect
+    import re
     import textwrap
 
     from rlbits.loops.api import config_class
-    from rlbits.loops.config import RunConfig, field_docs, size_limits
+    from rlbits.loops.config import GROUPS, RunConfig
+    from rlbits.loops.config_fields import field_docs, size_limits
 
     cls = config_class(loop)
     docs = field_docs(cls)
     limits = size_limits(cls)
     hints = typing.get_type_hints(cls)
-    shared = {f.name for f in dataclasses.fields(RunConfig)}
 
-    def block(fields: list) -> list[str]:
+    def block(names: list[str]) -> list[str]:
         out = []
-        for f in fields:
+        for f in dataclasses.fields(cls):
+            if f.name not in names:
+                continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             bound = f" (at most {limits[f.name]})" if f.name in limits else ""
             out.append(f"  {f.name}: {_format_type(hints[f.name])} = {_format_value(default)}{bound}")
@@ -152,21 +157,22 @@ def config_help(loop: str = "ppo", width: int = 100) -> str:
                 out += textwrap.wrap(doc, width, initial_indent="      ", subsequent_indent="      ")
         return out
 
-    fields = dataclasses.fields(cls)
     intro = (
         f"Config fields of the {loop} loop ({cls.__name__}) with their dataclass defaults (a YAML config such as "
         "configs/ppo_sentiment.yaml sets some of them). Set a field in a YAML config (`key: value`) or on the "
-        "command line (`key=value`)."
+        "command line (`key=value`); a field the loop does not have is refused."
     )
-    lines = [
-        *textwrap.wrap(intro, width),
-        "",
-        "Shared by every loop (RunConfig):",
-        *block([f for f in fields if f.name in shared]),
-        "",
-        f"The {loop} loop ({cls.__name__}):",
-        *block([f for f in fields if f.name not in shared]),
-    ]
+    lines = textwrap.wrap(intro, width)
+    seen: set[str] = set()
+    for group in GROUPS:
+        if not issubclass(cls, group):
+            continue
+        own = [f.name for f in dataclasses.fields(group) if f.name not in seen]
+        seen.update(own)
+        title = "Shared by every loop" if group is RunConfig else re.split(r":| \(", inspect.getdoc(group))[0]
+        lines += ["", f"{title} ({group.__name__}):", *block(own)]
+    rest = [f.name for f in dataclasses.fields(cls) if f.name not in seen]
+    lines += ["", f"The {loop} loop ({cls.__name__}):", *block(rest)]
     return "\n".join(lines)
 
 
@@ -292,7 +298,7 @@ def _run_pipeline(args: argparse.Namespace, configs: list[str], overrides: list[
 
 def _run_train(args: argparse.Namespace) -> Path:
     from rlbits.loops.api import resolve_config, train
-    from rlbits.loops.config import ConfigError, read_yaml
+    from rlbits.loops.config import ConfigError, PolicyConfig, read_yaml
     from rlbits.tasks import TASKS
 
     overrides = list(args.overrides)
@@ -310,7 +316,7 @@ def _run_train(args: argparse.Namespace) -> Path:
         cfg = resolve_config(values, overrides)
     else:
         cfg = resolve_config(config, overrides)
-    if cfg.task not in TASKS:
+    if isinstance(cfg, PolicyConfig) and cfg.task not in TASKS:
         raise ConfigError(f"unknown task {cfg.task!r}; valid tasks: {', '.join(map(repr, sorted(TASKS)))}")
     if not args.resume:
         return train(config=cfg, resume=False, force=args.force)
@@ -348,7 +354,7 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-TRAIN_HELP = """Train with the loop the config names (ppo, reinforce, ilql, reward_model) and print a summary.
+TRAIN_HELP = """Train with the loop the config names ({loops}) and print a summary.
 
   rlbits train                                   the main job: configs/ppo_sentiment.yaml -> runs/default
   rlbits train configs/rloo_arithmetic.yaml seed=1 run_dir=runs/s1
@@ -396,9 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
     get.set_defaults(func=_model_get)
     listing = model_sub.add_parser("list", help="the real models and whether they are in the cache")
     listing.set_defaults(func=_model_list)
+    from rlbits.loops.config import LOOPS
+
+    loops = ", ".join(LOOPS)
     train = sub.add_parser(
         "train", help="train a policy (default: PPO on the sentiment task)",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=TRAIN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=TRAIN_HELP.format(loops=loops),
     )  # fmt: skip
     train.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config (default configs/ppo_sentiment.yaml)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (any field: --help-config)")
@@ -411,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     train.add_argument(
         "--help-config", nargs="?", const="ppo", default=None, metavar="LOOP",
-        help="list every config field of LOOP (ppo, reinforce, ilql, reward_model; default ppo): type, default, meaning",
+        help=f"list every config field of LOOP ({loops}; default ppo): type, default, meaning",
     )  # fmt: skip
     train.add_argument("--debug", action="store_true", help="show the traceback of an error (also RLBITS_DEBUG=1)")
     train.set_defaults(func=_train)

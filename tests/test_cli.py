@@ -68,23 +68,35 @@ def test_config_errors_exit_2_with_the_field_named(policy_dir, tmp_path, capsys)
 
 def test_help_config_lists_every_field_grouped(capsys):
     import dataclasses
+    import re
 
-    from rlbits.loops.config import RunConfig, field_docs
+    from rlbits.loops.config import GROUPS, LOOPS
+    from rlbits.loops.config_fields import field_docs
     from rlbits.loops.ppo import PPOConfig
 
     assert main(["train", "--help-config"]) == 0
     out = capsys.readouterr().out
-    shared, own = out.split("Shared by every loop (RunConfig):")[1].split("The ppo loop (PPOConfig):")
+    sections = dict(re.findall(r"\n\n[^\n]*\((\w+)\):\n(.*?)(?=\n\n|$)", out, re.S))
+    assert list(sections) == [g.__name__ for g in GROUPS] + ["PPOConfig"]  # the ppo loop uses every group
+    assert "Shared by every loop (RunConfig):" in out and "The ppo loop (PPOConfig):" in out
+    home = {}  # field -> the first class (group or loop) that declares it
+    for cls in [*GROUPS, PPOConfig]:
+        for f in dataclasses.fields(cls):
+            home.setdefault(f.name, cls.__name__)
     for f in dataclasses.fields(PPOConfig):
-        assert f"\n  {f.name}: " in (shared if f.name in {g.name for g in dataclasses.fields(RunConfig)} else own)
-    assert "  policy: str | null = null\n" in shared
-    assert "  num_prompts_per_step: int = 32 (at most 1048576)\n" in shared  # PPOConfig's default, not RunConfig's
-    assert "  precision: fp32 | bf16 = fp32\n" in shared
-    assert field_docs(PPOConfig)["clip_eps"][:40] in " ".join(own.split())
-    assert main(["train", "--help-config", "reinforce"]) == 0
-    assert "The reinforce loop (ReinforceConfig):" in capsys.readouterr().out
+        assert f"\n  {f.name}: " in "\n" + sections[home[f.name]], f.name
+    assert "  policy: str | null = null" in sections["PolicyConfig"]
+    assert "  num_prompts_per_step: int = 32 (at most 1048576)" in sections["OnlineConfig"]  # PPOConfig's default
+    assert "  precision: fp32 | bf16 = fp32" in sections["RunConfig"]
+    assert field_docs(PPOConfig)["clip_eps"][:40] in " ".join(sections["PPOConfig"].split())
+    assert main(["train", "--help-config", "reward_model"]) == 0
+    out = capsys.readouterr().out
+    assert "The reward_model loop (RewardModelConfig):" in out and "lora_rank" not in out and "(PolicyConfig)" not in out
     assert main(["train", "--help-config", "nope"]) == 2
     assert "unknown loop 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert f"the loop the config names ({', '.join(LOOPS)})" in capsys.readouterr().out
 
 
 def test_train_help_mentions_help_config_and_policy(capsys):
@@ -243,7 +255,7 @@ def test_a_pipeline_runs_its_configs_in_order_with_overrides_on_the_last(tmp_pat
 
     def fake_train(config, resume, force):  # records the order; each run writes what the next one reads
         assert not resume and not force
-        calls.append((config.loop, config.reward_model, config.max_num_steps))
+        calls.append((config.loop, getattr(config, "reward_model", None), config.max_num_steps))  # RM: no such field
         run_dir = _fake_run(Path(config.run_dir))
         (run_dir / "final").mkdir(exist_ok=True)  # the next config checks that its reward_model exists
         return run_dir

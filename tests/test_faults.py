@@ -43,19 +43,27 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
 COMMON = [
-    f"max_num_steps={STEPS}", "num_prompts_per_step=2", "max_new_tokens=4", "max_val_samples=2",
+    f"max_num_steps={STEPS}", "max_new_tokens=4", "max_val_samples=2",
     "val_period=3", "val_at_start=false", "val_at_end=false", "save_period=1", "keep_checkpoints=2",
     "progress=false", "tensorboard=false", "log_samples=2", "cpu_threads=1",
     "checkpoint_checksums=all",  # a flipped byte in the weights is caught only with every file hashed
 ]  # fmt: skip
 LOOPS = {
-    "ppo": ["configs/ppo_sentiment.yaml", *COMMON, "microbatch_size=2", "ppo_epochs=2", "num_minibatches=2"],
+    "ppo": [
+        "configs/ppo_sentiment.yaml",
+        *COMMON,
+        "num_prompts_per_step=2",
+        "microbatch_size=2",
+        "ppo_epochs=2",
+        "num_minibatches=2",
+    ],
     # ILQL steps are ~10x shorter: more of them, so a signal lands mid-run
     "ilql": ["configs/ilql_sentiment.yaml", *COMMON, "max_num_steps=30", "dataset_size=8", "dataset_batch_size=8",
              "batch_size=4", "microbatch_size=4", "val_period=10"],  # fmt: skip
     "reinforce": [
         "configs/rloo_arithmetic.yaml",
         *COMMON,
+        "num_prompts_per_step=2",
         "num_generations_per_prompt=2",
         "microbatch_size=4",
     ],

@@ -17,14 +17,8 @@ import torch
 
 from rlbits.cli import build_parser, config_help
 from rlbits.data.stream import PromptError, check_prompts, read_prompts
-from rlbits.loops.config import (
-    MAX_ALIAS_NODES,
-    MIN_TEMPERATURE,
-    ConfigError,
-    config_from_dict,
-    load_config,
-    read_yaml,
-)
+from rlbits.loops.config import MIN_TEMPERATURE, ConfigError, config_from_dict, load_config, read_yaml
+from rlbits.loops.config_yaml import MAX_ALIAS_NODES
 from rlbits.loops.ilql import ILQLConfig
 from rlbits.loops.ppo import PPOConfig
 from rlbits.loops.reinforce import ReinforceConfig

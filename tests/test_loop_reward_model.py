@@ -147,7 +147,7 @@ def test_read_dataset_errors_name_the_row(tmp_path, text, match):
         ({"max_train_samples": 0}, "max_train_samples"),
         ({"val_dataset": "v.jsonl"}, "val_dataset is for a dataset file"),
         ({"loop": "ppo"}, "loop must be 'reward_model'"),
-        ({"reward_model": "/no/such/folder"}, "reward_model must be a folder"),
+        ({"reward_model": "/no/such/folder"}, r"reward_model is not a field of the reward_model loop \(RewardModelConfig\)"),
     ],
 )
 def test_config_errors(values, match):
@@ -197,14 +197,6 @@ def test_truncate_words_cuts_to_a_word_prefix():
     cuts = {rm.truncate_words(text, random.Random(s), cfg) for s in range(20)}
     assert cuts == {"one two", "one two three"}
     assert rm.truncate_words(text, random.Random(0), dataclasses.replace(cfg, truncate_prob=0.0)) == text
-
-
-def test_resolve_reward_prefers_one_source(tmp_path):
-    cfg = RewardModelConfig(reward_model=str(tmp_path))
-    assert cfg.resolve_reward(None) == str(tmp_path)
-    with pytest.raises(ConfigError, match="give one of them"):
-        cfg.resolve_reward(lambda p, r: [0.0] * len(p))
-    assert RewardModelConfig().resolve_reward("x") == "x"
 
 
 def test_without_the_minilm_package_the_zoo_fetches_it(monkeypatch, tmp_path):

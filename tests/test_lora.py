@@ -45,12 +45,12 @@ def tiny_path(tmp_path_factory):
 
 
 COMMON = dict(
-    task="arithmetic", max_num_steps=2, num_prompts_per_step=4, max_new_tokens=5, microbatch_size=4,
+    task="arithmetic", max_num_steps=2, max_new_tokens=5, microbatch_size=4,
     learning_rate=1e-2, max_val_samples=4, log_samples=2, progress=False, tensorboard=False, lora_rank=4,
 )  # fmt: skip
 LOOPS = {
-    "reinforce": (reinforce.ReinforceConfig, dict(num_generations_per_prompt=4, kl_loss_coef=0.05)),
-    "ppo": (ppo.PPOConfig, dict(num_generations_per_prompt=2, ppo_epochs=1, num_minibatches=2)),
+    "reinforce": (reinforce.ReinforceConfig, dict(num_prompts_per_step=4, num_generations_per_prompt=4, kl_loss_coef=0.05)),
+    "ppo": (ppo.PPOConfig, dict(num_prompts_per_step=4, num_generations_per_prompt=2, ppo_epochs=1, num_minibatches=2)),
     "ilql": (ilql.ILQLConfig, dict(batch_size=4, dataset_size=8, dataset_batch_size=8)),
 }
 

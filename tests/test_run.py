@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from rlbits.data.stream import PromptStream
 from rlbits.distributed.checkpoint import list_checkpoints
 from rlbits.loops import ilql, ppo, reinforce, reward_model
-from rlbits.loops.config import RunConfig
+from rlbits.loops.config import PolicyConfig, RunConfig
 from rlbits.loops.provenance import ResumeMismatchError
 from rlbits.loops.run import Run, read_metrics, total_steps
 from rlbits.loops.state import LoopState, optimizer_of
@@ -136,7 +136,7 @@ def test_a_state_without_trained_model_is_refused_by_name(tmp_path):
     class Nameless(LoopState):
         pass
 
-    cfg = RunConfig(run_dir=str(tmp_path / "n"), progress=False, tensorboard=False)
+    cfg = PolicyConfig(run_dir=str(tmp_path / "n"), progress=False, tensorboard=False)
     with Run(cfg) as run, pytest.raises(NotImplementedError, match="Nameless must define trained_model"):
         run.check_inputs(reward=None, prompts=["a b"], val_prompts=None)
         run.start(Nameless(env=run.env), validate=validate)

@@ -265,21 +265,21 @@ def test_no_bwrap_no_tool_code(monkeypatch, tmp_path):
 
 
 def test_the_run_configs_sandbox_reaches_the_tools():
-    # RunConfig.sandbox is validated and reaches a task's make_env that takes a sandbox keyword (the loops build
+    # EnvConfig.sandbox is validated and reaches a task's make_env that takes a sandbox keyword (the loops build
     # every episode's env with phases.env_options); a make_env without one gets only env_options.
     from rlbits.envs import ToolEnv, ToolRegistry
-    from rlbits.loops.config import ConfigError, RunConfig
+    from rlbits.loops.config import ConfigError, EnvConfig
     from rlbits.loops.phases import env_options
 
     with pytest.raises(ConfigError, match="sandbox must be one of 'bwrap', 'unsafe_local'; got 'docker'"):
-        RunConfig(sandbox="docker").check()
+        EnvConfig(sandbox="docker")
     with pytest.raises(ConfigError, match="env_options must not set sandbox"):
-        RunConfig(env_options={"sandbox": "unsafe_local"}).check()
+        EnvConfig(env_options={"sandbox": "unsafe_local"})
 
     def make_env(prompt, *, sandbox="bwrap", max_turns=2):
         return ToolEnv(ToolRegistry([python_tool(sandbox, **FAST)]), mode="plain", max_turns=max_turns)
 
-    cfg = RunConfig(sandbox="unsafe_local", env_options={"max_turns": 3})
+    cfg = EnvConfig(sandbox="unsafe_local", env_options={"max_turns": 3})
     options = env_options(make_env, cfg)
     assert options == {"max_turns": 3, "sandbox": "unsafe_local"}
     assert env_options(lambda prompt, max_turns=1: None, cfg) == {"max_turns": 3}

@@ -18,17 +18,10 @@ from typing import Any
 
 from rlbits.data.stream import check_prompts
 from rlbits.distributed.checkpoint import latest_checkpoint
-from rlbits.loops.config import ConfigError, RunConfig, config_from_dict, parse_overrides, read_yaml
+from rlbits.loops.config import LOOPS, ConfigError, RunConfig, config_from_dict, parse_overrides, read_yaml
 from rlbits.loops.run import elastic_restart
 from rlbits.loops.rundir import check_not_locked, check_run_dir
 
-# loop name -> (module, config class)
-LOOPS = {
-    "ppo": ("rlbits.loops.ppo", "PPOConfig"),
-    "reinforce": ("rlbits.loops.reinforce", "ReinforceConfig"),
-    "ilql": ("rlbits.loops.ilql", "ILQLConfig"),
-    "reward_model": ("rlbits.loops.reward_model", "RewardModelConfig"),
-}
 DEFAULT_CONFIG = "ppo_sentiment.yaml"
 
 

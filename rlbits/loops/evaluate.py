@@ -18,7 +18,7 @@ from tensordict import TensorDictBase
 from rlbits.data.stream import check_prompts
 from rlbits.distributed.env import DistEnv
 from rlbits.loops.api import loop_module, resolve_config
-from rlbits.loops.config import RunConfig
+from rlbits.loops.config import PolicyConfig, RunConfig
 from rlbits.loops.phases import evaluate_policy
 from rlbits.loops.runtime import Setup
 
@@ -85,7 +85,7 @@ def evaluate_run(
     if not (run_dir / "final").is_dir():
         raise FileNotFoundError(f"{run_dir / 'final'} does not exist; the run has not finished")
     cfg = resolve_config(run_dir / "config.yaml")
-    changes: dict[str, Any] = {"val_greedy": greedy or cfg.val_greedy}
+    changes: dict[str, Any] = {"val_greedy": greedy or cfg.val_greedy} if isinstance(cfg, PolicyConfig) else {}
     if max_val_samples is not None:
         changes["max_val_samples"] = max_val_samples
     cfg = dataclasses.replace(cfg, **changes)

@@ -21,10 +21,9 @@ docs/ilql.md: the dataset, how rlbits departs from trlx, the metrics and how to 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -56,7 +55,8 @@ from rlbits.functional import (
     token_rewards,
 )
 from rlbits.loops import phases
-from rlbits.loops.config import MAX_ROWS, MIN_TEMPERATURE, ConfigError, RunConfig, check_ranges, field_docs
+from rlbits.loops.config import MAX_ROWS, MIN_TEMPERATURE, ConfigError, LoRAConfig
+from rlbits.loops.config_fields import field_docs, ranged
 from rlbits.loops.ilql_eval import evaluate_betas, evaluate_run, load_final, steered_validate
 from rlbits.loops.optim import make_optimizer
 from rlbits.loops.run import Run
@@ -76,15 +76,11 @@ from rlbits.models.steered import SteeredPolicy
 
 
 @dataclasses.dataclass(frozen=True)
-class ILQLConfig(RunConfig):
+class ILQLConfig(LoRAConfig):
     """ILQL on an offline dataset (trlx's ``ILQLConfig`` names where one exists)."""
 
-    SIZE_LIMITS: ClassVar[dict[str, int]] = {
-        "batch_size": MAX_ROWS, "dataset_size": MAX_ROWS, "dataset_batch_size": MAX_ROWS,
-    }  # fmt: skip
-
     loop: str = "ilql"
-    """Which loop runs this config: ``ilql`` here."""
+    """Which loop runs this config; ``ilql`` for this one."""
     max_num_steps: int = 400
     """Optimizer steps (one batch of ``batch_size`` offline samples each)."""
     learning_rate: float = 3e-4
@@ -97,23 +93,24 @@ class ILQLConfig(RunConfig):
     """Validate (steered decoding on the test split) every this many steps (0: only at start/end)."""
     save_period: int = 200
     """Write a checkpoint every this many steps (0: only at the end)."""
-    batch_size: int = 32
+    batch_size: int = ranged(32, ge=1, at_most=MAX_ROWS)
     """Offline samples per optimizer step (trlx ``batch_size``)."""
-    tau: float = 0.7
+    tau: float = ranged(0.7, gt=0, lt=1)
     """Expectile of the V regression in (0, 1): 0.5 is plain regression, larger tracks the best actions."""
-    gamma: float = 0.99
+    gamma: float = ranged(0.99, ge=0, le=1)
     """Discount per response token in the Bellman targets."""
-    cql_scale: float = 0.1
+    cql_scale: float = ranged(0.1, ge=0)
     """Weight of the conservative (CQL) term, summed over the Q heads."""
-    awac_scale: float = 1.0
+    awac_scale: float = ranged(1.0, ge=0)
     """Weight of the LM's negative log-likelihood of the dataset tokens (keeps the trunk a language model)."""
-    awac_beta: float = 0.0
-    """trlx's AWAC weight: each dataset token's NLL is weighted by ``exp(awac_beta * (target Q - V))`` (detached); 0 = plain behaviour cloning (trlx's default)."""
-    alpha: float = 0.1
+    awac_beta: float = ranged(0.0, ge=0)
+    """trlx's AWAC weight: each dataset token's NLL is weighted by ``exp(awac_beta * (target Q - V))``
+    (detached); 0 = plain behaviour cloning (trlx's default)."""
+    alpha: float = ranged(0.1, ge=0, le=1)
     """Target-head update ``target = alpha * online + (1 - alpha) * target`` (1 = hard copy)."""
-    steps_for_target_q_sync: int = 1
+    steps_for_target_q_sync: int = ranged(1, ge=1)
     """Apply that update every this many optimizer steps."""
-    beta: float = 4.0
+    beta: float = ranged(4.0, ge=0)
     """Steering strength at decoding: logits + beta * (Q - V); 0 samples the trained LM itself."""
     two_qs: bool = True
     """Two Q heads (clipped double Q: targets use the minimum of the two target heads)."""
@@ -121,42 +118,26 @@ class ILQLConfig(RunConfig):
     """2: trlx's MLP heads (hidden -> 2 hidden -> out); 1: linear heads."""
     shared_trunk: bool = True
     """Heads read the LM's own hidden states (True, trlx) or a trainable copy of its trunk (False, 2x cost)."""
-    dataset_size: int = 2048
-    """Responses sampled from the base model for the offline set (ignored with ``samples=`` or ``dataset_path``)."""
-    dataset_temperature: float = 1.0
-    """Sampling temperature of the offline set's responses, at least 1e-4 (``MIN_TEMPERATURE``, as ``temperature``)."""
-    dataset_batch_size: int = 256
+    dataset_size: int = ranged(2048, ge=1, at_most=MAX_ROWS)
+    """Responses sampled from the base model for the offline set (ignored with ``samples=`` or
+    ``dataset_path``)."""
+    dataset_temperature: float = ranged(1.0, ge=MIN_TEMPERATURE)
+    """Sampling temperature of the offline set's responses, at least ``MIN_TEMPERATURE`` (1e-4, as
+    ``temperature``)."""
+    dataset_batch_size: int = ranged(256, ge=1, at_most=MAX_ROWS)
     """Prompts per ``generate`` call while building the offline set."""
     dataset_path: str | None = None
-    """JSONL file of offline samples, one ``{"prompt", "response", "reward"}`` object per line; None builds the set."""
+    """JSONL file of offline samples, one ``{"prompt", "response", "reward"}`` object per line; None builds the
+    set."""
 
     def check(self) -> None:
-        """RunConfig's checks plus ILQL's ranges. Raises ConfigError naming the field."""
+        """The groups' checks, then ILQL's. Raises ConfigError naming the field."""
         super().check()
-        docs = field_docs(type(self))
-        if self.loop != "ilql":
-            raise ConfigError(f"loop must be 'ilql' for ILQLConfig, got {self.loop!r}")
-        check_ranges(
-            self, at_least_one=("batch_size", "steps_for_target_q_sync", "dataset_size", "dataset_batch_size"),
-            unit_interval=("gamma",), positive=("dataset_temperature",),
-        )  # fmt: skip
-        if not self.dataset_temperature >= MIN_TEMPERATURE:
-            raise ConfigError(
-                f"dataset_temperature must be >= {MIN_TEMPERATURE:g}, got {self.dataset_temperature:g} "
-                f"({docs['dataset_temperature']})"
-            )
-        if not 0 < self.tau < 1:
-            raise ConfigError(f"tau must be in (0, 1), got {self.tau} ({docs['tau']})")
-        if not 0 <= self.alpha <= 1:
-            raise ConfigError(f"alpha must be in [0, 1] (1 = hard copy), got {self.alpha} ({docs['alpha']})")
-        for name in ("cql_scale", "awac_scale", "awac_beta", "beta"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"{name} must be a finite number >= 0, got {value} ({docs[name]})")
         if self.head_layers not in (1, 2):
             raise ConfigError(f"head_layers must be 1 (linear) or 2 (MLP, as trlx), got {self.head_layers}")
         if self.dataset_path is not None and not Path(self.dataset_path).is_file():
-            raise ConfigError(f"dataset_path {self.dataset_path!r} is not a file ({docs['dataset_path']})")
+            doc = field_docs(type(self))["dataset_path"]
+            raise ConfigError(f"dataset_path {self.dataset_path!r} is not a file ({doc})")
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from tensordict import TensorDictBase
@@ -43,7 +43,8 @@ from rlbits.functional import (
     value_loss,
 )
 from rlbits.loops import phases
-from rlbits.loops.config import MAX_ROWS, ConfigError, RunConfig, check_ranges
+from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig
+from rlbits.loops.config_fields import ranged
 from rlbits.loops.optim import make_optimizer
 from rlbits.loops.run import NonFiniteError, Run
 from rlbits.loops.runtime import (
@@ -68,10 +69,8 @@ from rlbits.models.lora import share_frozen_parameters
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(RunConfig):
+class PPOConfig(EnvConfig, LoRAConfig):
     """Actor-critic PPO. Field names follow NeMo-RL / NeMo-Aligner where they have one."""
-
-    SIZE_LIMITS: ClassVar[dict[str, int]] = {"num_minibatches": MAX_ROWS}
 
     loop: str = "ppo"
     """Which loop runs this config; ``ppo`` for this one."""
@@ -81,89 +80,91 @@ class PPOConfig(RunConfig):
     """AdamW learning rate of the policy."""
 
     # --- PPO update
-    ppo_epochs: int = 4
+    ppo_epochs: int = ranged(4, ge=1)
     """Passes over each rollout batch (trlx ``ppo_epochs``)."""
-    num_minibatches: int = 2
-    """Optimizer steps per PPO epoch: the batch is shuffled (whole prompt groups) and dealt into this many minibatches."""
-    clip_eps: float = 0.2
+    num_minibatches: int = ranged(2, ge=1, at_most=MAX_ROWS)
+    """Optimizer steps per PPO epoch: the batch is shuffled (whole prompt groups) and dealt into this many
+    minibatches."""
+    clip_eps: float = ranged(0.2, ge=0)
     """PPO ratio clip range: ratios outside [1 - clip_eps, 1 + clip_eps_high] get no gradient."""
-    clip_eps_high: float | None = None
+    clip_eps_high: float | None = ranged(None, gt=0)
     """Upper clip range (DAPO clip-higher); None = ``clip_eps``."""
-    dual_clip: float | None = None
+    dual_clip: float | None = ranged(None, gt=1)
     """Dual-clip constant c > 1 (Ye 2020): caps the loss of negative-advantage tokens at -c A; None = off."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses are aggregated (see ``rlbits.aggregate_loss``); the denominator is global over the minibatch."""
-    entropy_coef: float = 0.0
+    """How per-token losses are aggregated (see ``rlbits.aggregate_loss``); the denominator is global over the
+    minibatch."""
+    entropy_coef: float = ranged(0.0, ge=0)
     """Entropy bonus: ``- entropy_coef * entropy`` is added to the policy loss (0 = off)."""
 
     # --- KL to the reference policy
-    kl_coef: float = 0.05
-    """beta of the KL penalty in the reward (``kl_in_reward``): ``r_t -= kl_coef * KL_t`` on every token; the initial value when ``adaptive_kl``."""
+    kl_coef: float = ranged(0.05, ge=0)
+    """beta of the KL penalty in the reward (``kl_in_reward``): ``r_t -= kl_coef * KL_t`` on every token; the
+    initial value when ``adaptive_kl``."""
     kl_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k1"
-    """Per-token KL estimator of ``rlbits.kl_penalty`` used in the reward or the loss (k1 = logp - ref_logp; ``k1+``/``k3+``: k1/k3's value with k2's gradient, verl's straight-through variants)."""
-    kl_clamp: float | None = None
-    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None = no clamp."""
+    """Per-token KL estimator of ``rlbits.kl_penalty`` used in the reward or the loss (k1 = logp - ref_logp;
+    ``k1+``/``k3+``: k1/k3's value with k2's gradient, verl's straight-through variants)."""
+    kl_clamp: float | None = ranged(None, gt=0)
+    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None =
+    no clamp."""
     kl_in_reward: bool = True
-    """True: KL penalty in the reward (Ziegler/Ouyang, trlx). False: KL term ``kl_loss_coef * KL`` in the policy loss (NeMo-RL, GRPO), no KL in the reward."""
-    kl_loss_coef: float = 0.01
-    """Coefficient of the KL term of the loss when ``kl_in_reward`` is False (NeMo-RL ``reference_policy_kl_penalty``)."""
+    """True: KL penalty in the reward (Ziegler/Ouyang, trlx). False: KL term ``kl_loss_coef * KL`` in the policy
+    loss (NeMo-RL, GRPO), no KL in the reward."""
+    kl_loss_coef: float = ranged(0.01, ge=0)
+    """Coefficient of the KL term of the loss when ``kl_in_reward`` is False (NeMo-RL
+    ``reference_policy_kl_penalty``)."""
     adaptive_kl: bool = False
     """Adapt the active KL coefficient with the Ziegler 2019 controller towards ``kl_target``."""
-    kl_target: float = 6.0
+    kl_target: float = ranged(6.0, gt=0)
     """KL (nats per sequence, k1) the adaptive controller steers towards."""
-    kl_horizon: float = 10000.0
+    kl_horizon: float = ranged(10000.0, gt=0)
     """Horizon of the adaptive controller in samples: larger = slower changes of the coefficient."""
     skip_reference_policy_logprobs: bool = False
-    """No reference forward pass even with a KL term configured: every KL is 0 (a quicker start; no KL control at all)."""
+    """No reference forward pass even with a KL term configured: every KL is 0 (a quicker start; no KL control
+    at all)."""
     monitor_init_policy_kl: bool = False
-    """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs`` (``kl_coef`` 0 in the reward, ``kl_loss_coef`` 0 in the loss, no ``adaptive_kl``); without it the reference model is then neither loaded nor run."""
+    """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs`` (``kl_coef``
+    0 in the reward, ``kl_loss_coef`` 0 in the loss, no ``adaptive_kl``); without it the reference model is
+    then neither loaded nor run."""
 
     # --- Reward scaling (applied in this order: subtract reference, whiten, clip)
     reward_subtract_reference: bool = False
-    """Subtract the reference policy's reward on the same prompts: costs one more generation and scoring per step."""
+    """Subtract the reference policy's reward on the same prompts: costs one more generation and scoring per
+    step."""
     reward_whiten: bool = False
     """Divide the rewards by their std over the batch (mean kept, as trlx/NeMo); rewards keep their sign."""
-    reward_clip: float | None = None
+    reward_clip: float | None = ranged(None, gt=0)
     """Clip the (scaled) rewards to [-reward_clip, reward_clip]; None = no clipping."""
 
     # --- Advantages and critic
-    gamma: float = 1.0
+    gamma: float = ranged(1.0, ge=0, le=1)
     """Discount per response token."""
-    lam: float = 0.95
+    lam: float = ranged(0.95, ge=0, le=1)
     """GAE lambda of the policy's advantages."""
-    critic_lam: float | None = None
+    critic_lam: float | None = ranged(None, ge=0, le=1)
     """GAE lambda of the critic's return targets (decoupled, VAPO/NeMo style); None = ``lam``."""
     whiten_advantages: bool = True
     """Whiten advantages over the batch's action tokens (zero mean, unit variance)."""
-    value_clip_eps: float | None = None
+    value_clip_eps: float | None = ranged(None, gt=0)
     """PPO2 value clipping range around the rollout values; None = no clipping (Andrychowicz 2021)."""
-    vf_coef: float = 1.0
+    vf_coef: float = ranged(1.0, gt=0)
     """Multiplier of the critic loss (its own optimizer, so it only changes the gradient-clipping scale)."""
-    critic_learning_rate: float | None = None
+    critic_learning_rate: float | None = ranged(None, gt=0)
     """AdamW learning rate of the critic; None = ``learning_rate``."""
     critic_init: str = "policy"
-    """Critic initialisation: ``policy`` (the policy's backbone and a fresh head) or a folder (a saved ValueModel, or a causal LM)."""
-    policy_training_start_step: int = 0
+    """Critic initialisation: ``policy`` (the policy's backbone and a fresh head) or a folder (a saved
+    ValueModel, or a causal LM)."""
+    policy_training_start_step: int = ranged(0, ge=0)
     """Critic warm-up: during the first this-many steps only the critic trains (policy weights unchanged)."""
 
     def check(self) -> None:
-        """RunConfig's checks plus PPO's ranges. Raises ConfigError naming the field."""
+        """The groups' checks, then PPO's rules across fields. Raises ConfigError naming the field."""
         super().check()
-        if self.loop != "ppo":
-            raise ConfigError(f"loop must be 'ppo' for PPOConfig, got {self.loop!r}")
-        check_ranges(
-            self, at_least_one=("ppo_epochs", "num_minibatches"),
-            non_negative=("clip_eps", "entropy_coef", "kl_coef", "kl_loss_coef", "policy_training_start_step"),
-            positive=("kl_target", "kl_horizon", "vf_coef"), unit_interval=("gamma", "lam", "critic_lam"),
-            positive_or_none=("clip_eps_high", "reward_clip", "value_clip_eps", "critic_learning_rate", "kl_clamp"),
-        )  # fmt: skip
         if self.num_minibatches > self.num_prompts_per_step:
             raise ConfigError(
                 f"num_minibatches ({self.num_minibatches}) must be <= num_prompts_per_step "
                 f"({self.num_prompts_per_step}): minibatches hold whole prompt groups"
             )
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ConfigError(f"dual_clip must be > 1 (Ye 2020) or null, got {self.dual_clip}")
         if self.adaptive_kl and self.skip_reference_policy_logprobs:
             raise ConfigError(
                 "adaptive_kl needs the reference policy's logprobs; it cannot be combined with "

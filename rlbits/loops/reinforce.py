@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import einops
 import torch
@@ -45,7 +45,8 @@ from rlbits.functional import (
     rloo_baseline,
 )
 from rlbits.loops import phases
-from rlbits.loops.config import MAX_ROWS, ConfigError, RunConfig, check_ranges
+from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig
+from rlbits.loops.config_fields import ranged
 from rlbits.loops.optim import make_optimizer
 from rlbits.loops.run import Run, agreed, in_phase
 from rlbits.loops.runtime import (
@@ -63,49 +64,45 @@ from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import policy_logprobs
 from rlbits.models.load import freeze
 
-BASELINES = ("rloo", "grpo", "dr_grpo", "grpo_unscaled", "none")
+BASELINES = ("rloo", "grpo", "dr_grpo", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class ReinforceConfig(RunConfig):
+class ReinforceConfig(EnvConfig, LoRAConfig):
     """REINFORCE / RLOO / GRPO: group-baselined policy gradient, optional PPO-style clipping (see module doc)."""
 
-    RENAMED: ClassVar[dict[str, str]] = {"ppo_epochs": "num_iterations"}
-    """Config keys of earlier releases, still read (with a DeprecationWarning)."""
-    SIZE_LIMITS: ClassVar[dict[str, int]] = {
-        "num_minibatches": MAX_ROWS, "dynamic_sampling_max_gen_batches": 1024,
-    }  # fmt: skip
-
     loop: str = "reinforce"
-    """Which loop runs this config (``reinforce``)."""
+    """Which loop runs this config; ``reinforce`` for this one."""
     num_generations_per_prompt: int = 4
     """K responses per prompt (>= 2 for the rloo/grpo baselines); a prompt's K responses form its group."""
     learning_rate: float = 1e-5
-    """Adam learning rate of the policy."""
-    baseline: Literal["rloo", "grpo", "dr_grpo", "grpo_unscaled", "none"] = "rloo"
-    """``rloo``: r - mean of the other K-1 rewards; ``grpo``: (r - group mean) / (group std + eps);
-    ``dr_grpo``: r - group mean (Dr. GRPO, Liu 2025; ``grpo_unscaled`` is its earlier name); ``none``: r itself (plain REINFORCE)."""
-    grpo_eps: float = 1e-6
+    """AdamW learning rate of the policy."""
+    baseline: Literal["rloo", "grpo", "dr_grpo", "none"] = "rloo"
+    """``rloo``: r - mean of the other K-1 rewards; ``grpo``: (r - group mean) / (group std + eps); ``dr_grpo``:
+    r - group mean (Dr. GRPO, Liu 2025); ``none``: r itself (plain REINFORCE)."""
+    grpo_eps: float = ranged(1e-6, ge=0)
     """Added to the group std by the ``grpo`` baseline."""
     kl_in_reward: bool = False
     """Subtract ``kl_coef * sum_t KL_t`` from each sequence reward before the baseline (NeMo-Aligner RLOO)."""
-    kl_coef: float = 0.0
+    kl_coef: float = ranged(0.0, ge=0)
     """KL coefficient of the reward penalty; must be > 0 with ``kl_in_reward`` and 0 without it."""
     kl_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k1"
     """Per-token KL estimator of the reward penalty (``rlbits.kl_penalty``)."""
-    kl_loss_coef: float = 0.0
+    kl_loss_coef: float = ranged(0.0, ge=0)
     """Weight of a KL(pi_theta || pi_ref) term added to the loss (GRPO: 0.04 with k3); 0 disables it."""
     kl_loss_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k3"
     """Per-token KL estimator of the loss term (GRPO uses ``k3``)."""
-    kl_clamp: float | None = None
-    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None = no clamp."""
-    num_iterations: int = 1
-    """Passes over each rollout batch (TRL's ``num_iterations``, mu in the GRPO paper); > 1 (or num_minibatches > 1) switches to the clipped PPO loss."""
-    num_minibatches: int = 1
+    kl_clamp: float | None = ranged(None, gt=0)
+    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None =
+    no clamp."""
+    num_iterations: int = ranged(1, ge=1)
+    """Passes over each rollout batch (TRL's ``num_iterations``, mu in the GRPO paper); > 1 (or num_minibatches
+    > 1) switches to the clipped PPO loss."""
+    num_minibatches: int = ranged(1, ge=1, at_most=MAX_ROWS)
     """Optimizer steps per epoch; whole groups are dealt into minibatches after a seeded shuffle."""
-    clip_eps: float = 0.2
+    clip_eps: float = ranged(0.2, ge=0)
     """Lower clip range of the importance ratio (and upper, unless clip_eps_high) when clipping is active."""
-    clip_eps_high: float | None = None
+    clip_eps_high: float | None = ranged(None, gt=0)
     """Upper clip range (DAPO clip-higher, e.g. 0.28); None = clip_eps."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How per-token losses become one number: ``token-mean`` (DAPO), ``seq-mean-token-mean`` (GRPO paper),
@@ -113,37 +110,27 @@ class ReinforceConfig(RunConfig):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no signal) and generate more until num_prompts_per_step
     informative groups are kept (DAPO)."""
-    dynamic_sampling_max_gen_batches: int = 4
+    dynamic_sampling_max_gen_batches: int = ranged(4, ge=1, at_most=1024)
     """Most generation batches (of num_prompts_per_step prompts each) one step may use with dynamic_sampling."""
     overlong_filtering: bool = False
     """Mask responses that hit max_new_tokens without EOS out of the loss (DAPO overlong filtering)."""
     monitor_init_policy_kl: bool = False
-    """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs`` (no ``kl_in_reward``, ``kl_loss_coef`` 0); without it the reference model is then neither loaded nor run (as TRL's GRPO with ``beta=0``)."""
+    """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs`` (no
+    ``kl_in_reward``, ``kl_loss_coef`` 0); without it the reference model is then neither loaded nor run (as
+    TRL's GRPO with ``beta=0``)."""
 
     def check(self) -> None:
-        """Shared checks plus the REINFORCE ones. Raises ConfigError naming the field."""
+        """The groups' checks, then REINFORCE's rules across fields. Raises ConfigError naming the field."""
         super().check()
-        if self.loop != "reinforce":
-            raise ConfigError(f"loop must be 'reinforce' for ReinforceConfig, got {self.loop!r}")
-        if self.baseline not in BASELINES:
-            raise ConfigError(f"baseline must be one of {', '.join(BASELINES)}; got {self.baseline!r}")
         if self.baseline != "none" and self.num_generations_per_prompt < 2:
             raise ConfigError(
                 f"num_generations_per_prompt must be >= 2 for baseline={self.baseline!r} (a group needs other "
                 f"samples), got {self.num_generations_per_prompt}"
             )
         if self.dynamic_sampling and self.num_generations_per_prompt < 2:
-            raise ConfigError(
-                "dynamic_sampling needs num_generations_per_prompt >= 2 (a reward spread per group)"
-            )
-        check_ranges(
-            self, at_least_one=("num_iterations", "num_minibatches", "dynamic_sampling_max_gen_batches"),
-            non_negative=("kl_coef", "kl_loss_coef", "clip_eps", "grpo_eps"), positive_or_none=("clip_eps_high", "kl_clamp"),
-        )  # fmt: skip
+            raise ConfigError("dynamic_sampling needs num_generations_per_prompt >= 2 (a reward spread per group)")
         if self.kl_in_reward and self.kl_coef == 0:
-            raise ConfigError(
-                "kl_in_reward=true needs kl_coef > 0 (the weight of the KL taken off the reward)"
-            )
+            raise ConfigError("kl_in_reward=true needs kl_coef > 0 (the weight of the KL taken off the reward)")
         if not self.kl_in_reward and self.kl_coef > 0:
             raise ConfigError(
                 f"kl_coef={self.kl_coef} has no effect with kl_in_reward=false; set kl_in_reward=true, or use "
@@ -160,11 +147,6 @@ class ReinforceConfig(RunConfig):
         """Whether the reference model is loaded and run: a KL term in the reward or the loss uses
         ``ref_logprobs``, or ``monitor_init_policy_kl`` asks for the metric."""
         return self.kl_in_reward or self.kl_loss_coef > 0 or self.monitor_init_policy_kl
-
-    @property
-    def ppo_epochs(self) -> int:
-        """Earlier name of ``num_iterations`` (read-only; as a config key it is still read, renamed)."""
-        return self.num_iterations
 
     @property
     def clipped(self) -> bool:
@@ -325,7 +307,7 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
     if cfg.baseline == "rloo":
         baseline = rloo_baseline(shaped, k)
         seq_adv = shaped - baseline
-    elif cfg.baseline in ("grpo", "dr_grpo", "grpo_unscaled"):
+    elif cfg.baseline in ("grpo", "dr_grpo"):
         baseline = einops.repeat(einops.reduce(shaped, "(g k) -> g", "mean", k=k), "g -> (g k)", k=k)
         seq_adv = group_normalize(shaped, k, scale=cfg.baseline == "grpo", eps=cfg.grpo_eps)
     else:

