@@ -18,14 +18,8 @@ from __future__ import annotations
 
 import importlib
 
-from rlbits import tasks as _tasks
-from rlbits import zoo as _zoo
 from rlbits.functional import *  # noqa: F403
 from rlbits.functional import __all__ as _functional_all
-
-# The deprecated ``get_task(name).base_model()`` and ``.PRETRAIN`` reach ``rlbits.zoo`` through this: the tasks
-# layer sits below zoo and may not import it (tests/test_layering.py). Both imports are cheap (no transformers).
-_tasks._zoo = _zoo
 
 __version__ = "0.1.0"
 

@@ -25,7 +25,6 @@ RANKS = {
     "rollout": 4,
     "zoo": 5,  # the tasks' base models: built from tasks' corpora, used by the loops and the CLI
     "distributed": 6,
-    "dist": 6,
     "data": 6,  # PromptStream and the ILQL offline dataset: generate/score (rollout), unsharded/DistEnv (distributed)
     "loops": 7,
     "api": 7,
@@ -35,15 +34,6 @@ RANKS = {
     "__main__": 8,
 }
 SIDE_BRANCH = "viz"  # may import anything; nothing but the CLI imports it
-
-# Deprecated aliases of modules that moved up a layer, kept so that old imports still work. An alias may import
-# the module it stands for (that one import reaches up) and nothing else above its layer, and no rlbits module
-# may import an alias (test_nothing_imports_a_deprecated_alias), so the exemption cannot carry an upward
-# import into a lower layer. Delete an entry together with its alias.
-ALIASES = {
-    "rlbits.tasks.pretrain": "rlbits.zoo.pretrain",  # base models moved out of the tasks layer
-    "rlbits.models.pretrain": "rlbits.zoo.pretrain",  # re-exported rlbits.tasks.pretrain
-}
 
 # Third-party packages the kernels (``rlbits.functional``) may import besides the stdlib. einops is a declared
 # core dependency (pyproject.toml) used for the group reshapes ("(g k) -> g k"); it is pure Python over
@@ -110,7 +100,7 @@ def test_imports_point_down(module, path):
             problems.append(f"line {line}: functional imports {target}")
         if target.startswith("torch.distributed") and layer != "distributed":
             problems.append(f"line {line}: only rlbits.distributed may import torch.distributed ({target})")
-        if not target.startswith("rlbits.") or layer == SIDE_BRANCH or ALIASES.get(module) == target:
+        if not target.startswith("rlbits.") or layer == SIDE_BRANCH:
             continue
         target_layer = _layer(target)
         if target_layer == SIDE_BRANCH:
@@ -120,27 +110,6 @@ def test_imports_point_down(module, path):
         if RANKS.get(target_layer, 99) > RANKS.get(layer, -1):
             problems.append(f"line {line}: layer {layer!r} reaches up to {target}")
     assert not problems, f"{module}:\n" + "\n".join(problems)
-
-
-def test_nothing_imports_a_deprecated_alias():
-    names = {m for m, _ in MODULES}
-    assert set(ALIASES) <= names, f"stale ALIASES entries: {sorted(set(ALIASES) - names)}"
-    problems = []
-    for module, path in MODULES:
-        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):  # ``from rlbits.tasks import pretrain`` counts too
-                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-                source = ".".join(base + ([node.module] if node.module else []))
-                targets = [source, *(f"{source}.{a.name}" for a in node.names)]
-            else:
-                continue
-            for t in targets:
-                if t in ALIASES:
-                    problems.append(f"{module} line {node.lineno}: {t} is deprecated, import {ALIASES[t]}")
-    assert not problems, "\n".join(problems)
 
 
 # --------------------------------------------------------------------------------------------------------

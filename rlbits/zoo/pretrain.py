@@ -2,8 +2,7 @@
 
 ``rlbits.tasks`` defines a task (prompts, reward, the corpus generator); this module trains a model on that
 corpus, with the per-task settings in ``RECIPES``. ``rlbits.zoo.base_model(task)`` (built on first use) is
-how the loops, the CLI and the tutorials reach a base model. The old homes ``rlbits.tasks.pretrain`` and
-``rlbits.models.pretrain`` are deprecated aliases of this module.
+how the loops, the CLI and the tutorials reach a base model.
 
 ``pretrain("sentiment")`` trains, on CPU in a few minutes, the model an RL loop starts from: the tokenizer is
 trained with the ``tokenizers`` library on the task corpus (byte-level BPE, every digit its own token, ``<pad>``
@@ -80,9 +79,8 @@ SETTINGS = (
 OPTIONAL_SETTINGS = ("added_tokens",)
 
 # The recipe of each built-in task's base model (``pretrain`` documents each key). The settings describe the
-# model and its training, not the task, so they live here; they were the task modules' ``PRETRAIN`` dicts
-# (same values, same key order: ``base_model.json`` lists them in this order). A task registered outside
-# rlbits (``rlbits.tasks.TASKS``) may instead give its module a ``PRETRAIN`` dict.
+# model and its training, not the task, so they live here (``base_model.json`` lists them in this key order).
+# A task registered outside rlbits (``rlbits.tasks.TASKS``) may instead give its module a ``PRETRAIN`` dict.
 RECIPES: dict[str, dict] = {
     "sentiment": dict(
         vocab_size=1024,
