@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlbits"
 RANKS = {
     "functional": 0,
     "_io": 1,
+    "_lazy": 1,  # lazy_exports: stdlib only, used by the package __init__ files
     "_seeds": 1,  # derive_seed: stdlib only, below everything that seeds a stream
     "batch": 1,
     "envs": 1,  # environments and tools: plain Python, below the tasks whose ``make_env`` builds one
@@ -153,7 +154,9 @@ def _module_edges(module: str, path: Path) -> dict[str, int]:
     ``from p import n`` imports the submodule ``p.n`` when there is one, else ``p``; ``import a.b.c`` and
     ``from a.b import c`` also run the packages ``a`` and ``a.b`` first, so those are edges too, except the
     packages that contain ``module`` (Python has imported them before ``module`` started).
-    ``importlib.import_module("literal")`` counts; an import_module of a computed name cannot be seen.
+    ``importlib.import_module("literal")`` counts, and so does each module named in a package's ``_LAZY``
+    dict (``rlbits._lazy.lazy_exports``: imported on first attribute access); an import_module of another
+    computed name cannot be seen.
     """
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
@@ -191,6 +194,14 @@ def _module_edges(module: str, path: Path) -> dict[str, int]:
             and isinstance(node.args[0].value, str)
         ):
             add(node.args[0].value, node.lineno)
+        elif (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets)
+            and isinstance(node.value, ast.Dict)
+        ):
+            for value in node.value.values:
+                if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    add(value.value, value.lineno)
     return edges
 
 
@@ -235,6 +246,7 @@ def test_import_graph_sees_lazy_and_package_imports():
     assert "rlbits.rollout.score" in IMPORT_GRAPH["rlbits.rollout.reward_server"]
     assert "rlbits.functional.advantages" in IMPORT_GRAPH["rlbits.functional"]
     assert "rlbits.models" in IMPORT_GRAPH["rlbits.rollout.score"]  # the package above models.load runs first
+    assert "rlbits.models.heads" in IMPORT_GRAPH["rlbits.models"]  # a lazy export (``_LAZY``)
     assert _find_cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == [
         ["a", "b", "c", "a"]
     ]

@@ -24,15 +24,29 @@ from __future__ import annotations
 
 from rlbits.zoo import pretrain, real
 from rlbits.zoo.pretrain import (
+    BUILD_THREADS,
     RECIPES,
+    build_settings,
     cache_dir,
     default_model_dir,
     ensure_base_model,
     evaluate,
+    lock_timeout,
     plateau_check,
     train_tokenizer,
 )
-from rlbits.zoo.real import MODELS, ChecksumError, get_model, model_dir, model_names, resolve_model
+from rlbits.zoo.real import (
+    MODELS,
+    ChecksumError,
+    check_wheel,
+    convert_gguf,
+    download_wheel,
+    get_model,
+    is_ready,
+    model_dir,
+    model_names,
+    resolve_model,
+)
 
 
 def base_model(task: str, *, lock_timeout: float | None = None) -> str:
@@ -68,14 +82,21 @@ __all__ = [
     "model_dir",
     "model_names",
     "resolve_model",
+    "check_wheel",
+    "convert_gguf",
+    "download_wheel",
+    "is_ready",
     "ChecksumError",
     "MODELS",
     "pretrain",
     "RECIPES",
+    "BUILD_THREADS",
+    "build_settings",
     "cache_dir",
     "default_model_dir",
     "ensure_base_model",
     "evaluate",
+    "lock_timeout",
     "plateau_check",
     "train_tokenizer",
 ]
