@@ -73,7 +73,9 @@ def read_jsonl(
     return rows
 
 
-def sha256_file(path: str | os.PathLike, offset: int = 0, length: int | None = None, *, block: int = 16 << 20) -> str:
+def sha256_file(
+    path: str | os.PathLike, offset: int = 0, length: int | None = None, *, block: int = 16 << 20
+) -> str:
     """Hex sha256 of ``length`` bytes of the file ``path`` from byte ``offset`` (None: to the end).
 
     Reads into one reused buffer of up to ``block`` bytes: few GIL hand-overs per block, so threads hashing

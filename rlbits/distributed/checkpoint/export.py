@@ -31,7 +31,6 @@ def save_hf_folder(model: nn.Module, path: Path, tokenizer: Any = None, *, owned
         raise TypeError(f"cannot checkpoint {type(model).__name__}: it has no save_pretrained method")
 
 
-
 def export_model(
     model: nn.Module,
     path: str | Path,

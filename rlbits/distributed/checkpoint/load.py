@@ -52,7 +52,6 @@ def _set_rng_state(state: Mapping[str, Any], generators: Mapping[str, torch.Gene
         g.set_state(state["generators"][name])
 
 
-
 def _agree(problem: str | None, env: DistEnv) -> str | None:
     """The first rank's problem, if any rank has one (one ``all_gather_object`` at world size > 1)."""
     if env.world_size == 1:
@@ -62,7 +61,6 @@ def _agree(problem: str | None, env: DistEnv) -> str | None:
     problems: list[str | None] = [None] * env.world_size
     dist.all_gather_object(problems, problem)
     return next((p if r == env.rank else f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None), None)
-
 
 
 def _read_state(path: Path) -> dict[str, Any]:
@@ -90,7 +88,6 @@ def _read_state(path: Path) -> dict[str, Any]:
     return saved
 
 
-
 def _check_storage(path: Path, metadata: dcp_metadata.Metadata, manifest: Mapping[str, Any]) -> None:
     """Every file DCP's metadata points at is a file of ``dcp/`` that the manifest lists."""
     for info in (metadata.storage_data or {}).values():
@@ -100,7 +97,6 @@ def _check_storage(path: Path, metadata: dcp_metadata.Metadata, manifest: Mappin
             raise CheckpointError(
                 f"{str(path / 'dcp' / '.metadata')!r} points at {rel!r}, which is not a file of the checkpoint"
             )
-
 
 
 def _check_fit(
@@ -133,7 +129,6 @@ def _check_fit(
                 )
 
 
-
 def _first_non_finite(payload: Mapping[str, Any], prefix: str = "") -> str | None:
     """The name of the first floating-point tensor of ``payload`` (nested dicts/lists) holding NaN/inf."""
     items = payload.items() if isinstance(payload, Mapping) else enumerate(payload)
@@ -142,14 +137,14 @@ def _first_non_finite(payload: Mapping[str, Any], prefix: str = "") -> str | Non
         if isinstance(value, torch.Tensor):
             local = value.to_local() if hasattr(value, "to_local") else value
             # the max-norm propagates NaN and inf, and is several times cheaper than isfinite(t).all()
-            if local.is_floating_point() and local.numel() and not torch.isfinite(torch.linalg.vector_norm(local, math.inf)):
+            norm = torch.linalg.vector_norm(local, math.inf) if local.is_floating_point() and local.numel() else None
+            if norm is not None and not torch.isfinite(norm):
                 return name
         elif isinstance(value, (Mapping, list, tuple)):
             found = _first_non_finite(value, f"{name}.")
             if found:
                 return found
     return None
-
 
 
 def load_checkpoint(
@@ -207,7 +202,6 @@ def load_checkpoint(
         hasher.shutdown(wait=False, cancel_futures=True)
 
 
-
 def _load_verified(
     path: Path,
     models: dict[str, nn.Module],
@@ -244,7 +238,7 @@ def _load_verified(
                 raise CheckpointError(f"{str(rng)!r} cannot be read: {why}") from None
         absent = [name for name in models if name not in in_dcp]
         if absent:
-            raise CheckpointError(f"checkpoint {str(path)!r} holds no weights of models {absent} in dcp/", mismatch=True)
+            raise CheckpointError(f"checkpoint {str(path)!r} holds no weights of models {absent}", mismatch=True)
     except CheckpointError as e:
         error = e
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -304,7 +298,6 @@ def _load_verified(
             stacklevel=3,
         )
     return saved
-
 
 
 def restore_checkpoint(

@@ -37,11 +37,9 @@ class CheckpointError(ValueError):
         self.mismatch = mismatch
 
 
-
 def _workers() -> int:
     """Threads that hash a checkpoint (hashlib releases the GIL): the CPUs this process may use, up to 16."""
     return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-
 
 
 def _hash_jobs(jobs: list[tuple[Path, int, int | None]]) -> list[str]:
@@ -50,7 +48,6 @@ def _hash_jobs(jobs: list[tuple[Path, int, int | None]]) -> list[str]:
         return [sha256_file(*job, block=CHUNK) for job in jobs]
     with ThreadPoolExecutor(min(_workers(), len(jobs))) as pool:
         return list(pool.map(lambda job: sha256_file(*job, block=CHUNK), jobs))
-
 
 
 def _digest_entries(files: list[Path], root: Path, checksums: str) -> dict[str, dict[str, Any]]:
@@ -80,7 +77,6 @@ def _digest_entries(files: list[Path], root: Path, checksums: str) -> dict[str, 
     return entries
 
 
-
 def write_manifest(folder: Path, step: int, checksums: str) -> None:
     """Write ``folder/manifest.json`` for every file under ``folder``: each file's size and, as ``checksums``
     asks (``"all"``, or ``"small"``: files under ``SMALL_FILE`` bytes), its sha256 (``_digest_entries``)."""
@@ -91,13 +87,13 @@ def write_manifest(folder: Path, step: int, checksums: str) -> None:
 
 
 def step_of(path: Path) -> int:
+    """N of a ``step_N`` checkpoint folder."""
     return int(path.name[5:])
 
 
-
 def first_line(e: BaseException) -> str:
+    """The first line of an error's message (its type's name if it has none), for one-line warnings."""
     return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
-
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -107,7 +103,6 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
         return []
     steps = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
     return sorted(steps, key=lambda p: int(p.name[5:]))
-
 
 
 def is_rlbits_checkpoint(path: str | Path) -> bool:
@@ -124,7 +119,6 @@ def is_rlbits_checkpoint(path: str | Path) -> bool:
     except (OSError, ValueError):
         pass
     return (path / "state.json").is_file() and (path / "dcp").is_dir()
-
 
 
 def read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -145,7 +139,6 @@ def read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     if manifest.get("step", step_of(path)) != step_of(path):
         return None, f"manifest.json is of step {manifest.get('step')!r}, its folder of step {step_of(path)}"
     return manifest, None
-
 
 
 def verify_files(path: Path, *, small: bool = True, large: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
@@ -187,7 +180,6 @@ def verify_files(path: Path, *, small: bool = True, large: bool = True, share: t
     return None
 
 
-
 def verify_checkpoint(path: str | Path, *, full: bool = True) -> str | None:
     """None if every file of the manifest is present with its size and sha256 (where the manifest records
     one), else what is wrong, naming the file.
@@ -199,7 +191,6 @@ def verify_checkpoint(path: str | Path, *, full: bool = True) -> str | None:
     return verify_files(Path(path), large=full)
 
 
-
 def latest_checkpoint(run_dir: str | Path, *, full: bool = True) -> Path | None:
     """The newest checkpoint that verifies (``verify_checkpoint(path, full=full)``); a torn or corrupted newer
     one is skipped with a warning."""
@@ -209,7 +200,6 @@ def latest_checkpoint(run_dir: str | Path, *, full: bool = True) -> Path | None:
             return path
         warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
     return None
-
 
 
 def resume_checkpoint(run_dir: str | Path, *, missing_ok: bool = False) -> Path | None:
@@ -226,7 +216,8 @@ def resume_checkpoint(run_dir: str | Path, *, missing_ok: bool = False) -> Path 
         FileNotFoundError: the run has no complete, verifying checkpoint.
     """
     if missing_ok and (Path(run_dir) / "config.yaml").is_file() and not list_checkpoints(run_dir):
-        warnings.warn(f"run {str(run_dir)!r} has no checkpoint yet (it stopped before its first save): starting it over", stacklevel=2)
+        why = "it stopped before its first save"
+        warnings.warn(f"run {str(run_dir)!r} has no checkpoint yet ({why}): starting it over", stacklevel=2)
         return None
     path = latest_checkpoint(run_dir, full=False)
     if path is None:

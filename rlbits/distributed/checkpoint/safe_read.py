@@ -34,7 +34,6 @@ _METADATA_GLOBALS = {
 torch dtypes: recorded from checkpoints of every rlbits model (fp32 and bf16, with AdamW states)."""
 
 
-
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``Metadata``: builds only the classes it is made of, so a crafted file cannot name a
     function to call (``os.system``) or a class to build."""
@@ -49,7 +48,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         elif (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it names {module}.{name}, which is not part of DCP's metadata")
-
 
 
 def read_dcp_metadata(path: str | Path) -> dcp_metadata.Metadata:
@@ -70,7 +68,6 @@ def read_dcp_metadata(path: str | Path) -> dcp_metadata.Metadata:
     return metadata
 
 
-
 class _SafeReader(dcp.FileSystemReader):
     """DCP's file-system reader with ``read_metadata`` through ``read_dcp_metadata`` (DCP's own uses
     ``pickle.load``)."""
@@ -82,7 +79,6 @@ class _SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
 
 
 class _SafePlanner(DefaultLoadPlanner):

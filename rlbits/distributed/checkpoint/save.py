@@ -41,13 +41,11 @@ def _rng_state(generators: Mapping[str, torch.Generator]) -> dict[str, Any]:
     }
 
 
-
 def optimizer_states(models: Mapping[str, nn.Module], optimizers: Mapping[str, torch.optim.Optimizer]) -> dict:
     missing = sorted(set(optimizers) - set(models))
     if missing:
         raise ValueError(f"optimizers {missing} have no model of the same name (models: {sorted(models)})")
     return {name: get_optimizer_state_dict(models[name], opt) for name, opt in optimizers.items()}
-
 
 
 def _discard(folder: Path) -> None:
@@ -58,7 +56,6 @@ def _discard(folder: Path) -> None:
         shutil.rmtree(trash)
     folder.rename(trash)
     shutil.rmtree(trash, ignore_errors=True)
-
 
 
 def _check_finite(models: Mapping[str, nn.Module], step: int, env: DistEnv) -> None:
@@ -75,8 +72,9 @@ def _check_finite(models: Mapping[str, nn.Module], step: int, env: DistEnv) -> N
     if any_rank(bool(bad), env):
         bad = bad or "a parameter on another rank"
     if bad:
-        raise ValueError(f"refusing to checkpoint step {step}: {bad} holds NaN/inf (the previous checkpoint stays the newest)")
-
+        raise ValueError(
+            f"refusing to checkpoint step {step}: {bad} holds NaN/inf (the previous checkpoint stays the newest)"
+        )
 
 
 def save_checkpoint(
@@ -177,7 +175,6 @@ def save_checkpoint(
             _discard(old)
     barrier(env)
     return final
-
 
 
 def discard_checkpoints(run_dir: str | Path) -> list[Path]:
