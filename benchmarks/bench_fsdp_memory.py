@@ -41,9 +41,9 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from rlbits.batch import build_batch
+    from rlbits.data.stream import PromptStream
     from rlbits.distributed.env import init
     from rlbits.loops import reinforce
-    from rlbits.loops.data import PromptStream
     from rlbits.loops.metrics import StepMetrics
     from rlbits.loops.optim import make_optimizer
     from rlbits.loops.runtime import disable_dropout, prepare

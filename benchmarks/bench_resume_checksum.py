@@ -96,7 +96,7 @@ def run(name: str, root: Path, repeats: int) -> dict:
         "workload": name,
         "parameters": sum(p.numel() for m in models.values() for p in m.parameters()),
         "checkpoint_mb": round(size / 2**20, 1),
-        "hash_threads": ckpt._workers(),
+        "hash_threads": ckpt.manifest._workers(),
         "hash_alone_s": round(med["hash_alone"], 3),
         "resume_without_verify_s": round(without, 3),
         "of_which_load_checkpoint_s": round(med["load_False"], 3),

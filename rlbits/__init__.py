@@ -6,27 +6,24 @@
 - ``rlbits.text``: prompt strings into the batch's token ids and back (``tokenize_prompts``, ``decode``).
 - ``rlbits.rollout``: ``generate`` (sampling with a KV cache), ``generate_episodes`` (token-exact multi-turn
   episodes with ``rlbits.envs``) and ``score`` (rewards).
-- ``rlbits.models``: HF checkpoints in and out, value and ILQL heads, tiny configs.
+- ``rlbits.models``: HF checkpoints in and out, value and ILQL heads, LoRA, tiny configs.
+- ``rlbits.envs``: environments and tools for multi-turn episodes.
+- ``rlbits.data``: the seeded prompt stream and ILQL's offline dataset.
+- ``rlbits.distributed``: ranks, reductions, FSDP2 sharding, checkpoints.
 - ``rlbits.tasks``: built-in tasks (``sentiment``, ``arithmetic``): prompts, rewards, pretraining corpora.
 - ``rlbits.zoo``: the tasks' base models (``rlbits.zoo.base_model("sentiment")``, built on first use).
 - ``rlbits.viz``: plots, the notebook dashboard, the rollout browser (``rlbits.viz.Dashboard()``; loaded on first use).
 
-Names from the rollout and model layers load lazily (on first use), so ``import rlbits`` stays fast for
+Each subpackage exports its public names (``from rlbits.models import ILQLModel``). The subpackages and the
+names from the rollout and model layers load lazily (on first use), so ``import rlbits`` stays fast for
 someone who only wants the kernels.
 """
 
 from __future__ import annotations
 
-import importlib
-
-from rlbits import tasks as _tasks
-from rlbits import zoo as _zoo
+from rlbits._lazy import lazy_exports
 from rlbits.functional import *  # noqa: F403
 from rlbits.functional import __all__ as _functional_all
-
-# The deprecated ``get_task(name).base_model()`` and ``.PRETRAIN`` reach ``rlbits.zoo`` through this: the tasks
-# layer sits below zoo and may not import it (tests/test_layering.py). Both imports are cheap (no transformers).
-_tasks._zoo = _zoo
 
 __version__ = "0.1.0"
 
@@ -70,22 +67,13 @@ _LAZY = {
     "train": "rlbits.loops.api",
     "evaluate": "rlbits.loops.evaluate",
 }
-# ``rlbits.viz`` (the side branch: plots, dashboard) is an attribute too, imported on first use only, so that
-# ``rlbits.viz.Dashboard()`` works after ``import rlbits`` while ``import rlbits`` stays free of matplotlib.
-_SUBMODULES = ("batch", "functional", "loops", "models", "rollout", "tasks", "text", "viz", "zoo")
+# The subpackages are attributes too, each imported on first use: ``rlbits.viz.Dashboard()`` works after
+# ``import rlbits`` while ``import rlbits`` stays free of matplotlib.
+_SUBPACKAGES = (
+    "batch", "data", "distributed", "envs", "functional", "loops", "models", "rollout", "tasks", "text", "viz", "zoo",
+)
+_LAZY.update({name: f"rlbits.{name}" for name in _SUBPACKAGES})
 
-__all__ = [*_functional_all, *_LAZY, *_SUBMODULES]
+__all__ = [*_functional_all, *_LAZY]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f"rlbits.{name}")
-    raise AttributeError(f"module 'rlbits' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

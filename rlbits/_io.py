@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -70,3 +71,26 @@ def read_jsonl(
             raise error(f"{what} file {str(path)!r}, line {n}: expected {expected}")
         rows.append(row)
     return rows
+
+
+def sha256_file(
+    path: str | os.PathLike, offset: int = 0, length: int | None = None, *, block: int = 16 << 20
+) -> str:
+    """Hex sha256 of ``length`` bytes of the file ``path`` from byte ``offset`` (None: to the end).
+
+    Reads into one reused buffer of up to ``block`` bytes: few GIL hand-overs per block, so threads hashing
+    beside a busy main thread do not slow it (hashlib releases the GIL while it hashes).
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = length if length is not None else os.fstat(f.fileno()).st_size - offset
+        buffer = bytearray(min(max(left, 0), block))
+        view = memoryview(buffer)
+        while left > 0:
+            n = f.readinto(view[: min(len(buffer), left)])
+            if not n:
+                break
+            h.update(view[:n])
+            left -= n
+    return h.hexdigest()

@@ -1,8 +1,8 @@
 """Seeds: one derivation for every random stream of a run (stdlib and torch only, so any layer can use it).
 
 ``derive_seed(seed, rank, stream)`` names each stream (sampling, minibatch shuffles, validation, prompt order,
-initialisation), so no two streams share a seed by accident (as ``seed + 1000 * rank`` once did for seed 1000
-on rank 0 and seed 0 on rank 1). ``generator`` is a ``torch.Generator`` seeded by it; ``rlbits.loops.runtime``
+initialisation), so no two streams share a seed by accident (``seed + 1000 * rank`` would give seed 1000 on
+rank 0 and seed 0 on rank 1 one stream). ``generator`` is a ``torch.Generator`` seeded by it; ``rlbits.loops.runtime``
 re-exports both.
 """
 

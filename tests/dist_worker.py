@@ -19,9 +19,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rlbits.batch import build_batch
+from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import init
 from rlbits.loops import ppo, reinforce
-from rlbits.loops.data import PromptStream
 from rlbits.loops.runtime import disable_dropout, prepare
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel

@@ -17,10 +17,10 @@ import torch
 from dist_worker import B, K, V, fixed_batch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import init
 from rlbits.distributed.parallelize import unsharded
 from rlbits.loops import phases, reinforce
-from rlbits.loops.data import PromptStream
 from rlbits.loops.optim import make_optimizer
 from rlbits.loops.runtime import disable_dropout, prepare, with_lora
 from rlbits.models.forward import policy_logprobs

@@ -21,7 +21,6 @@ from tensordict import NonTensorStack, TensorDict
 
 from rlbits.data.offline import EpochSampler, load_tensors, save_tensors
 from rlbits.data.stream import PromptStream
-from rlbits.distributed import checkpoint as ckpt
 from rlbits.distributed.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -31,6 +30,7 @@ from rlbits.distributed.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from rlbits.distributed.checkpoint import manifest as files_manifest
 from rlbits.loops.state import LoopState
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
@@ -91,7 +91,7 @@ def _reseal(folder: Path) -> None:
     """Rewrite the manifest as an attacker who can write the run dir would (the manifest has no key)."""
     manifest = json.loads((folder / "manifest.json").read_text())
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "manifest.json")
-    manifest["files"] = ckpt._digest_entries(files, folder, manifest["checksums"])
+    manifest["files"] = files_manifest._digest_entries(files, folder, manifest["checksums"])
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -221,7 +221,7 @@ def test_a_flipped_byte_anywhere_is_named_and_the_previous_checkpoint_loads(run,
 
 def test_nan_weights_are_caught_without_weight_checksums(tmp_path, monkeypatch):
     """checksums="small" hashes no weight file: a flip that makes a weight NaN is still caught at load."""
-    monkeypatch.setattr(ckpt, "SMALL_FILE", 100_000)  # the tiny model's shard (580 kB) counts as large
+    monkeypatch.setattr(files_manifest, "SMALL_FILE", 100_000)  # the tiny model's shard (580 kB) counts as large
     _save(tmp_path, checksums="small")
     shard = _shard(tmp_path)
     data = bytearray(shard.read_bytes())
@@ -238,7 +238,7 @@ def test_nan_weights_are_caught_without_weight_checksums(tmp_path, monkeypatch):
 
 
 def test_a_torn_zip_trailer_without_weight_checksums_falls_back_not_a_mismatch(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "SMALL_FILE", 100_000)
+    monkeypatch.setattr(files_manifest, "SMALL_FILE", 100_000)
     _save(tmp_path, checksums="small")
     shard = _shard(tmp_path)
     _flip(shard, shard.stat().st_size - 22)  # the end-of-central-directory signature of its last zip
@@ -321,12 +321,12 @@ def test_load_counters_changes_nothing_when_a_field_is_bad():
 
 def test_resume_picks_by_sizes_then_hashes_the_weights_once(tmp_path, monkeypatch):
     """resume_checkpoint checks sizes and the small files; the weights are hashed once, at load."""
-    monkeypatch.setattr(ckpt, "CHUNK", 64 << 10)  # the shard is hashed in chunks, as a large one
+    monkeypatch.setattr(files_manifest, "CHUNK", 64 << 10)  # the shard is hashed in chunks, as a large one
     run = _save(tmp_path)
     _flip(_shard(run), _mark_offset(_shard(run)), 4)
     hashed = []
-    real = ckpt._sha256
-    monkeypatch.setattr(ckpt, "_sha256", lambda p, *a: hashed.append(p.name) or real(p, *a))
+    real = files_manifest.sha256_file
+    monkeypatch.setattr(files_manifest, "sha256_file", lambda p, *a, **k: hashed.append(p.name) or real(p, *a, **k))
     assert resume_checkpoint(run).name == "step_2"
     assert "__0_0.distcp" not in hashed
     path, _, skipped = _restore(run)
@@ -354,7 +354,7 @@ def test_the_restricted_unpickler_reads_every_rlbits_checkpoint(tmp_path):
 
 
 def test_large_files_are_hashed_in_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "CHUNK", 64 << 10)
+    monkeypatch.setattr(files_manifest, "CHUNK", 64 << 10)
     model, optimizer = _model()
     path = save_checkpoint(tmp_path, 1, models={"policy": model}, optimizers={"policy": optimizer})
     entry = json.loads((path / "manifest.json").read_text())["files"]["dcp/__0_0.distcp"]

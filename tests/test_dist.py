@@ -268,8 +268,8 @@ def test_compile_does_not_recompile_as_response_lengths_change():
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    from rlbits.data.stream import PromptStream
     from rlbits.loops import ppo
-    from rlbits.loops.data import PromptStream
     from rlbits.loops.metrics import StepMetrics
     from rlbits.loops.runtime import disable_dropout
 

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlbits"
 RANKS = {
     "functional": 0,
     "_io": 1,
+    "_lazy": 1,  # lazy_exports: stdlib only, used by the package __init__ files
     "_seeds": 1,  # derive_seed: stdlib only, below everything that seeds a stream
     "batch": 1,
     "text": 1,  # tokenize/chat/decode between strings and the batch; imports batch
@@ -26,7 +27,6 @@ RANKS = {
     "rollout": 4,
     "zoo": 5,  # the tasks' base models: built from tasks' corpora, used by the loops and the CLI
     "distributed": 6,
-    "dist": 6,
     "data": 6,  # PromptStream and the ILQL offline dataset: generate/score (rollout), unsharded/DistEnv (distributed)
     "loops": 7,
     "api": 7,
@@ -36,15 +36,6 @@ RANKS = {
     "__main__": 8,
 }
 SIDE_BRANCH = "viz"  # may import anything; nothing but the CLI imports it
-
-# Deprecated aliases of modules that moved up a layer, kept so that old imports still work. An alias may import
-# the module it stands for (that one import reaches up) and nothing else above its layer, and no rlbits module
-# may import an alias (test_nothing_imports_a_deprecated_alias), so the exemption cannot carry an upward
-# import into a lower layer. Delete an entry together with its alias.
-ALIASES = {
-    "rlbits.tasks.pretrain": "rlbits.zoo.pretrain",  # base models moved out of the tasks layer
-    "rlbits.models.pretrain": "rlbits.zoo.pretrain",  # re-exported rlbits.tasks.pretrain
-}
 
 # Third-party packages the kernels (``rlbits.functional``) may import besides the stdlib. einops is a declared
 # core dependency (pyproject.toml) used for the group reshapes ("(g k) -> g k"); it is pure Python over
@@ -122,7 +113,7 @@ def test_imports_point_down(module, path):
             problems.append(f"line {line}: envs is plain Python: it may import only the stdlib, not {target}")
         if target.startswith("torch.distributed") and layer != "distributed":
             problems.append(f"line {line}: only rlbits.distributed may import torch.distributed ({target})")
-        if not target.startswith("rlbits.") or layer == SIDE_BRANCH or ALIASES.get(module) == target:
+        if not target.startswith("rlbits.") or layer == SIDE_BRANCH:
             continue
         target_layer = _layer(target)
         if target_layer == SIDE_BRANCH:
@@ -132,27 +123,6 @@ def test_imports_point_down(module, path):
         if RANKS.get(target_layer, 99) > RANKS.get(layer, -1):
             problems.append(f"line {line}: layer {layer!r} reaches up to {target}")
     assert not problems, f"{module}:\n" + "\n".join(problems)
-
-
-def test_nothing_imports_a_deprecated_alias():
-    names = {m for m, _ in MODULES}
-    assert set(ALIASES) <= names, f"stale ALIASES entries: {sorted(set(ALIASES) - names)}"
-    problems = []
-    for module, path in MODULES:
-        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):  # ``from rlbits.tasks import pretrain`` counts too
-                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-                source = ".".join(base + ([node.module] if node.module else []))
-                targets = [source, *(f"{source}.{a.name}" for a in node.names)]
-            else:
-                continue
-            for t in targets:
-                if t in ALIASES:
-                    problems.append(f"{module} line {node.lineno}: {t} is deprecated, import {ALIASES[t]}")
-    assert not problems, "\n".join(problems)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -197,9 +167,11 @@ def _module_edges(module: str, path: Path) -> dict[str, int]:
     ``from p import n`` imports the submodule ``p.n`` when there is one, else ``p``; ``import a.b.c`` and
     ``from a.b import c`` also run the packages ``a`` and ``a.b`` first, so those are edges too, except the
     packages that contain ``module`` (Python has imported them before ``module`` started).
-    ``importlib.import_module("literal")`` counts. An ``import_module`` of a computed name (``api.loop_module``:
-    ``import_module(LOOPS[name][0])``) may import any rlbits module that the module names in a string constant
-    (``"rlbits.loops.ilql"``), or else that the modules it imports name: each of those is an edge.
+    ``importlib.import_module("literal")`` counts, and so does each module named in a package's ``_LAZY``
+    dict (``rlbits._lazy.lazy_exports``: imported on first attribute access). An ``import_module`` of a computed
+    name (``api.loop_module``: ``import_module(LOOPS[name][0])``) may import any rlbits module that the module
+    names in a string constant (``"rlbits.loops.ilql"``), or else that the modules it imports name: each of
+    those is an edge.
     """
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
@@ -234,8 +206,16 @@ def _module_edges(module: str, path: Path) -> dict[str, int]:
                 add(node.args[0].value, node.lineno)
             else:
                 computed.append(node.lineno)
-    if computed:  # the names it may import: its own module-name strings, else those of the modules it imports
-        named = _named_modules(tree) or {n for m in list(edges) for n in _named_modules(_tree(m))}
+        elif (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets)
+            and isinstance(node.value, ast.Dict)
+        ):
+            for value in node.value.values:
+                if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    add(value.value, value.lineno)
+    if computed:  # the names it may import: module-name strings in it and in the modules it imports
+        named = _named_modules(tree) | {n for m in list(edges) for n in _named_modules(_tree(m))}
         for name in sorted(named):
             add(name, computed[0], implicit=True)  # "rlbits" (importlib.resources) names no import
     return edges
@@ -304,6 +284,7 @@ def test_import_graph_sees_lazy_and_package_imports():
     assert "rlbits.rollout.score" in IMPORT_GRAPH["rlbits.rollout.reward_server"]
     assert "rlbits.functional.advantages" in IMPORT_GRAPH["rlbits.functional"]
     assert "rlbits.models" in IMPORT_GRAPH["rlbits.rollout.score"]  # the package above models.load runs first
+    assert "rlbits.models.heads" in IMPORT_GRAPH["rlbits.models"]  # a lazy export (``_LAZY``)
     assert _find_cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == [
         ["a", "b", "c", "a"]
     ]

@@ -201,7 +201,7 @@ def test_non_finite_loss_names_the_step_and_saves_nothing(tiny_path, tmp_path):
 def test_epochs_cycle_with_a_fresh_shuffle(tiny_path, tmp_path):
     cfg = make_cfg(tiny_path, tmp_path / "ep", max_num_steps=100, max_num_epochs=2, batch_size=16)
     assert total_steps(cfg, len(SAMPLES), cfg.batch_size) == 3  # ceil(2 * 24 / 16)
-    from rlbits.loops.data import PromptStream
+    from rlbits.data.stream import PromptStream
 
     stream = PromptStream(list(range(24)), 0)
     first, second = stream.next(24), stream.next(24)

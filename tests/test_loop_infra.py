@@ -55,9 +55,9 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_every_rng(tmp_path
 
 @pytest.mark.parametrize("checksums", ["small", "all"])
 def test_torn_or_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path, checksums, monkeypatch):
-    import rlbits.distributed.checkpoint as checkpoint
+    import rlbits.distributed.checkpoint.manifest as checkpoint_files
 
-    monkeypatch.setattr(checkpoint, "SMALL_FILE", 100_000)  # the tiny model's weights (580 kB) count as large
+    monkeypatch.setattr(checkpoint_files, "SMALL_FILE", 100_000)  # the tiny model's weights (580 kB) count as large
     model, optimizer = _model_and_optimizer()
     for step in (2, 4, 6):
         save_checkpoint(tmp_path, step, models={"policy": model}, optimizers={"policy": optimizer}, keep=3,
@@ -199,8 +199,6 @@ def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_no_half_checkpoint(tmp
     during the deletion leaves no half-deleted ``step_N`` that looks like the newest checkpoint."""
     import shutil
 
-    from rlbits.distributed import checkpoint as ckpt
-
     model, optimizer = _model_and_optimizer()
     for step in (1, 2):
         save_checkpoint(tmp_path, step, models={"policy": model}, optimizers={"policy": optimizer})
@@ -212,10 +210,10 @@ def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_no_half_checkpoint(tmp
             raise KeyboardInterrupt  # ... when the process dies
         return real_rmtree(path, *a, **k)
 
-    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 2, models={"policy": model}, optimizers={"policy": optimizer})
-    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1"]
     assert verify_checkpoint(latest_checkpoint(tmp_path)) is None
 

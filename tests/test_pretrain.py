@@ -176,8 +176,6 @@ def test_base_model_builds_once(monkeypatch, tmp_path):
     path = zoo.base_model("arithmetic")
     assert path == str(tmp_path / "arithmetic-base")
     assert zoo.base_model("arithmetic") == path
-    with pytest.warns(DeprecationWarning, match=r"rlbits\.zoo\.base_model\('arithmetic'\)"):
-        assert arithmetic.base_model() == path  # the deprecated spelling: same folder, no second build
     assert calls == [("arithmetic", tmp_path / "arithmetic-base")]
     with pytest.raises(ValueError, match="unknown task"):
         zoo.base_model("chess")
@@ -353,12 +351,3 @@ def test_task_registered_outside_rlbits_brings_its_recipe(monkeypatch, tmp_path)
     mod.PRETRAIN = {**builder.RECIPES["arithmetic"], "steps": 2}
     info = json.loads((Path(builder.pretrain("mine", tmp_path / "m", **TINY)) / "base_model.json").read_text())
     assert info["task"] == "mine" and info["steps"] == 3 and info["n_positions"] == 64  # TINY overrides
-
-
-@pytest.mark.parametrize("task", ["arithmetic", "sentiment"])  # the tasks whose module once had PRETRAIN
-def test_task_pretrain_is_a_deprecated_name_of_the_recipe(task):
-    module = get_task(task)
-    with pytest.warns(DeprecationWarning, match=rf"get_task\('{task}'\)\.PRETRAIN is deprecated"):
-        assert module.PRETRAIN is builder.RECIPES[task]
-    with pytest.raises(AttributeError, match="no attribute 'NOT_THERE'"):
-        module.NOT_THERE  # noqa: B018

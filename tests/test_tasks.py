@@ -31,9 +31,6 @@ def test_task_interface(name):
     task = get_task(name)
     for fn in ("prompts", "reward", "corpus"):
         assert callable(getattr(task, fn))
-    # Base models live in rlbits.zoo now; ``task.base_model`` stays as a deprecated function (it warns when
-    # called: tests/test_pretrain.py).
-    assert callable(task.base_model)
 
 
 # --- splits

@@ -1,3 +1,37 @@
 """Training data that does not come from a rollout: the seeded prompt stream (``stream``) and the offline
 dataset of ILQL (``offline``: build, store memory-mapped in the run directory, draw batches through a
-torchrl ``ReplayBuffer``)."""
+torchrl ``ReplayBuffer``).
+
+Names load on first use, so ``import rlbits.data`` does not import torchrl until an offline name is used."""
+
+from __future__ import annotations
+
+from rlbits._lazy import lazy_exports
+
+_LAZY = {
+    # stream
+    "PromptError": "rlbits.data.stream",
+    "PromptStream": "rlbits.data.stream",
+    "check_prompt_lengths": "rlbits.data.stream",
+    "check_prompts": "rlbits.data.stream",
+    "read_prompts": "rlbits.data.stream",
+    # offline
+    "DATASET_DIR": "rlbits.data.offline",
+    "DATASET_FILE": "rlbits.data.offline",
+    "EpochSampler": "rlbits.data.offline",
+    "build_offline_dataset": "rlbits.data.offline",
+    "dataset_stats": "rlbits.data.offline",
+    "load_or_build_dataset": "rlbits.data.offline",
+    "load_tensors": "rlbits.data.offline",
+    "next_batch": "rlbits.data.offline",
+    "normalize_samples": "rlbits.data.offline",
+    "offline_buffer": "rlbits.data.offline",
+    "read_dataset": "rlbits.data.offline",
+    "save_dataset": "rlbits.data.offline",
+    "save_tensors": "rlbits.data.offline",
+    "tensorize_dataset": "rlbits.data.offline",
+}
+
+__all__ = list(_LAZY)
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -1,8 +1,7 @@
 """The prompt stream: epochs over a prompt list in a seeded order, resumable from a sample count; and the
 up-front checks of user prompts (``check_prompts``, ``check_prompt_lengths``, ``read_prompts``).
 
-Every loop draws its prompts in this order, and ILQL its offline rows (``rlbits.data.offline.EpochSampler``);
-``rlbits.loops.data`` re-exports it."""
+Every loop draws its prompts in this order, and ILQL its offline rows (``rlbits.data.offline.EpochSampler``)."""
 
 from __future__ import annotations
 

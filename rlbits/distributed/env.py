@@ -130,3 +130,12 @@ def main_rank_first(fn: Callable[[], T]) -> T:
     if failed.item():
         raise RuntimeError(f"rank {rank}: rank 0 failed at what every rank waits for (its error is in rank 0's log)")
     return out if rank == 0 else fn()
+
+
+__all__ = [
+    "DistEnv",
+    "barrier",
+    "init",
+    "is_collective_failure",
+    "main_rank_first",
+]

@@ -1,8 +1,6 @@
-"""Reductions across ranks: global token counts and one all-reduce of a step's metrics."""
+"""Reductions across ranks: sums, maxima, an any-rank flag, global token counts, whitening and variance."""
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -65,26 +63,11 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, env: DistEnv) -> torch.Tenso
     return ((squares - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0).float()
 
 
-def reduce_metrics(metrics: Mapping[str, torch.Tensor | float], env: DistEnv) -> dict[str, float]:
-    """Mean of each metric over ranks, with a single all-reduce, returned as Python floats (one host sync).
-
-    The loops log through ``rlbits.loops.metrics.StepMetrics`` instead, which weights each statistic so that
-    N ranks log what one process would; a plain mean over ranks is right only for values every rank holds
-    (or for ranks with equal counts).
-
-    Args:
-        metrics: name -> 0-dim tensor or float, the same names on every rank.
-        env: the ``DistEnv``.
-
-    Returns:
-        name -> float.
-    """
-    names = sorted(metrics)
-    if not names:
-        return {}
-    values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float64).detach().cpu().reshape(()) for k in names])
-    if env.world_size > 1:
-        values = values.to(env.device)
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        values = values / env.world_size
-    return dict(zip(names, values.tolist(), strict=True))
+__all__ = [
+    "all_reduce_max",
+    "all_reduce_sum",
+    "any_rank",
+    "global_count",
+    "masked_var",
+    "masked_whiten",
+]

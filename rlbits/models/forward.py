@@ -422,3 +422,19 @@ def critic_values(
         n = ids.shape[1]
         parts.append(_pad_right(values[:, n - kept - 1 : n - 1].float(), r))
     return torch.where(action_mask.bool(), torch.cat(parts), torch.zeros((), device=input_ids.device))
+
+
+__all__ = [
+    "HEADS",
+    "HEAD_MEMORY_BUDGET_MB",
+    "PLAIN_HEAD_MODEL_TYPES",
+    "accepts_logits_to_keep",
+    "choose_head",
+    "critic_values",
+    "policy_logprobs",
+    "position_ids_from_mask",
+    "response_hidden",
+    "response_logits",
+    "sparse_tied_embedding_grad",
+    "split_head",
+]

@@ -410,3 +410,14 @@ class ILQLModel(nn.Module):
         if device is not None:
             model = model.to(device)
         return model.eval()
+
+
+__all__ = [
+    "ILQL_HEADS_CONFIG",
+    "ILQL_HEADS_WEIGHTS",
+    "VALUE_HEAD_CONFIG",
+    "VALUE_HEAD_WEIGHTS",
+    "ILQLModel",
+    "ValueModel",
+    "make_head",
+]

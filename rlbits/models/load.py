@@ -346,3 +346,19 @@ def read_json(path: Path, what: str) -> dict:
         raise CheckpointNotFoundError(f"{what}: {str(path)!r} is missing") from e
     except json.JSONDecodeError as e:
         raise ValueError(f"{what}: {str(path)!r} is not valid json ({e})") from e
+
+
+__all__ = [
+    "PICKLE_SUFFIXES",
+    "CheckpointNotFoundError",
+    "check_folder",
+    "check_safetensors",
+    "freeze",
+    "load_policy",
+    "load_pretrained",
+    "load_tokenizer",
+    "prepare_tokenizer",
+    "read_json",
+    "reference_policy",
+    "save_pretrained",
+]

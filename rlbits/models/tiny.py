@@ -156,3 +156,16 @@ def tiny_tokenizer(vocab_size: int = 64) -> PreTrainedTokenizerFast:
         eos_token="<eos>",
         padding_side="left",
     )
+
+
+__all__ = [
+    "ARCHS",
+    "ATTN_IMPLEMENTATION",
+    "BOS_ID",
+    "CHARS",
+    "PAD_ID",
+    "UNK_ID",
+    "tiny_causal_lm",
+    "tiny_config",
+    "tiny_tokenizer",
+]

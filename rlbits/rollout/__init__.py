@@ -1,2 +1,46 @@
-"""Sampling responses from a policy (``generate``), multi-turn episodes with envs (``generate_episodes``) and
-scoring them (``score``)."""
+"""Sampling responses from a policy (``generate``), multi-turn episodes with envs (``generate_episodes``),
+scoring them (``score``) and serving a reward over HTTP (``reward_server``, ``reward_client``).
+
+``rlbits.rollout.generate`` and ``rlbits.rollout.score`` are the modules; their main functions are
+``rlbits.generate`` and ``rlbits.score`` (exporting them here under the same names would hide the modules).
+Names load on first use, so ``import rlbits.rollout`` stays cheap."""
+
+from __future__ import annotations
+
+from rlbits._lazy import lazy_exports
+
+_LAZY = {
+    # generate
+    "LogitsProcessor": "rlbits.rollout.generate",
+    "StoppingFn": "rlbits.rollout.generate",
+    "compiled_decode_step": "rlbits.rollout.generate",
+    "generate_texts": "rlbits.rollout.generate",
+    # multiturn
+    "STOP_REASONS": "rlbits.rollout.multiturn",
+    "episode_turns": "rlbits.rollout.multiturn",
+    "generate_episodes": "rlbits.rollout.multiturn",
+    # score
+    "RewardModel": "rlbits.rollout.score",
+    "accepted_columns": "rlbits.rollout.score",
+    "batch_columns": "rlbits.rollout.score",
+    "encode_texts": "rlbits.rollout.score",
+    "score_texts": "rlbits.rollout.score",
+    "check_rewards": "rlbits.rollout.score",
+    "validate_rewards": "rlbits.rollout.score",
+    # reward_errors
+    "InvalidRewardError": "rlbits.rollout.reward_errors",
+    "RewardError": "rlbits.rollout.reward_errors",
+    "RewardServerError": "rlbits.rollout.reward_errors",
+    "describe_sample": "rlbits.rollout.reward_errors",
+    # reward_client
+    "RewardClient": "rlbits.rollout.reward_client",
+    # reward_server
+    "DEFAULT_MAX_REQUEST_BYTES": "rlbits.rollout.reward_server",
+    "RewardServer": "rlbits.rollout.reward_server",
+    "load_reward": "rlbits.rollout.reward_server",
+    "serve": "rlbits.rollout.reward_server",
+}
+
+__all__ = list(_LAZY)
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -20,14 +20,11 @@ Task modules are imported lazily, so ``import rlbits.tasks`` stays cheap.
 
 The base models trained on these corpora live in ``rlbits.zoo``: ``rlbits.zoo.base_model("sentiment")`` is
 the path of the sentiment base model, built on first use; ``rlbits.zoo.RECIPES`` holds their settings.
-``get_task(name).base_model()`` and ``get_task(name).PRETRAIN`` still work, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 import importlib
-import warnings
-from collections.abc import Callable
 from types import ModuleType
 
 # Task name -> module path. Modules are imported on first ``get_task``.
@@ -42,11 +39,6 @@ TASKS: dict[str, str] = {
     "math": "rlbits.tasks.math_problems",
 }
 
-# ``rlbits.zoo``, set by ``rlbits/__init__.py`` (so it is set once any rlbits module is imported). Only the
-# deprecated ``task.base_model()`` and ``task.PRETRAIN`` use it: base models moved up to ``rlbits.zoo``, which
-# this layer may not import (tests/test_layering.py), so the top of the package hands it down.
-_zoo: ModuleType | None = None
-
 
 def get_task(name: str) -> ModuleType:
     """The task module registered under ``name`` (``"sentiment"``, ``"arithmetic"``, ``"calculator"``,
@@ -59,31 +51,6 @@ def get_task(name: str) -> ModuleType:
         valid = ", ".join(map(repr, sorted(TASKS)))
         raise ValueError(f"unknown task {name!r}; valid tasks: {valid}")
     return importlib.import_module(TASKS[name])
-
-
-def _moved_to_zoo(old: str, new: str) -> ModuleType:
-    # Warns (attributed to the caller of the deprecated name) and returns ``rlbits.zoo``.
-    warnings.warn(f"{old} is deprecated (base models moved to rlbits.zoo); use {new}", DeprecationWarning, 3)
-    if _zoo is None:  # only if ``import rlbits`` stopped half-way
-        raise RuntimeError(f"{old} needs rlbits.zoo, which rlbits/__init__.py did not hand down; use {new}")
-    return _zoo
-
-
-def _deprecated_zoo_names(task: str) -> tuple[Callable[[], str], Callable[[str], object]]:
-    """A task module's deprecated ``base_model`` function and a module ``__getattr__`` for ``PRETRAIN``."""
-
-    def base_model() -> str:
-        """Deprecated: use ``rlbits.zoo.base_model(task)``, the path of the task's base model."""
-        zoo = _moved_to_zoo(f"get_task({task!r}).base_model()", f"rlbits.zoo.base_model({task!r})")
-        return zoo.base_model(task)
-
-    def __getattr__(name: str) -> object:
-        if name == "PRETRAIN":
-            zoo = _moved_to_zoo(f"get_task({task!r}).PRETRAIN", f"rlbits.zoo.RECIPES[{task!r}]")
-            return zoo.RECIPES[task]
-        raise AttributeError(f"module {TASKS.get(task, task)!r} has no attribute {name!r}")
-
-    return base_model, __getattr__
 
 
 __all__ = ["TASKS", "get_task"]

@@ -30,7 +30,6 @@ import random
 import re
 from functools import cache
 
-from rlbits.tasks import _deprecated_zoo_names
 from rlbits.tasks._common import at_prompt, check_pairs, check_split, disjoint_splits
 
 NAME = "arithmetic"
@@ -158,9 +157,3 @@ def corpus(n: int, seed: int) -> list[str]:
         if (a, b) not in test:
             out.append(f"{_prompt(a, b)}{demonstrate(a, b, rng)}")
     return out
-
-
-# Deprecated: the base model moved to ``rlbits.zoo`` (``rlbits.zoo.base_model("arithmetic")``) and its
-# settings, once ``PRETRAIN`` here, to ``rlbits.zoo.RECIPES["arithmetic"]``. Both old names still work, with a
-# DeprecationWarning.
-base_model, __getattr__ = _deprecated_zoo_names(NAME)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import random
 from functools import cache
 
-from rlbits.tasks import _deprecated_zoo_names
 from rlbits.tasks._common import check_pairs
 
 NAME = "sentiment"
@@ -203,9 +202,3 @@ def corpus(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     openings = _splits()["train"]
     return [rng.choice(openings) + continuation(SENTIMENTS[i % 3], rng) for i in range(n)]
-
-
-# Deprecated: the base model moved to ``rlbits.zoo`` (``rlbits.zoo.base_model("sentiment")``) and its
-# settings, once ``PRETRAIN`` here, to ``rlbits.zoo.RECIPES["sentiment"]``. Both old names still work, with a
-# DeprecationWarning.
-base_model, __getattr__ = _deprecated_zoo_names(NAME)

