@@ -33,7 +33,7 @@ _LAZY = {
     "generate_texts": "rlbits.rollout.generate",
     "generate_episodes": "rlbits.rollout.multiturn",
     "score": "rlbits.rollout.score",
-    "RewardModel": "rlbits.rollout.score",
+    "RewardModel": "rlbits.models.reward",
     "RewardError": "rlbits.rollout.score",
     "score_texts": "rlbits.rollout.score",
     "InvalidRewardError": "rlbits.rollout.score",

@@ -15,15 +15,15 @@ import pytest
 
 
 def _editable_root() -> Path | None:
-    """The project folder of an editable install of rlbits in this interpreter's environment, or None."""
-    try:
-        direct_url = metadata.distribution("rlbits").read_text("direct_url.json")
-    except metadata.PackageNotFoundError:
-        return None
-    info = json.loads(direct_url or "{}")
-    if not info.get("dir_info", {}).get("editable") or not info.get("url", "").startswith("file://"):
-        return None
-    return Path(info["url"][len("file://") :])
+    """The project folder of an editable install of rlbits in this interpreter's environment, or None.
+
+    Every distribution named rlbits is looked at: under ``python -m pytest`` the checkout's own
+    ``rlbits.egg-info`` (no ``direct_url.json``) comes first on the path, before the installed one."""
+    for dist in metadata.distributions(name="rlbits"):
+        info = json.loads(dist.read_text("direct_url.json") or "{}")
+        if info.get("dir_info", {}).get("editable") and info.get("url", "").startswith("file://"):
+            return Path(info["url"][len("file://") :])
+    return None
 
 
 def test_import_from_a_folder_holding_a_clone_named_rlbits(tmp_path):

@@ -1,6 +1,6 @@
 """Training data that does not come from a rollout: the seeded prompt stream (``stream``) and the offline
 dataset of ILQL (``offline``: build, store memory-mapped in the run directory, draw batches through a
-torchrl ``ReplayBuffer``).
+torchrl ``ReplayBuffer``), and torchrl's conversations and episodes as rlbits batches (``torchrl_adapter``).
 
 Names load on first use, so ``import rlbits.data`` does not import torchrl until an offline name is used."""
 
@@ -30,6 +30,10 @@ _LAZY = {
     "save_dataset": "rlbits.data.offline",
     "save_tensors": "rlbits.data.offline",
     "tensorize_dataset": "rlbits.data.offline",
+    # torchrl_adapter
+    "episode_buffer": "rlbits.data.torchrl_adapter",
+    "episode_to_batch": "rlbits.data.torchrl_adapter",
+    "history_to_batch": "rlbits.data.torchrl_adapter",
 }
 
 __all__ = list(_LAZY)

@@ -67,6 +67,10 @@ _LAZY = {
     "tiny_causal_lm": "rlbits.models.tiny",
     "tiny_config": "rlbits.models.tiny",
     "tiny_tokenizer": "rlbits.models.tiny",
+    # reward: a sequence classifier scoring texts
+    "RewardModel": "rlbits.models.reward",
+    "encode_texts": "rlbits.models.reward",
+    "load_reward_model": "rlbits.models.reward",
 }
 
 __all__ = list(_LAZY)
