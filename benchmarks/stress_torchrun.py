@@ -13,7 +13,7 @@ and classifies each launch:
 The run: a random-init tiny GPT-2 (``rlbits.models.tiny``, vocabulary 32) saved once, then
 ``python -m torch.distributed.run --standalone --nproc_per_node=2 -m rlbits train configs/ppo_sentiment.yaml``
 with the arithmetic task, 2 steps, 5 new tokens, a checkpoint every step (the settings of
-tests/test_dist.py's torchrun tests). Load: ``--load K`` busy-loop processes run beside the launches (default
+tests/distributed/test_dist.py's torchrun tests). Load: ``--load K`` busy-loop processes run beside the launches (default
 1; the launches themselves use ``OMP_NUM_THREADS=1`` per rank).
 
     python benchmarks/stress_torchrun.py               # N=20, one busy process beside

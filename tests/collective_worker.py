@@ -1,4 +1,4 @@
-"""One rank of a 2-rank REINFORCE run whose ranks see different data, launched by tests/test_collectives.py.
+"""One rank of a 2-rank REINFORCE run whose ranks see different data, launched by tests/distributed/test_collectives.py.
 
 ``python tests/collective_worker.py SCENARIOS POLICY OUT`` with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` set (the test starts both ranks itself, on gloo). ``SCENARIOS`` is a comma-separated list run

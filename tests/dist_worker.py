@@ -1,4 +1,4 @@
-"""One PPO or RLOO step's advantages and update on a fixed batch, run by tests/test_dist.py with or without
+"""One PPO or RLOO step's advantages and update on a fixed batch, run by tests/distributed/test_dist.py with or without
 torchrun.
 
 ``python tests/dist_worker.py {ppo,rloo} OUT`` runs the phases on the whole batch in one process;

@@ -1,4 +1,4 @@
-"""One RLOO update with LoRA adapters on a fixed batch, run by tests/test_lora.py with or without torchrun.
+"""One RLOO update with LoRA adapters on a fixed batch, run by tests/models/test_lora.py with or without torchrun.
 
 ``python tests/lora_worker.py OUT`` runs REINFORCE's ``advantages`` and ``update`` on the whole batch of
 ``dist_worker.fixed_batch`` in one process; ``torchrun --nproc_per_node 2 tests/lora_worker.py OUT`` shards

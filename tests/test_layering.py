@@ -39,13 +39,13 @@ SIDE_BRANCH = "viz"  # may import anything; nothing but the CLI imports it
 
 # Third-party packages the kernels (``rlbits.functional``) may import besides the stdlib. einops is a declared
 # core dependency (pyproject.toml) used for the group reshapes ("(g k) -> g k"); it is pure Python over
-# torch ops and traces through torch.compile(fullgraph=True) (tests/test_functional_compile.py), so the
+# torch ops and traces through torch.compile(fullgraph=True) (tests/functional/test_functional_compile.py), so the
 # kernels stay free of tensordict, transformers and torch.distributed.
 FUNCTIONAL_THIRD_PARTY = ("torch", "einops")
 
 # Third-party packages the envs layer (plain Python, no torch) may import besides the stdlib: transformers,
 # only inside ``ToolRegistry.register`` (``get_json_schema`` for a tool without a schema; it imports torch
-# where torch is installed). ``import rlbits.envs`` imports neither (tests/test_envs_tools.py).
+# where torch is installed). ``import rlbits.envs`` imports neither (tests/envs/test_envs_tools.py).
 ENVS_THIRD_PARTY = ("transformers",)
 
 

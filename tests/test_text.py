@@ -1,4 +1,4 @@
-"""rlbits.text: make_prompts, tokenize_prompts, decode (chat_prompts: tests/test_real_tasks.py). Tiny tokenizers."""
+"""rlbits.text: make_prompts, tokenize_prompts, decode (chat_prompts: tests/tasks/test_real_tasks.py). Tiny tokenizers."""
 
 import pytest
 import torch

@@ -17,7 +17,7 @@ Two sandboxes (the ``sandbox`` argument; a run config's ``sandbox`` field):
   which code that gets past Python's own rules defeats. Output also comes through pipes. Chosen explicitly
   only.
 
-What ``"bwrap"`` guarantees (Linux; each item says what enforces it; ``tests/test_sandbox_escape.py`` tries
+What ``"bwrap"`` guarantees (Linux; each item says what enforces it; ``tests/envs/test_sandbox_escape.py`` tries
 each):
 
 - **The boundary does not depend on the code's good will.** Everything below is set up by ``bwrap`` and the

@@ -1,7 +1,7 @@
 """One step's metrics: accumulated by the phases on each rank, reduced once, logged as one process would.
 
 A phase adds each statistic with the reduction that makes N ranks log exactly what one process holding the
-whole batch would log (``tests/test_dist.py`` checks 1 vs 2 ranks):
+whole batch would log (``tests/distributed/test_dist.py`` checks 1 vs 2 ranks):
 
 - ``mean(name, total, count)``: a ratio of sums, logged as ``sum_ranks(total) / sum_ranks(count)`` (e.g. the
   mean reward: ``rewards.sum()`` over ``B``; a token mean: masked sum over the token count);

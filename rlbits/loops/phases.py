@@ -120,7 +120,7 @@ def bf16_copy(policy: torch.nn.Module, copy: torch.nn.Module | None = None) -> t
     For decoding under ``precision: bf16``: autocast casts every weight again at every token (on 2 CPU
     threads, SmolLM2-135M decoded 3-5x slower under autocast than from a bfloat16 copy); the copy costs half
     the policy's weight memory and one cast per rollout. Its logits are those of the trainer's autocast
-    forward up to bf16 rounding of the activations between matmuls (tests/test_loop_reinforce.py bounds the
+    forward up to bf16 rounding of the activations between matmuls (tests/loops/test_loop_reinforce.py bounds the
     sampler/trainer mismatch).
     """
     import copy as copy_module

@@ -12,7 +12,7 @@ same ``vocab_size`` fit together:
 Attention is ``"eager"`` (the plain reference implementation; override with ``attn_implementation=``). With
 left padding and matching ``position_ids``, the real tokens of a padded row give the logits of the unpadded
 row up to float rounding (< 2e-6) for all three architectures, with ``"eager"`` and ``"sdpa"`` alike; fully
-masked pad rows give no NaN (checked by tests/test_models.py).
+masked pad rows give no NaN (checked by tests/models/test_models.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Token in, token out: the policy's tokens are the ids ``generate`` sampled, never re-tokenised from text; the
 env's observations are appended as tokens (its ``token_ids`` verbatim, or its ``text`` tokenised without
 special tokens) with ``action_mask`` False and ``response_mask`` True. So a teacher-forced forward of the
-returned ``input_ids`` gives back the behaviour ``logprobs`` of every action token (tests/test_multiturn.py),
+returned ``input_ids`` gives back the behaviour ``logprobs`` of every action token (tests/rollout/test_multiturn.py),
 a stop token or stop string the policy sampled is an action, and a turn cut at its token budget keeps its
 tokens. Each turn, the unfinished episodes are decoded together by ``generate`` from their whole context
 (prompt + every turn and observation so far): the context is prefilled again every turn (simple and exact;

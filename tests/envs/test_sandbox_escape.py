@@ -34,7 +34,7 @@ from rlbits.envs.sandbox import SandboxResult, run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bubblewrap is Linux's")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 3.0  # wall clock of one payload; CPU 1 s
 MARGIN = 2.0  # seconds past the timeout that run_python may take to kill and collect
 

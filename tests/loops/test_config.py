@@ -1,5 +1,5 @@
 """Loop configs: field groups, checks at construction, one range mechanism, the loop registry, YAML files and
-overrides. (Hostile YAML and size bounds: tests/test_hostile_inputs.py.)"""
+overrides. (Hostile YAML and size bounds: tests/loops/test_hostile_inputs.py.)"""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from rlbits.loops.ppo import PPOConfig
 from rlbits.loops.reinforce import BASELINES, ReinforceConfig
 from rlbits.loops.reward_model import RewardModelConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = [RunConfig, *GROUPS[1:], PPOConfig, ReinforceConfig, ILQLConfig, RewardModelConfig]
 LOOP_CONFIGS = {
     "ppo": PPOConfig,

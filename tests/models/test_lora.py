@@ -28,7 +28,7 @@ from rlbits.models.load import load_policy, save_pretrained
 from rlbits.models.lora import adapters_disabled, apply_lora, is_lora, merge_lora
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 V = 32
 PROMPTS = ["1+2=", "3+4=", "5+6=", "7+1=", "2+2=", "9+0=", "4+4=", "8+1="]
 

@@ -407,7 +407,7 @@ def test_the_envs_layer_imports_no_torch():
     import sys
     from pathlib import Path
 
-    package = Path(__file__).resolve().parents[1] / "rlbits"
+    package = Path(__file__).resolve().parents[2] / "rlbits"
     code = (
         "import importlib, pkgutil, sys, types\n"
         f"root = types.ModuleType('rlbits'); root.__path__ = [{str(package)!r}]; sys.modules['rlbits'] = root\n"

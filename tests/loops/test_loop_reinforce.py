@@ -341,7 +341,7 @@ def test_shipped_configs_load(name):
 
     from rlbits.loops.config import load_config
 
-    cfg = load_config(ReinforceConfig, Path(__file__).resolve().parents[1] / "configs" / name)
+    cfg = load_config(ReinforceConfig, Path(__file__).resolve().parents[2] / "configs" / name)
     assert cfg.task == "arithmetic" and cfg.val_greedy
 
 

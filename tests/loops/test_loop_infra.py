@@ -181,7 +181,7 @@ def test_api_picks_the_loop_from_the_config_and_rejects_bad_ones():
         resolve_config({"loop": "ppo", "not_a_field": 1})
 
 
-# --- on_nonfinite (Run's handling of a skipped step: tests/test_run.py) --------------------------------------
+# --- on_nonfinite (Run's handling of a skipped step: tests/loops/test_run.py) --------------------------------------
 
 
 def test_checkpoint_refuses_nan_weights_and_keeps_the_previous_one(tmp_path):

@@ -1,5 +1,5 @@
 """The sandboxed Python tool, under both sandboxes (``bwrap`` and ``unsafe_local``).
-The escape attempts against ``bwrap`` are tests/test_sandbox_escape.py.
+The escape attempts against ``bwrap`` are tests/envs/test_sandbox_escape.py.
 
 Every attempt is small and bounded even if a limit failed: the fork test forks at most once (a real fork
 bomb is never run), the memory test asks for 10 GiB in one allocation (refused by RLIMIT_AS before any page is
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the sandbox's limits are Linux's"
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAST = {"timeout_s": 3.0, "cpu_seconds": 1}
 
 

@@ -5,7 +5,7 @@ normalisation, a KL sign, another seed derivation, a changed loss aggregation) p
 torchtune's recipe tests do: train a fixed tiny setup for 3 steps through the public entry point
 (``rlbits.train(config=..., ...)``) and compare every numeric metric of ``metrics.jsonl`` (losses, rewards,
 KL, advantages, grad norms, entropy, clip fractions, counters, validation) with the values pinned in
-``tests/golden/<loop>.json``. Only wall-clock values are left out: ``time_s``, ``tokens_per_s`` and
+``tests/loops/golden/<loop>.json``. Only wall-clock values are left out: ``time_s``, ``tokens_per_s`` and
 ``time/*``.
 
 The setups (``LOOPS`` and ``REWARD_MODEL`` below; each runs in about a second):
@@ -38,9 +38,9 @@ they get ``CLIPFRAC_ATOL = 0.025`` (about two tokens) instead; a real change of 
 
 Regenerating: when a change is meant to alter the numbers (a new seed derivation, a fixed bug), run::
 
-    RLBITS_UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py
+    RLBITS_UPDATE_GOLDEN=1 python -m pytest tests/loops/test_golden.py
 
-which rewrites ``tests/golden/*.json`` (the tests then pass); review the diff of those files and commit
+which rewrites ``tests/loops/golden/*.json`` (the tests then pass); review the diff of those files and commit
 them with the change, saying why the numbers moved. Without the variable a mismatch fails with one line per
 metric and step (pinned value, value got, relative difference) and this instruction. A change of the setup
 below (config, reward, prompts) also needs a regeneration: the pinned files hold the config they came from.
@@ -66,7 +66,7 @@ pytestmark = pytest.mark.slow
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 UPDATE_ENV = "RLBITS_UPDATE_GOLDEN"
-REGENERATE = f"{UPDATE_ENV}=1 python -m pytest tests/test_golden.py"
+REGENERATE = f"{UPDATE_ENV}=1 python -m pytest tests/loops/test_golden.py"
 RTOL = 1e-4
 ATOL = 1e-6
 CLIPFRAC_ATOL = 0.025  # clip fractions count tokens past a threshold: one token may sit on it (see above)
@@ -252,7 +252,7 @@ def test_first_three_steps_match_the_pinned_metrics(loop, policy_dir, backbone_d
     if os.environ.get(UPDATE_ENV):
         GOLDEN_DIR.mkdir(exist_ok=True)
         golden = {
-            "about": f"Pinned metrics of tests/test_golden.py ({loop}); regenerate with: {REGENERATE}",
+            "about": f"Pinned metrics of tests/loops/test_golden.py ({loop}); regenerate with: {REGENERATE}",
             "generated_with": {
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,
@@ -273,8 +273,8 @@ def test_first_three_steps_match_the_pinned_metrics(loop, policy_dir, backbone_d
             k for k in set(golden["config"]) | set(config) if golden["config"].get(k) != config.get(k)
         )
         pytest.fail(
-            f"the {loop} setup of tests/test_golden.py changed ({', '.join(changed)}) since {path.name} was "
-            f"pinned: regenerate with `{REGENERATE}` and commit tests/golden/",
+            f"the {loop} setup of tests/loops/test_golden.py changed ({', '.join(changed)}) since {path.name} was "
+            f"pinned: regenerate with `{REGENERATE}` and commit tests/loops/golden/",
             pytrace=False,
         )
     lines = mismatches(golden["rows"], rows)
@@ -284,6 +284,6 @@ def test_first_three_steps_match_the_pinned_metrics(loop, policy_dir, backbone_d
             f"(rtol {RTOL}, atol {ATOL}; pinned with {golden.get('generated_with')}):\n  "
             + "\n  ".join(lines)
             + f"\nIf the change is intended (e.g. a new seed derivation), regenerate with `{REGENERATE}`, "
-            "check the diff of tests/golden/ and commit it with the change.",
+            "check the diff of tests/loops/golden/ and commit it with the change.",
             pytrace=False,
         )

@@ -40,7 +40,7 @@ from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 COMMON = [
     f"max_num_steps={STEPS}", "max_new_tokens=4", "max_val_samples=2",

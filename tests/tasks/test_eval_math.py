@@ -10,7 +10,7 @@ import pytest
 from rlbits.tasks import get_task
 
 _SPEC = importlib.util.spec_from_file_location(
-    "eval_math", Path(__file__).resolve().parents[1] / "benchmarks" / "eval_math.py"
+    "eval_math", Path(__file__).resolve().parents[2] / "benchmarks" / "eval_math.py"
 )
 eval_math = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(eval_math)

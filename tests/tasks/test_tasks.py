@@ -9,7 +9,7 @@ import pytest
 from rlbits.tasks import TASKS, arithmetic, get_task, sentiment
 
 # The tasks with a generated corpus and a base model built here; the real-data tasks (imdb, math) are tested in
-# tests/test_real_tasks.py.
+# tests/tasks/test_real_tasks.py.
 SYNTHETIC = ("arithmetic", "sentiment")
 
 # --- registry

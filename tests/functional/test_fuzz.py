@@ -4,7 +4,7 @@ Every test throws generated inputs at a public entry point and accepts exactly t
 result, or a clear error (``ValueError``/``TypeError`` and their subclasses ``ConfigError``,
 ``InvalidRewardError``; ``RewardError`` for a failing reward source) whose message names the offending
 argument, field or sample. Anything else (IndexError, KeyError, AttributeError, an aten RuntimeError, a
-silently wrong result) fails the test. ``python -m pytest tests/test_fuzz.py --hypothesis-show-statistics``
+silently wrong result) fails the test. ``python -m pytest tests/functional/test_fuzz.py --hypothesis-show-statistics``
 prints how many inputs each test tried (60 per test under the CI profile of conftest.py).
 """
 

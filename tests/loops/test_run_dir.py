@@ -31,7 +31,7 @@ from rlbits.loops.rundir import (
     disk_full_as_error,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "max_num_steps=2", "num_prompts_per_step=2", "num_generations_per_prompt=2", "max_new_tokens=4",
     "microbatch_size=4", "max_val_samples=2", "val_period=0", "val_at_start=false", "val_at_end=false",

@@ -652,7 +652,7 @@ def test_source_loads_no_pickle_and_trusts_no_remote_code():
 
 
 def _scan(*folders: str) -> list[str]:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     files = [p for d in folders for p in (root / d).rglob("*.py")]
     assert files
     bad = []
@@ -703,7 +703,7 @@ def test_sharded_heads_return_no_view_on_two_ranks(tmp_path):
 
     worker = tmp_path / "worker.py"
     worker.write_text(_FSDP_WORKER)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=root)

@@ -452,7 +452,7 @@ def test_yaml_config_loads():
 
     from rlbits.loops.config import load_config
 
-    path = Path(__file__).resolve().parents[1] / "configs" / "ilql_sentiment.yaml"
+    path = Path(__file__).resolve().parents[2] / "configs" / "ilql_sentiment.yaml"
     cfg = load_config(ilql.ILQLConfig, path)
     assert cfg.loop == "ilql" and cfg.task == "sentiment"
 

@@ -39,7 +39,7 @@ from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
 PROMPTS = ["the plot", "a film", "it was", "my day", "so this", "hello", "we saw", "an end"]
 VOLATILE = ("time_s", "tokens_per_s")
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_sentiment.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ppo_sentiment.yaml"
 
 
 def reward(prompts, responses):

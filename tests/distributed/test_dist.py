@@ -22,7 +22,7 @@ from rlbits.distributed.parallelize import shard, transformer_blocks, unsharded
 from rlbits.models.heads import ILQLModel, ValueModel
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 V = 32
 
 

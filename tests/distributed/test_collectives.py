@@ -24,7 +24,7 @@ from rlbits.loops.reinforce import ReinforceConfig
 from rlbits.loops.run import CollectiveError, collective_errors
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "collective_worker.py")
 AGREEING = ["dynamic_sampling", "overlong", "nonfinite_skip", "multiturn", "validation"]
 
