@@ -203,15 +203,33 @@ def _check_counter(name: str, value: Any, hint: Any) -> None:
 
 
 @dataclasses.dataclass(kw_only=True)
-class OnlineState(LoopState):
-    """What the online loops (PPO, REINFORCE) add: the prompts, the reward, and their random streams."""
+class StreamState(LoopState):
+    """A state whose train data is a ``PromptStream`` (prompts, or the reward model's rows): its epochs and
+    length are the stream's."""
+
+    stream: PromptStream
+    """The train data in a seeded order per epoch; its position is saved."""
+
+    @property
+    def epoch(self) -> int:
+        """Passes over the train data completed."""
+        return self.stream.epoch
+
+    @property
+    def num_samples(self) -> int:
+        """Train samples (prompts, rows) in one epoch."""
+        return len(self.stream)
+
+
+@dataclasses.dataclass(kw_only=True)
+class OnlineState(StreamState):
+    """What the online loops (PPO, REINFORCE) add: the prompts (``stream``), the reward, and their random
+    streams."""
 
     sampling_generator: torch.Generator
     """Sampling noise of every rollout (on the policy's device)."""
     minibatch_generator: torch.Generator
     """Shuffles rows into minibatches (CPU)."""
-    stream: PromptStream
-    """The train prompts, in a seeded order per epoch; its position is saved."""
     reward: Any = runtime(default=None)
     """The reward (anything ``rlbits.score`` accepts)."""
     val_prompts: list[str] = runtime(default_factory=list)
@@ -219,19 +237,9 @@ class OnlineState(LoopState):
     decode_copy: torch.nn.Module | None = runtime(default=None)
     """With ``precision: bf16``: the bfloat16 copy of the policy the rollouts decode with (``phases.decoding``)."""
 
-    @property
-    def epoch(self) -> int:
-        """Passes over the train prompts completed."""
-        return self.stream.epoch
-
-    @property
-    def num_samples(self) -> int:
-        """Train prompts in one epoch."""
-        return len(self.stream)
-
     def samples_per_step(self, cfg: Any) -> int:
         """``num_prompts_per_step`` prompts on every rank."""
         return cfg.num_prompts_per_step * self.env.world_size
 
 
-__all__ = ["LoopState", "OnlineState", "frozen", "optimizer_of", "runtime"]
+__all__ = ["LoopState", "OnlineState", "StreamState", "frozen", "optimizer_of", "runtime"]

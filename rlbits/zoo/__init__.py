@@ -39,6 +39,7 @@ from rlbits.zoo.builder import (
 from rlbits.zoo.cache import cache_dir, default_model_dir, lock_timeout
 from rlbits.zoo.evaluator import evaluate, plateau_check
 from rlbits.zoo.real import (
+    MINILM_PACKAGE,
     MODELS,
     ChecksumError,
     check_wheel,
@@ -46,6 +47,7 @@ from rlbits.zoo.real import (
     download_wheel,
     get_model,
     is_ready,
+    minilm_path,
     model_dir,
     model_names,
     resolve_model,
@@ -90,7 +92,9 @@ __all__ = [
     "download_wheel",
     "is_ready",
     "ChecksumError",
+    "MINILM_PACKAGE",
     "MODELS",
+    "minilm_path",
     "builder",
     "cache",
     "evaluator",
