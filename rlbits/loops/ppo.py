@@ -26,7 +26,6 @@ from typing import Any, Literal
 import torch
 from tensordict import TensorDictBase
 
-from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_sum, masked_var
@@ -45,18 +44,16 @@ from rlbits.functional import (
 from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig
 from rlbits.loops.config_fields import ranged
+from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer
-from rlbits.loops.run import NonFiniteError, Run
+from rlbits.loops.run import NonFiniteError
 from rlbits.loops.runtime import (
     Setup,
     autocast,
     build_policy,
-    disable_dropout,
-    fused_gelu,
-    generator,
     head_args,
     kernel,
-    load_policy_and_tokenizer,
+    load_critic,
     prepare,
     with_lora,
 )
@@ -64,7 +61,6 @@ from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
-from rlbits.models.load import freeze
 from rlbits.models.lora import share_frozen_parameters
 
 
@@ -212,39 +208,18 @@ class State(OnlineState):
         return self.policy
 
 
-def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> ValueModel:
-    if cfg.critic_init == "policy":
-        critic = ValueModel.from_policy(policy, seed=cfg.seed)
-    else:
-        if not Path(cfg.critic_init).is_dir():
-            raise ConfigError(f"critic_init must be 'policy' or an existing folder; {cfg.critic_init!r} is neither")
-        critic = ValueModel.from_pretrained(cfg.critic_init, seed=cfg.seed)
-    critic = fused_gelu(disable_dropout(critic))
-    with_lora(critic.backbone, cfg, "critic")  # in place; the value head stays fully trained
-    return critic.to(env.device).train()
-
-
 def init_state(
     cfg: PPOConfig, env: DistEnv, *, setup: Setup | None = None, reward: Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> State:
     """Load policy, reference, critic and tokenizer from the initial weights; build optimizers, generators
-    and the prompt stream. A resumed run then restores the checkpoint into it (``Run.start``).
-
-    Args:
-        setup: the run's resolved task (default ``Setup.of(cfg)``).
-        reward, prompts: override the task's reward and train prompts.
-        val_prompts: override the task's test split as validation prompts.
-    """
+    and the prompt stream (``online_fields``: ``reward``, ``prompts``, ``val_prompts`` replace the task's).
+    ``setup``: the run's resolved task (default ``Setup.of(cfg)``). A resumed run then restores the
+    checkpoint into it (``Run.start``)."""
     setup = setup if setup is not None else Setup.of(cfg)
-    make_env = setup.make_env
-    init_path = setup.initial_policy_path()
-    policy, tokenizer = load_policy_and_tokenizer(init_path, env)
-    reference = None
     needs_reference = cfg.uses_ref_logprobs or cfg.reward_subtract_reference
-    if needs_reference and not cfg.lora:  # with LoRA the reference is the policy with its adapters disabled
-        reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
-    critic = _load_critic(cfg, policy, env)  # from the policy before its adapters: its own adapters
+    init_path, policy, tokenizer, reference = initial_policy(cfg, env, setup, reference=needs_reference)
+    critic = load_critic(cfg, policy, env)  # from the policy before its adapters: its own adapters
     policy = with_lora(policy, cfg)
     if cfg.lora and env.world_size == 1:  # the critic's frozen base is the policy's: one copy (unsharded only)
         share_frozen_parameters(critic.backbone, policy.base_model)
@@ -252,14 +227,11 @@ def init_state(
     policy = prepare(policy.train(), cfg, env)
     critic_lr = cfg.critic_learning_rate if cfg.critic_learning_rate is not None else cfg.learning_rate
     return State(
-        env=env, tokenizer=tokenizer, policy=policy, value_model=value_model, reference=reference,
+        policy=policy, value_model=value_model, reference=reference,
         policy_optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
         value_optimizer=make_optimizer(value_model.parameters(), critic_lr, cfg.weight_decay),
-        sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
-        minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
-        stream=PromptStream(setup.prompts(tokenizer, prompts, "train"), cfg.seed), init_path=init_path,
-        kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef, reward=setup.reward(reward),
-        make_env=make_env, val_prompts=setup.prompts(tokenizer, val_prompts, "test"),
+        kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef,
+        **online_fields(cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts),
     )  # fmt: skip
 
 
@@ -447,35 +419,21 @@ def train(
     cfg: PPOConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> Path:  # fmt: skip
-    """Train with PPO; returns the run directory (``cfg.run_dir``).
+    """Train with PPO and return the run directory (``cfg.run_dir``).
 
-    Args:
-        cfg: the run's ``PPOConfig``.
-        callbacks: objects with ``on_metrics(step, metrics)`` / ``on_samples(step, rows)`` / ``should_stop()``.
-        resume: continue from the latest checkpoint of ``cfg.run_dir``, reproducing the uninterrupted run exactly.
-        force: also use a ``run_dir`` that is not empty and not an rlbits run, or start an existing run
-            over (``rlbits.loops.run.Run``); a live run's lock is never overridden.
-        reward: overrides the task's reward (a callable, reward model or server URL; see ``rlbits.score``).
-        prompts: overrides the task's train prompts (a list of non-empty strings, checked before any model is
-            loaded, and for length once the tokenizer is).
-        val_prompts: validation prompts instead of the task's test split (default: ``cfg.val_prompts``, a file).
-            The reward and prompts are recorded in ``RUN_DIR/provenance.json``; a resume with other ones is
-            refused unless ``cfg.allow_changed_inputs``.
+    ``callbacks``, ``resume``, ``force``, ``reward``, ``prompts``, ``val_prompts``: as ``rlbits.train`` (the
+    reward and prompts replace the task's; ``rlbits.loops.online.online_run`` sets the run up).
 
     Raises:
-        ConfigError: ``cfg`` is not a valid ``PPOConfig``.
-        PromptError: bad prompts or val_prompts (before anything is loaded or written).
-        ResumeMismatchError: ``resume`` with another reward or other prompts than the run was started with.
-        FileNotFoundError: ``resume=True`` and the run has no checkpoint.
+        ConfigError: ``cfg`` is not a valid ``PPOConfig``; and the errors of ``rlbits.train``.
         NonFiniteError: a loss or gradient became NaN/inf (the message names step and phase).
     """
     if not isinstance(cfg, PPOConfig):
         raise ConfigError(f"cfg must be a PPOConfig, got {type(cfg).__name__}")
-    reward = cfg.resolve_reward(reward)  # the reward_model key: a reward-model folder instead of the task's reward
-    with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
-        prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
-        state = init_state(cfg, run.env, setup=run.setup, reward=reward, prompts=prompts, val_prompts=val_prompts)
-        run.start(state, validate=validate)  # restores a checkpoint into the state; opens the logs
+    with online_run(
+        cfg, init_state, validate, reward=reward, prompts=prompts, val_prompts=val_prompts, callbacks=callbacks,
+        resume=resume, force=force,
+    ) as (run, state):
         for _ in run.steps(state):
             with run.step(state):
                 with run.phase("rollout"):  # 1. sample responses

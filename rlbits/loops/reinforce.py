@@ -30,7 +30,6 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import collate
-from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_max, any_rank
@@ -47,22 +46,13 @@ from rlbits.functional import (
 from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig
 from rlbits.loops.config_fields import ranged
+from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer
-from rlbits.loops.run import Run, agreed, in_phase
-from rlbits.loops.runtime import (
-    Setup,
-    build_policy,
-    generator,
-    head_args,
-    kernel,
-    load_policy_and_tokenizer,
-    prepare,
-    with_lora,
-)
+from rlbits.loops.run import agreed, in_phase
+from rlbits.loops.runtime import Setup, build_policy, head_args, kernel, prepare, with_lora
 from rlbits.loops.state import OnlineState, frozen, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import policy_logprobs
-from rlbits.models.load import freeze
 
 BASELINES = ("rloo", "grpo", "dr_grpo", "none")
 
@@ -178,24 +168,17 @@ def init_state(
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> State:
     """Load the policy and a frozen reference from the initial weights (with ``lora_rank > 0``: LoRA
-    adapters on the policy and no reference copy), build the optimizer, the generators and the prompt stream.
-    ``setup``: the run's resolved task (default ``Setup.of(cfg)``). A resumed run then restores the
-    checkpoint into it (``Run.start``)."""
+    adapters on the policy and no reference copy), build the optimizer, the generators and the prompt stream
+    (``online_fields``: ``reward``, ``prompts``, ``val_prompts`` replace the task's). ``setup``: the run's
+    resolved task (default ``Setup.of(cfg)``). A resumed run then restores the checkpoint into it
+    (``Run.start``)."""
     setup = setup if setup is not None else Setup.of(cfg)
-    make_env = setup.make_env
-    init_path = setup.initial_policy_path()
-    policy, tokenizer = load_policy_and_tokenizer(init_path, env)
-    reference = None
-    if cfg.uses_ref_logprobs and not cfg.lora:  # with LoRA the reference is the policy, adapters disabled
-        reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
+    init_path, policy, tokenizer, reference = initial_policy(cfg, env, setup, reference=cfg.uses_ref_logprobs)
     policy = prepare(with_lora(policy, cfg).train(), cfg, env)
     return State(
-        env=env, tokenizer=tokenizer, policy=policy, reference=reference,
+        policy=policy, reference=reference,
         optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
-        sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
-        minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
-        stream=PromptStream(setup.prompts(tokenizer, prompts, "train"), cfg.seed), init_path=init_path,
-        reward=setup.reward(reward), make_env=make_env, val_prompts=setup.prompts(tokenizer, val_prompts, "test"),
+        **online_fields(cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts),
     )  # fmt: skip
 
 
@@ -402,32 +385,19 @@ def train(
 ) -> Path:  # fmt: skip
     """Run REINFORCE/RLOO/GRPO for ``cfg.max_num_steps`` steps and return the run directory.
 
-    Args:
-        cfg: the config (validated again here).
-        callbacks: objects with ``on_metrics`` / ``on_samples`` / ``should_stop`` (see ``rlbits.loops.run``).
-        resume: continue from the latest checkpoint of ``cfg.run_dir``; the run then matches the uninterrupted one.
-        force: also use a ``run_dir`` that is not empty and not an rlbits run, or start an existing run
-            over (``rlbits.loops.run.Run``); a live run's lock is never overridden.
-        reward: overrides the task reward (anything ``rlbits.score`` accepts).
-        prompts: overrides the task's train prompts (a list of non-empty strings, checked before any model is
-            loaded, and for length once the tokenizer is).
-        val_prompts: validation prompts instead of the task's test split (default: ``cfg.val_prompts``, a file).
-            The reward and prompts are recorded in ``RUN_DIR/provenance.json``; a resume with other ones is
-            refused unless ``cfg.allow_changed_inputs``.
+    ``callbacks``, ``resume``, ``force``, ``reward``, ``prompts``, ``val_prompts``: as ``rlbits.train``
+    (``rlbits.loops.online.online_run`` checks them and sets the run up).
 
     Raises:
-        ConfigError: an invalid config. FileNotFoundError: ``resume`` without a checkpoint.
-        PromptError: bad prompts or val_prompts (before anything is loaded or written).
-        ResumeMismatchError: ``resume`` with another reward or other prompts than the run was started with.
+        ConfigError: ``cfg`` is not a ``ReinforceConfig``, or not a valid one; as ``rlbits.train`` otherwise.
         NonFiniteError: a non-finite loss or gradient (names the step and phase).
     """
     if not isinstance(cfg, ReinforceConfig):
         raise ConfigError(f"cfg must be a ReinforceConfig, got {type(cfg).__name__}")
-    reward = cfg.resolve_reward(reward)  # the reward_model key: a reward-model folder instead of the task's reward
-    with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
-        prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
-        state = init_state(cfg, run.env, setup=run.setup, reward=reward, prompts=prompts, val_prompts=val_prompts)
-        run.start(state, validate=validate)  # restores a checkpoint into the state; opens the logs
+    with online_run(
+        cfg, init_state, validate, reward=reward, prompts=prompts, val_prompts=val_prompts, callbacks=callbacks,
+        resume=resume, force=force,
+    ) as (run, state):
         for _ in run.steps(state):
             with run.step(state):
                 with run.phase("rollout"):  # 1. K responses per prompt
