@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -42,7 +42,7 @@ from rlbits.functional import (
     value_loss,
 )
 from rlbits.loops import phases
-from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig
+from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig
 from rlbits.loops.config_fields import ranged
 from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer
@@ -65,31 +65,21 @@ from rlbits.models.lora import share_frozen_parameters
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(EnvConfig, LoRAConfig):
+class PPOConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
     """Actor-critic PPO. Field names follow NeMo-RL / NeMo-Aligner where they have one."""
 
     loop: str = "ppo"
     """Which loop runs this config; ``ppo`` for this one."""
     num_prompts_per_step: int = 32
     """Prompts sampled per step (each generates ``num_generations_per_prompt`` responses)."""
-    learning_rate: float = 1e-5
-    """AdamW learning rate of the policy."""
 
     # --- PPO update
     ppo_epochs: int = ranged(4, ge=1)
     """Passes over each rollout batch (trlx ``ppo_epochs``)."""
     num_minibatches: int = ranged(2, ge=1, at_most=MAX_ROWS)
-    """Optimizer steps per PPO epoch: the batch is shuffled (whole prompt groups) and dealt into this many
-    minibatches."""
-    clip_eps: float = ranged(0.2, ge=0)
-    """PPO ratio clip range: ratios outside [1 - clip_eps, 1 + clip_eps_high] get no gradient."""
-    clip_eps_high: float | None = ranged(None, gt=0)
-    """Upper clip range (DAPO clip-higher); None = ``clip_eps``."""
+    """Optimizer steps per PPO epoch (``PolicyGradientConfig``)."""
     dual_clip: float | None = ranged(None, gt=1)
     """Dual-clip constant c > 1 (Ye 2020): caps the loss of negative-advantage tokens at -c A; None = off."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses are aggregated (see ``rlbits.aggregate_loss``); the denominator is global over the
-    minibatch."""
     entropy_coef: float = ranged(0.0, ge=0)
     """Entropy bonus: ``- entropy_coef * entropy`` is added to the policy loss (0 = off)."""
 
@@ -97,12 +87,6 @@ class PPOConfig(EnvConfig, LoRAConfig):
     kl_coef: float = ranged(0.05, ge=0)
     """beta of the KL penalty in the reward (``kl_in_reward``): ``r_t -= kl_coef * KL_t`` on every token; the
     initial value when ``adaptive_kl``."""
-    kl_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k1"
-    """Per-token KL estimator of ``rlbits.kl_penalty`` used in the reward or the loss (k1 = logp - ref_logp;
-    ``k1+``/``k3+``: k1/k3's value with k2's gradient, verl's straight-through variants)."""
-    kl_clamp: float | None = ranged(None, gt=0)
-    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None =
-    no clamp."""
     kl_in_reward: bool = True
     """True: KL penalty in the reward (Ziegler/Ouyang, trlx). False: KL term ``kl_loss_coef * KL`` in the policy
     loss (NeMo-RL, GRPO), no KL in the reward."""
@@ -118,10 +102,6 @@ class PPOConfig(EnvConfig, LoRAConfig):
     skip_reference_policy_logprobs: bool = False
     """No reference forward pass even with a KL term configured: every KL is 0 (a quicker start; no KL control
     at all)."""
-    monitor_init_policy_kl: bool = False
-    """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs`` (``kl_coef``
-    0 in the reward, ``kl_loss_coef`` 0 in the loss, no ``adaptive_kl``); without it the reference model is
-    then neither loaded nor run."""
 
     # --- Reward scaling (applied in this order: subtract reference, whiten, clip)
     reward_subtract_reference: bool = False
@@ -156,11 +136,6 @@ class PPOConfig(EnvConfig, LoRAConfig):
     def check(self) -> None:
         """The groups' checks, then PPO's rules across fields. Raises ConfigError naming the field."""
         super().check()
-        if self.num_minibatches > self.num_prompts_per_step:
-            raise ConfigError(
-                f"num_minibatches ({self.num_minibatches}) must be <= num_prompts_per_step "
-                f"({self.num_prompts_per_step}): minibatches hold whole prompt groups"
-            )
         if self.adaptive_kl and self.skip_reference_policy_logprobs:
             raise ConfigError(
                 "adaptive_kl needs the reference policy's logprobs; it cannot be combined with "

@@ -44,7 +44,7 @@ from rlbits.functional import (
     rloo_baseline,
 )
 from rlbits.loops import phases
-from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig
+from rlbits.loops.config import ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig
 from rlbits.loops.config_fields import ranged
 from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer
@@ -58,15 +58,13 @@ BASELINES = ("rloo", "grpo", "dr_grpo", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class ReinforceConfig(EnvConfig, LoRAConfig):
+class ReinforceConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
     """REINFORCE / RLOO / GRPO: group-baselined policy gradient, optional PPO-style clipping (see module doc)."""
 
     loop: str = "reinforce"
     """Which loop runs this config; ``reinforce`` for this one."""
     num_generations_per_prompt: int = 4
     """K responses per prompt (>= 2 for the rloo/grpo baselines); a prompt's K responses form its group."""
-    learning_rate: float = 1e-5
-    """AdamW learning rate of the policy."""
     baseline: Literal["rloo", "grpo", "dr_grpo", "none"] = "rloo"
     """``rloo``: r - mean of the other K-1 rewards; ``grpo``: (r - group mean) / (group std + eps); ``dr_grpo``:
     r - group mean (Dr. GRPO, Liu 2025); ``none``: r itself (plain REINFORCE)."""
@@ -76,27 +74,13 @@ class ReinforceConfig(EnvConfig, LoRAConfig):
     """Subtract ``kl_coef * sum_t KL_t`` from each sequence reward before the baseline (NeMo-Aligner RLOO)."""
     kl_coef: float = ranged(0.0, ge=0)
     """KL coefficient of the reward penalty; must be > 0 with ``kl_in_reward`` and 0 without it."""
-    kl_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k1"
-    """Per-token KL estimator of the reward penalty (``rlbits.kl_penalty``)."""
     kl_loss_coef: float = ranged(0.0, ge=0)
     """Weight of a KL(pi_theta || pi_ref) term added to the loss (GRPO: 0.04 with k3); 0 disables it."""
     kl_loss_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k3"
     """Per-token KL estimator of the loss term (GRPO uses ``k3``)."""
-    kl_clamp: float | None = ranged(None, gt=0)
-    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None =
-    no clamp."""
     num_iterations: int = ranged(1, ge=1)
     """Passes over each rollout batch (TRL's ``num_iterations``, mu in the GRPO paper); > 1 (or num_minibatches
     > 1) switches to the clipped PPO loss."""
-    num_minibatches: int = ranged(1, ge=1, at_most=MAX_ROWS)
-    """Optimizer steps per epoch; whole groups are dealt into minibatches after a seeded shuffle."""
-    clip_eps: float = ranged(0.2, ge=0)
-    """Lower clip range of the importance ratio (and upper, unless clip_eps_high) when clipping is active."""
-    clip_eps_high: float | None = ranged(None, gt=0)
-    """Upper clip range (DAPO clip-higher, e.g. 0.28); None = clip_eps."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses become one number: ``token-mean`` (DAPO), ``seq-mean-token-mean`` (GRPO paper),
-    ``seq-mean-token-sum``."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no signal) and generate more until num_prompts_per_step
     informative groups are kept (DAPO)."""
@@ -104,10 +88,6 @@ class ReinforceConfig(EnvConfig, LoRAConfig):
     """Most generation batches (of num_prompts_per_step prompts each) one step may use with dynamic_sampling."""
     overlong_filtering: bool = False
     """Mask responses that hit max_new_tokens without EOS out of the loss (DAPO overlong filtering)."""
-    monitor_init_policy_kl: bool = False
-    """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs`` (no
-    ``kl_in_reward``, ``kl_loss_coef`` 0); without it the reference model is then neither loaded nor run (as
-    TRL's GRPO with ``beta=0``)."""
 
     def check(self) -> None:
         """The groups' checks, then REINFORCE's rules across fields. Raises ConfigError naming the field."""
@@ -125,11 +105,6 @@ class ReinforceConfig(EnvConfig, LoRAConfig):
             raise ConfigError(
                 f"kl_coef={self.kl_coef} has no effect with kl_in_reward=false; set kl_in_reward=true, or use "
                 "kl_loss_coef for a KL term in the loss"
-            )
-        if self.num_minibatches > self.num_prompts_per_step:
-            raise ConfigError(
-                f"num_minibatches ({self.num_minibatches}) must be <= num_prompts_per_step "
-                f"({self.num_prompts_per_step}): minibatches hold whole groups"
             )
 
     @property
