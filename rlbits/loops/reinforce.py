@@ -17,7 +17,6 @@ Algorithm (one step)::
 docs/reinforce.md: the papers, how rlbits departs from them, the metrics and how to launch a run.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -117,7 +116,6 @@ class ReinforceConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
     def clipped(self) -> bool:
         """Whether the update uses the clipped PPO loss (the ratio can move off 1 only with several updates)."""
         return self.num_iterations > 1 or self.num_minibatches > 1
-
 
 
 @dataclasses.dataclass(kw_only=True)
