@@ -57,7 +57,7 @@ from rlbits.loops.runtime import (
     prepare,
     with_lora,
 )
-from rlbits.loops.state import OnlineState, frozen, optimizer_of
+from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
@@ -160,24 +160,17 @@ class PPOConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
 
 @dataclasses.dataclass(kw_only=True)
 class State(OnlineState):
-    """Everything a PPO run carries from step to step, saved as a whole (``rlbits.loops.state``)."""
+    """Everything a PPO run carries from step to step, saved as a whole (``rlbits.loops.state``): the policy
+    (the model ``final/`` exports) and its reference (``OnlineState``, ``reference`` also loaded for
+    ``reward_subtract_reference``), the critic, their optimizers and the KL coefficient."""
 
-    policy: torch.nn.Module
     value_model: ValueModel
-    reference: torch.nn.Module | None = frozen(default=None)
-    """Frozen initial policy (None when neither reference logprobs nor reference rewards are needed, and with
-    LoRA, whose reference is the policy with its adapters disabled: ``phases.reference_model``)."""
     policy_optimizer: torch.optim.Optimizer = optimizer_of("policy")
     """AdamW over the policy's trainable parameters (all, or its LoRA adapters)."""
     value_optimizer: torch.optim.Optimizer = optimizer_of("value_model")
     """AdamW over the critic's trainable parameters (all, or its backbone's LoRA adapters and the value head)."""
     kl_coef: float
     """Current coefficient of the active KL term (changes only with ``adaptive_kl``)."""
-
-    @property
-    def trained_model(self) -> torch.nn.Module:
-        """The policy (the critic trains too, but ``final/`` is the policy)."""
-        return self.policy
 
 
 def init_state(

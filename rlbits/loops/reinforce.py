@@ -49,7 +49,7 @@ from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer
 from rlbits.loops.run import agreed, in_phase
 from rlbits.loops.runtime import Setup, build_policy, head_args, kernel, prepare, with_lora
-from rlbits.loops.state import OnlineState, frozen, optimizer_of
+from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import policy_logprobs
 
@@ -120,20 +120,11 @@ class ReinforceConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
 
 @dataclasses.dataclass(kw_only=True)
 class State(OnlineState):
-    """Everything a REINFORCE run carries from step to step, saved as a whole (``rlbits.loops.state``)."""
+    """Everything a REINFORCE run carries from step to step, saved as a whole (``rlbits.loops.state``): the
+    policy and its reference (``OnlineState``) and the policy's optimizer."""
 
-    policy: torch.nn.Module
-    reference: torch.nn.Module | None = frozen(default=None)
-    """Frozen initial policy (``init_policy_kl``, the KL terms); None when no term uses it
-    (``cfg.uses_ref_logprobs``) and with LoRA, whose reference is the policy with its adapters disabled
-    (``phases.reference_model``)."""
     optimizer: torch.optim.Optimizer = optimizer_of("policy")
     """AdamW over the parameters that train: all of the policy's, or only its LoRA adapters."""
-
-    @property
-    def trained_model(self) -> torch.nn.Module:
-        """The policy."""
-        return self.policy
 
 
 def init_state(

@@ -223,9 +223,14 @@ class StreamState(LoopState):
 
 @dataclasses.dataclass(kw_only=True)
 class OnlineState(StreamState):
-    """What the online loops (PPO, REINFORCE) add: the prompts (``stream``), the reward, and their random
-    streams."""
+    """What the online loops (PPO, REINFORCE) add: the policy and its frozen reference, the prompts
+    (``stream``), the reward, and their random streams."""
 
+    policy: torch.nn.Module
+    """The policy being trained: ``trained_model``, exported to ``final/``."""
+    reference: torch.nn.Module | None = frozen(default=None)
+    """The frozen initial policy, when a term uses it; None otherwise and with LoRA, whose reference is the
+    policy with its adapters disabled (``rlbits.loops.phases.reference_model``)."""
     sampling_generator: torch.Generator
     """Sampling noise of every rollout (on the policy's device)."""
     minibatch_generator: torch.Generator
@@ -236,6 +241,11 @@ class OnlineState(StreamState):
     """The validation prompts (``val_prompts``, else the task's test split)."""
     decode_copy: torch.nn.Module | None = runtime(default=None)
     """With ``precision: bf16``: the bfloat16 copy of the policy the rollouts decode with (``phases.decoding``)."""
+
+    @property
+    def trained_model(self) -> torch.nn.Module:
+        """The policy."""
+        return self.policy
 
     def samples_per_step(self, cfg: Any) -> int:
         """``num_prompts_per_step`` prompts on every rank."""
