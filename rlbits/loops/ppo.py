@@ -46,11 +46,9 @@ from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig, Po
 from rlbits.loops.config_fields import ranged
 from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer
-from rlbits.loops.run import NonFiniteError
 from rlbits.loops.runtime import (
     Setup,
     autocast,
-    build_policy,
     head_args,
     kernel,
     load_critic,
@@ -411,11 +409,10 @@ def train(
                     batch = update(state, batch, cfg)
                 batch = kl_control(state, batch, cfg)  # 7. adaptive KL coefficient
                 run.end_step(state, batch)  # 8. log; validate and save when due
-        return run.finish(state, build=lambda: build_policy(cfg, state.init_path))
+        return run.finish(state)  # RUN_DIR/final/: the policy
 
 
 __all__ = [
-    "NonFiniteError",
     "PHASES",
     "PPOConfig",
     "State",
@@ -432,5 +429,4 @@ __all__ = [
     "update",
     "validate",
     "values",
-    "whiten",
 ]

@@ -48,7 +48,7 @@ from rlbits.loops.config_fields import ranged
 from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer
 from rlbits.loops.run import agreed, in_phase
-from rlbits.loops.runtime import Setup, build_policy, head_args, kernel, prepare, with_lora
+from rlbits.loops.runtime import Setup, head_args, kernel, prepare, with_lora
 from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import policy_logprobs
@@ -377,7 +377,7 @@ def train(
                 with run.phase("update"):  # 5. policy-gradient (or clipped) steps
                     batch = update(state, batch, cfg)
                 run.end_step(state, batch)  # 6. log; validate and save when due
-        return run.finish(state, build=lambda: build_policy(cfg, state.init_path))
+        return run.finish(state)  # RUN_DIR/final/: the policy
 
 
 __all__ = [

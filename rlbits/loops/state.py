@@ -13,7 +13,8 @@ is saved and restored as a whole (``Run.save`` / ``Run.start``):
   are not saved: they come from the config and the process.
 
 What ``Run`` reads from a state (the run contract, docs/design.md "Run lifecycle"): ``trained_model`` (the
-model whose context the prompts must fit and that ``final/`` exports; each loop's state defines it),
+model whose context the prompts must fit and that ``final/`` exports; each loop's state defines it) and
+``export_replica(cfg)`` (an unsharded model to gather it into, under FSDP2),
 ``num_samples`` and ``samples_per_step(cfg)`` (the run's length under ``max_num_epochs``, ``total_steps``),
 ``epoch`` (passes over the data done), ``count_tokens(batch)`` (``tokens_per_s``), and the counters ``step``,
 ``total_valid_tokens``, ``val_reward`` and ``metrics``.
@@ -34,6 +35,7 @@ from tensordict import TensorDictBase
 from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.loops.metrics import StepMetrics
+from rlbits.loops.runtime import build_policy
 
 _ROLE = "rlbits_role"
 
@@ -81,6 +83,15 @@ class LoopState:
             NotImplementedError: the loop's state does not define it.
         """
         raise NotImplementedError(f"{type(self).__name__} must define trained_model (the model the run exports)")
+
+    def export_replica(self, cfg: Any) -> torch.nn.Module:
+        """A fresh, unsharded CPU model of ``trained_model``'s architecture (adapters included) that
+        ``Run.finish`` loads a sharded model's full weights into before exporting ``final/`` (FSDP2).
+
+        Raises:
+            NotImplementedError: the loop's state does not define it (its loop runs on one process).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot export a sharded model (no export_replica)")
 
     @property
     def num_samples(self) -> int | None:
@@ -246,6 +257,10 @@ class OnlineState(StreamState):
     def trained_model(self) -> torch.nn.Module:
         """The policy."""
         return self.policy
+
+    def export_replica(self, cfg: Any) -> torch.nn.Module:
+        """The initial policy with the run's adapters, unsharded on CPU (``runtime.build_policy``)."""
+        return build_policy(cfg, self.init_path)
 
     def samples_per_step(self, cfg: Any) -> int:
         """``num_prompts_per_step`` prompts on every rank."""
