@@ -335,7 +335,7 @@ def train(
     """Train ILQL and return the run directory (``RUN_DIR/final`` holds the LM, tokenizer and heads).
 
     Args:
-        cfg, callbacks, resume, force: as ``rlbits.loops.ppo.train`` (``resume``: exact on one process).
+        cfg, callbacks, resume, force: as ``rlbits.train`` (``resume``: exact on one process).
         reward: scores the offline set when it is built, and validation; None = the task's reward.
         prompts: prompts to build the offline set from; None = the task's train split.
         samples: the offline set itself: ``(prompt, response, reward)`` triples or dicts.

@@ -46,15 +46,7 @@ from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig, Po
 from rlbits.loops.config_fields import ranged
 from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer
-from rlbits.loops.runtime import (
-    Setup,
-    autocast,
-    head_args,
-    kernel,
-    load_critic,
-    prepare,
-    with_lora,
-)
+from rlbits.loops.runtime import Setup, autocast, head_args, kernel, load_critic, prepare, with_lora
 from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import critic_values, policy_logprobs
