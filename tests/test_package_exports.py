@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlbits"
 # ``rlbits.loops`` exports its loops' entry points itself (docs/design.md, "Loops").
 SUBPACKAGES = ["data", "distributed", "envs", "functional", "models", "rollout", "tasks", "viz", "zoo"]
 # A package attribute named like one of its modules is that module, not the module's function of that name.
-MODULE_NAMED = {("rlbits.rollout", "score"), ("rlbits.zoo", "pretrain")}
+MODULE_NAMED = {("rlbits.rollout", "score")}
 # Modules whose names the package does not re-export, and why.
 NOT_REEXPORTED = {
     "rlbits.tasks.movie_reviews": "the imdb task's data helpers; a task is reached by get_task(name)",

@@ -11,22 +11,29 @@ from rlbits._lazy import lazy_exports
 
 _LAZY = {
     # generate
-    "LogitsProcessor": "rlbits.rollout.generate",
     "StoppingFn": "rlbits.rollout.generate",
-    "compiled_decode_step": "rlbits.rollout.generate",
     "generate_texts": "rlbits.rollout.generate",
+    # decoder
+    "Decoder": "rlbits.rollout.decoder",
+    "compiled_decode_step": "rlbits.rollout.decoder",
+    "decode_one_token": "rlbits.rollout.decoder",
+    "prefill": "rlbits.rollout.decoder",
+    "setup_decoder": "rlbits.rollout.decoder",
+    # sampling
+    "LogitsProcessor": "rlbits.rollout.sampling",
+    "inverse_cdf_sample": "rlbits.rollout.sampling",
+    "next_token": "rlbits.rollout.sampling",
+    "top_k_filter": "rlbits.rollout.sampling",
+    "top_p_filter": "rlbits.rollout.sampling",
     # multiturn
     "STOP_REASONS": "rlbits.rollout.multiturn",
     "episode_turns": "rlbits.rollout.multiturn",
     "generate_episodes": "rlbits.rollout.multiturn",
     # score
-    "RewardModel": "rlbits.rollout.score",
     "accepted_columns": "rlbits.rollout.score",
     "batch_columns": "rlbits.rollout.score",
-    "encode_texts": "rlbits.rollout.score",
     "score_texts": "rlbits.rollout.score",
     "check_rewards": "rlbits.rollout.score",
-    "validate_rewards": "rlbits.rollout.score",
     # reward_errors
     "InvalidRewardError": "rlbits.rollout.reward_errors",
     "RewardError": "rlbits.rollout.reward_errors",

@@ -30,14 +30,27 @@ from __future__ import annotations
 from rlbits.zoo import builder, cache, evaluator, real
 from rlbits.zoo.builder import (
     BUILD_THREADS,
+    OPTIONAL_SETTINGS,
     RECIPES,
+    SETTINGS,
     build_settings,
+    encode_corpus,
     ensure_base_model,
+    loss_starts,
     pretrain,
+    recipe,
+    train_step,
     train_tokenizer,
 )
-from rlbits.zoo.cache import cache_dir, default_model_dir, lock_timeout
-from rlbits.zoo.evaluator import evaluate, plateau_check
+from rlbits.zoo.cache import (
+    LOCK_REPORT_EVERY_S,
+    LOCK_TIMEOUT_S,
+    cache_dir,
+    default_model_dir,
+    file_lock,
+    lock_timeout,
+)
+from rlbits.zoo.evaluator import REAL_TASK_MAX_NEW_TOKENS, evaluate, hf_responses, plateau_check
 from rlbits.zoo.real import (
     MINILM_PACKAGE,
     MODELS,
@@ -109,4 +122,15 @@ __all__ = [
     "lock_timeout",
     "plateau_check",
     "train_tokenizer",
+    "OPTIONAL_SETTINGS",
+    "SETTINGS",
+    "encode_corpus",
+    "loss_starts",
+    "recipe",
+    "train_step",
+    "LOCK_REPORT_EVERY_S",
+    "LOCK_TIMEOUT_S",
+    "file_lock",
+    "REAL_TASK_MAX_NEW_TOKENS",
+    "hf_responses",
 ]
