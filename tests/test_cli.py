@@ -88,7 +88,8 @@ def test_help_config_lists_every_field_grouped(capsys):
     assert "  policy: str | null = null" in sections["PolicyConfig"]
     assert "  num_prompts_per_step: int = 32 (at most 1048576)" in sections["OnlineConfig"]  # PPOConfig's default
     assert "  precision: fp32 | bf16 = fp32" in sections["RunConfig"]
-    assert field_docs(PPOConfig)["clip_eps"][:40] in " ".join(sections["PPOConfig"].split())
+    assert field_docs(PPOConfig)["ppo_epochs"][:40] in " ".join(sections["PPOConfig"].split())
+    assert field_docs(PPOConfig)["clip_eps"][:40] in " ".join(sections["PolicyGradientConfig"].split())
     assert main(["train", "--help-config", "reward_model"]) == 0
     out = capsys.readouterr().out
     assert "The reward_model loop (RewardModelConfig):" in out and "lora_rank" not in out and "(PolicyConfig)" not in out

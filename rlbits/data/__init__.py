@@ -1,6 +1,7 @@
-"""Training data that does not come from a rollout: the seeded prompt stream (``stream``) and the offline
-dataset of ILQL (``offline``: build, store memory-mapped in the run directory, draw batches through a
-torchrl ``ReplayBuffer``), and torchrl's conversations and episodes as rlbits batches (``torchrl_adapter``).
+"""Training data that does not come from a rollout: the seeded prompt stream (``stream``), the reward
+model's labelled texts and preference pairs (``preferences``), the offline dataset of ILQL (``offline``:
+build, store memory-mapped in the run directory, draw batches through a torchrl ``ReplayBuffer``) and
+torchrl's episodes and conversations as batches (``torchrl_adapter``).
 
 Names load on first use, so ``import rlbits.data`` does not import torchrl until an offline name is used."""
 
@@ -15,6 +16,16 @@ _LAZY = {
     "check_prompt_lengths": "rlbits.data.stream",
     "check_prompts": "rlbits.data.stream",
     "read_prompts": "rlbits.data.stream",
+    # preferences
+    "TEXTS": "rlbits.data.preferences",
+    "VAL_SEED": "rlbits.data.preferences",
+    "Labelled": "rlbits.data.preferences",
+    "Pair": "rlbits.data.preferences",
+    "load_reward_data": "rlbits.data.preferences",
+    "read_reward_dataset": "rlbits.data.preferences",
+    "row_texts": "rlbits.data.preferences",
+    "targets": "rlbits.data.preferences",
+    "truncate_words": "rlbits.data.preferences",
     # offline
     "DATASET_DIR": "rlbits.data.offline",
     "DATASET_FILE": "rlbits.data.offline",

@@ -67,6 +67,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (total / count.clamp(min=1).to(total.dtype)).to(x.dtype)
 
 
+def _centered(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(m, count, mean, centered)`` of ``_prepare(x, mask)``: the bool mask, the count and mean of the masked
+    entries (in the dtype ``_prepare`` computes in) and ``x - mean`` on them, 0 elsewhere."""
+    xm, m = _prepare(x, mask)
+    count = m.sum().to(xm.dtype)
+    mean = xm.sum() / count.clamp(min=1)
+    return m, count, mean, torch.where(m, xm - mean, torch.zeros((), dtype=xm.dtype, device=xm.device))
+
+
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance of ``x`` over all entries where ``mask`` is True (0-dim result).
 
@@ -84,10 +93,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     Raises:
         ValueError: ``mask`` and ``x`` shapes differ, or ``x`` is not floating point.
     """
-    xm, m = _prepare(x, mask)
-    count = m.sum().to(xm.dtype)
-    mean = xm.sum() / count.clamp(min=1)
-    centered = torch.where(m, xm - mean, torch.zeros((), dtype=xm.dtype, device=xm.device))
+    _, count, _, centered = _centered(x, mask)
     denom = (count - 1) if unbiased else count
     return ((centered * centered).sum() / denom.clamp(min=1)).to(x.dtype)
 
@@ -113,10 +119,7 @@ def masked_whiten(
     Raises:
         ValueError: ``mask`` and ``x`` shapes differ, or ``x`` is not floating point.
     """
-    xm, m = _prepare(x, mask)
-    count = m.sum().to(xm.dtype)
-    mean = xm.sum() / count.clamp(min=1)
-    centered = torch.where(m, xm - mean, torch.zeros((), dtype=xm.dtype, device=xm.device))
+    m, count, mean, centered = _centered(x, mask)
     var = (centered * centered).sum() / (count - 1).clamp(min=1)
     out = centered * torch.rsqrt(var + eps)
     if not shift_mean:

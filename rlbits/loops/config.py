@@ -346,6 +346,44 @@ class LoRAConfig(PolicyConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class PolicyGradientConfig(OnlineConfig):
+    """A policy-gradient update against a frozen reference policy: the clip range, the per-token KL estimate,
+    the loss aggregation (the ppo and reinforce loops)."""
+
+    learning_rate: float = 1e-5
+    """AdamW learning rate of the policy."""
+    num_minibatches: int = ranged(1, ge=1, at_most=MAX_ROWS)
+    """Optimizer steps per pass over a rollout batch: the batch is shuffled (whole prompt groups, seeded) and
+    dealt into this many minibatches (at most ``num_prompts_per_step``)."""
+    clip_eps: float = ranged(0.2, ge=0)
+    """Lower clip range of the importance ratio (and upper, unless ``clip_eps_high``): ratios outside
+    [1 - clip_eps, 1 + clip_eps_high] get no gradient (REINFORCE: when clipping is active)."""
+    clip_eps_high: float | None = ranged(None, gt=0)
+    """Upper clip range (DAPO clip-higher, e.g. 0.28); None = ``clip_eps``."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses become one number (``rlbits.aggregate_loss``; denominators global over the
+    minibatch): ``token-mean`` (DAPO), ``seq-mean-token-mean`` (GRPO paper), ``seq-mean-token-sum``."""
+    kl_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k1"
+    """Per-token KL estimator of ``rlbits.kl_penalty`` in the reward (PPO: also in the loss) (k1 = logp -
+    ref_logp; ``k1+``/``k3+``: k1/k3's value with k2's gradient, verl's straight-through variants)."""
+    kl_clamp: float | None = ranged(None, gt=0)
+    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None =
+    no clamp."""
+    monitor_init_policy_kl: bool = False
+    """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs``
+    (``uses_ref_logprobs``); without it the reference model is then neither loaded nor run (as TRL's GRPO with
+    ``beta=0``)."""
+
+    def check(self) -> None:
+        super().check()
+        if self.num_minibatches > self.num_prompts_per_step:
+            raise ConfigError(
+                f"num_minibatches ({self.num_minibatches}) must be <= num_prompts_per_step "
+                f"({self.num_prompts_per_step}): minibatches hold whole prompt groups"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class EnvConfig(OnlineConfig):
     """Multi-turn tasks, played in an environment (a task module with ``make_env``; the ppo and reinforce
     loops)."""
@@ -385,7 +423,9 @@ class EnvConfig(OnlineConfig):
             )
 
 
-GROUPS: tuple[type[RunConfig], ...] = (RunConfig, PolicyConfig, OnlineConfig, LoRAConfig, EnvConfig)
+GROUPS: tuple[type[RunConfig], ...] = (
+    RunConfig, PolicyConfig, OnlineConfig, PolicyGradientConfig, LoRAConfig, EnvConfig
+)
 """The field groups a loop's config is made of, in the order ``--help-config`` lists them."""
 
 
@@ -461,6 +501,7 @@ __all__ = [
     "LoRAConfig",
     "OnlineConfig",
     "PolicyConfig",
+    "PolicyGradientConfig",
     "RunConfig",
     "config_from_dict",
     "describe_config",

@@ -165,6 +165,10 @@ class State(LoopState):
         """The LM with its heads."""
         return self.model
 
+    def export_replica(self, cfg: ILQLConfig) -> torch.nn.Module:
+        """The initial policy with the run's adapters and new heads, unsharded on CPU."""
+        return _fresh_model(cfg, path=self.init_path)[0]
+
     @property
     def epoch(self) -> int:
         """Passes over the offline set completed."""
@@ -331,7 +335,7 @@ def train(
     """Train ILQL and return the run directory (``RUN_DIR/final`` holds the LM, tokenizer and heads).
 
     Args:
-        cfg, callbacks, resume, force: as ``rlbits.loops.ppo.train`` (``resume``: exact on one process).
+        cfg, callbacks, resume, force: as ``rlbits.train`` (``resume``: exact on one process).
         reward: scores the offline set when it is built, and validation; None = the task's reward.
         prompts: prompts to build the offline set from; None = the task's train split.
         samples: the offline set itself: ``(prompt, response, reward)`` triples or dicts.
@@ -372,7 +376,7 @@ def train(
                 with run.phase("sync"):  # 3. target Q heads towards the online ones
                     batch = sync_targets(state, batch, cfg)
                 run.end_step(state, batch)  # 4. log; validate and save when due
-        return run.finish(state, build=lambda: _fresh_model(cfg, path=state.init_path)[0])
+        return run.finish(state)
 
 
 __all__ = [

@@ -21,12 +21,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
-from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_sum, masked_var
@@ -43,57 +42,34 @@ from rlbits.functional import (
     value_loss,
 )
 from rlbits.loops import phases
-from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig
+from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig
 from rlbits.loops.config_fields import ranged
+from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer
-from rlbits.loops.run import NonFiniteError, Run
-from rlbits.loops.runtime import (
-    Setup,
-    autocast,
-    build_policy,
-    disable_dropout,
-    fused_gelu,
-    generator,
-    head_args,
-    kernel,
-    load_policy_and_tokenizer,
-    prepare,
-    with_lora,
-)
-from rlbits.loops.state import OnlineState, frozen, optimizer_of
+from rlbits.loops.runtime import Setup, autocast, head_args, kernel, load_critic, prepare, with_lora
+from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
-from rlbits.models.load import freeze
 from rlbits.models.lora import share_frozen_parameters
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(EnvConfig, LoRAConfig):
+class PPOConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
     """Actor-critic PPO. Field names follow NeMo-RL / NeMo-Aligner where they have one."""
 
     loop: str = "ppo"
     """Which loop runs this config; ``ppo`` for this one."""
     num_prompts_per_step: int = 32
     """Prompts sampled per step (each generates ``num_generations_per_prompt`` responses)."""
-    learning_rate: float = 1e-5
-    """AdamW learning rate of the policy."""
 
     # --- PPO update
     ppo_epochs: int = ranged(4, ge=1)
     """Passes over each rollout batch (trlx ``ppo_epochs``)."""
     num_minibatches: int = ranged(2, ge=1, at_most=MAX_ROWS)
-    """Optimizer steps per PPO epoch: the batch is shuffled (whole prompt groups) and dealt into this many
-    minibatches."""
-    clip_eps: float = ranged(0.2, ge=0)
-    """PPO ratio clip range: ratios outside [1 - clip_eps, 1 + clip_eps_high] get no gradient."""
-    clip_eps_high: float | None = ranged(None, gt=0)
-    """Upper clip range (DAPO clip-higher); None = ``clip_eps``."""
+    """Optimizer steps per PPO epoch (``PolicyGradientConfig``)."""
     dual_clip: float | None = ranged(None, gt=1)
     """Dual-clip constant c > 1 (Ye 2020): caps the loss of negative-advantage tokens at -c A; None = off."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses are aggregated (see ``rlbits.aggregate_loss``); the denominator is global over the
-    minibatch."""
     entropy_coef: float = ranged(0.0, ge=0)
     """Entropy bonus: ``- entropy_coef * entropy`` is added to the policy loss (0 = off)."""
 
@@ -101,12 +77,6 @@ class PPOConfig(EnvConfig, LoRAConfig):
     kl_coef: float = ranged(0.05, ge=0)
     """beta of the KL penalty in the reward (``kl_in_reward``): ``r_t -= kl_coef * KL_t`` on every token; the
     initial value when ``adaptive_kl``."""
-    kl_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k1"
-    """Per-token KL estimator of ``rlbits.kl_penalty`` used in the reward or the loss (k1 = logp - ref_logp;
-    ``k1+``/``k3+``: k1/k3's value with k2's gradient, verl's straight-through variants)."""
-    kl_clamp: float | None = ranged(None, gt=0)
-    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None =
-    no clamp."""
     kl_in_reward: bool = True
     """True: KL penalty in the reward (Ziegler/Ouyang, trlx). False: KL term ``kl_loss_coef * KL`` in the policy
     loss (NeMo-RL, GRPO), no KL in the reward."""
@@ -122,10 +92,6 @@ class PPOConfig(EnvConfig, LoRAConfig):
     skip_reference_policy_logprobs: bool = False
     """No reference forward pass even with a KL term configured: every KL is 0 (a quicker start; no KL control
     at all)."""
-    monitor_init_policy_kl: bool = False
-    """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs`` (``kl_coef``
-    0 in the reward, ``kl_loss_coef`` 0 in the loss, no ``adaptive_kl``); without it the reference model is
-    then neither loaded nor run."""
 
     # --- Reward scaling (applied in this order: subtract reference, whiten, clip)
     reward_subtract_reference: bool = False
@@ -160,11 +126,6 @@ class PPOConfig(EnvConfig, LoRAConfig):
     def check(self) -> None:
         """The groups' checks, then PPO's rules across fields. Raises ConfigError naming the field."""
         super().check()
-        if self.num_minibatches > self.num_prompts_per_step:
-            raise ConfigError(
-                f"num_minibatches ({self.num_minibatches}) must be <= num_prompts_per_step "
-                f"({self.num_prompts_per_step}): minibatches hold whole prompt groups"
-            )
         if self.adaptive_kl and self.skip_reference_policy_logprobs:
             raise ConfigError(
                 "adaptive_kl needs the reference policy's logprobs; it cannot be combined with "
@@ -184,21 +145,16 @@ class PPOConfig(EnvConfig, LoRAConfig):
         return kl_term or self.monitor_init_policy_kl
 
 
-
-# --------------------------------------------------------------------------------------------------------
-# State
-# --------------------------------------------------------------------------------------------------------
+# --- state --------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(kw_only=True)
 class State(OnlineState):
-    """Everything a PPO run carries from step to step, saved as a whole (``rlbits.loops.state``)."""
+    """Everything a PPO run carries from step to step, saved as a whole (``rlbits.loops.state``): the policy
+    (the model ``final/`` exports) and its reference (``OnlineState``, ``reference`` also loaded for
+    ``reward_subtract_reference``), the critic, their optimizers and the KL coefficient."""
 
-    policy: torch.nn.Module
     value_model: ValueModel
-    reference: torch.nn.Module | None = frozen(default=None)
-    """Frozen initial policy (None when neither reference logprobs nor reference rewards are needed, and with
-    LoRA, whose reference is the policy with its adapters disabled: ``phases.reference_model``)."""
     policy_optimizer: torch.optim.Optimizer = optimizer_of("policy")
     """AdamW over the policy's trainable parameters (all, or its LoRA adapters)."""
     value_optimizer: torch.optim.Optimizer = optimizer_of("value_model")
@@ -206,45 +162,19 @@ class State(OnlineState):
     kl_coef: float
     """Current coefficient of the active KL term (changes only with ``adaptive_kl``)."""
 
-    @property
-    def trained_model(self) -> torch.nn.Module:
-        """The policy (the critic trains too, but ``final/`` is the policy)."""
-        return self.policy
-
-
-def _load_critic(cfg: PPOConfig, policy: torch.nn.Module, env: DistEnv) -> ValueModel:
-    if cfg.critic_init == "policy":
-        critic = ValueModel.from_policy(policy, seed=cfg.seed)
-    else:
-        if not Path(cfg.critic_init).is_dir():
-            raise ConfigError(f"critic_init must be 'policy' or an existing folder; {cfg.critic_init!r} is neither")
-        critic = ValueModel.from_pretrained(cfg.critic_init, seed=cfg.seed)
-    critic = fused_gelu(disable_dropout(critic))
-    with_lora(critic.backbone, cfg, "critic")  # in place; the value head stays fully trained
-    return critic.to(env.device).train()
-
 
 def init_state(
     cfg: PPOConfig, env: DistEnv, *, setup: Setup | None = None, reward: Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> State:
     """Load policy, reference, critic and tokenizer from the initial weights; build optimizers, generators
-    and the prompt stream. A resumed run then restores the checkpoint into it (``Run.start``).
-
-    Args:
-        setup: the run's resolved task (default ``Setup.of(cfg)``).
-        reward, prompts: override the task's reward and train prompts.
-        val_prompts: override the task's test split as validation prompts.
-    """
+    and the prompt stream (``online_fields``: ``reward``, ``prompts``, ``val_prompts`` replace the task's).
+    ``setup``: the run's resolved task (default ``Setup.of(cfg)``). A resumed run then restores the
+    checkpoint into it (``Run.start``)."""
     setup = setup if setup is not None else Setup.of(cfg)
-    make_env = setup.make_env
-    init_path = setup.initial_policy_path()
-    policy, tokenizer = load_policy_and_tokenizer(init_path, env)
-    reference = None
     needs_reference = cfg.uses_ref_logprobs or cfg.reward_subtract_reference
-    if needs_reference and not cfg.lora:  # with LoRA the reference is the policy with its adapters disabled
-        reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
-    critic = _load_critic(cfg, policy, env)  # from the policy before its adapters: its own adapters
+    init_path, policy, tokenizer, reference = initial_policy(cfg, env, setup, reference=needs_reference)
+    critic = load_critic(cfg, policy, env)  # from the policy before its adapters: its own adapters
     policy = with_lora(policy, cfg)
     if cfg.lora and env.world_size == 1:  # the critic's frozen base is the policy's: one copy (unsharded only)
         share_frozen_parameters(critic.backbone, policy.base_model)
@@ -252,20 +182,15 @@ def init_state(
     policy = prepare(policy.train(), cfg, env)
     critic_lr = cfg.critic_learning_rate if cfg.critic_learning_rate is not None else cfg.learning_rate
     return State(
-        env=env, tokenizer=tokenizer, policy=policy, value_model=value_model, reference=reference,
+        policy=policy, value_model=value_model, reference=reference,
         policy_optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
         value_optimizer=make_optimizer(value_model.parameters(), critic_lr, cfg.weight_decay),
-        sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
-        minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
-        stream=PromptStream(setup.prompts(tokenizer, prompts, "train"), cfg.seed), init_path=init_path,
-        kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef, reward=setup.reward(reward),
-        make_env=make_env, val_prompts=setup.prompts(tokenizer, val_prompts, "test"),
+        kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef,
+        **online_fields(cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts),
     )  # fmt: skip
 
 
-# --------------------------------------------------------------------------------------------------------
-# Phases: phase(state, batch, cfg) -> batch
-# --------------------------------------------------------------------------------------------------------
+# --- phases: phase(state, batch, cfg) -> batch --------------------------------------------------------
 
 
 rollout = phases.rollout
@@ -438,44 +363,28 @@ PHASES = (rollout, score, reference, values, advantages, update, kl_control, val
 """The phases of a step, in order (``validate``: the validation phase), each ``phase(state, batch, cfg) -> batch``."""
 
 
-# --------------------------------------------------------------------------------------------------------
-# The loop
-# --------------------------------------------------------------------------------------------------------
+# --- the loop -----------------------------------------------------------------------------------------
 
 
 def train(
     cfg: PPOConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> Path:  # fmt: skip
-    """Train with PPO; returns the run directory (``cfg.run_dir``).
+    """Train with PPO and return the run directory (``cfg.run_dir``).
 
-    Args:
-        cfg: the run's ``PPOConfig``.
-        callbacks: objects with ``on_metrics(step, metrics)`` / ``on_samples(step, rows)`` / ``should_stop()``.
-        resume: continue from the latest checkpoint of ``cfg.run_dir``, reproducing the uninterrupted run exactly.
-        force: also use a ``run_dir`` that is not empty and not an rlbits run, or start an existing run
-            over (``rlbits.loops.run.Run``); a live run's lock is never overridden.
-        reward: overrides the task's reward (a callable, reward model or server URL; see ``rlbits.score``).
-        prompts: overrides the task's train prompts (a list of non-empty strings, checked before any model is
-            loaded, and for length once the tokenizer is).
-        val_prompts: validation prompts instead of the task's test split (default: ``cfg.val_prompts``, a file).
-            The reward and prompts are recorded in ``RUN_DIR/provenance.json``; a resume with other ones is
-            refused unless ``cfg.allow_changed_inputs``.
+    ``callbacks``, ``resume``, ``force``, ``reward``, ``prompts``, ``val_prompts``: as ``rlbits.train`` (the
+    reward and prompts replace the task's; ``rlbits.loops.online.online_run`` sets the run up).
 
     Raises:
-        ConfigError: ``cfg`` is not a valid ``PPOConfig``.
-        PromptError: bad prompts or val_prompts (before anything is loaded or written).
-        ResumeMismatchError: ``resume`` with another reward or other prompts than the run was started with.
-        FileNotFoundError: ``resume=True`` and the run has no checkpoint.
+        ConfigError: ``cfg`` is not a valid ``PPOConfig``; and the errors of ``rlbits.train``.
         NonFiniteError: a loss or gradient became NaN/inf (the message names step and phase).
     """
     if not isinstance(cfg, PPOConfig):
         raise ConfigError(f"cfg must be a PPOConfig, got {type(cfg).__name__}")
-    reward = cfg.resolve_reward(reward)  # the reward_model key: a reward-model folder instead of the task's reward
-    with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
-        prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
-        state = init_state(cfg, run.env, setup=run.setup, reward=reward, prompts=prompts, val_prompts=val_prompts)
-        run.start(state, validate=validate)  # restores a checkpoint into the state; opens the logs
+    with online_run(
+        cfg, init_state, validate, reward=reward, prompts=prompts, val_prompts=val_prompts, callbacks=callbacks,
+        resume=resume, force=force,
+    ) as (run, state):
         for _ in run.steps(state):
             with run.step(state):
                 with run.phase("rollout"):  # 1. sample responses
@@ -492,11 +401,10 @@ def train(
                     batch = update(state, batch, cfg)
                 batch = kl_control(state, batch, cfg)  # 7. adaptive KL coefficient
                 run.end_step(state, batch)  # 8. log; validate and save when due
-        return run.finish(state, build=lambda: build_policy(cfg, state.init_path))
+        return run.finish(state)  # RUN_DIR/final/: the policy
 
 
 __all__ = [
-    "NonFiniteError",
     "PHASES",
     "PPOConfig",
     "State",
@@ -513,5 +421,4 @@ __all__ = [
     "update",
     "validate",
     "values",
-    "whiten",
 ]

@@ -17,7 +17,6 @@ Algorithm (one step)::
 docs/reinforce.md: the papers, how rlbits departs from them, the metrics and how to launch a run.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +29,6 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import collate
-from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_max, any_rank
@@ -45,38 +43,27 @@ from rlbits.functional import (
     rloo_baseline,
 )
 from rlbits.loops import phases
-from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig
+from rlbits.loops.config import ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig
 from rlbits.loops.config_fields import ranged
+from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer
-from rlbits.loops.run import Run, agreed, in_phase
-from rlbits.loops.runtime import (
-    Setup,
-    build_policy,
-    generator,
-    head_args,
-    kernel,
-    load_policy_and_tokenizer,
-    prepare,
-    with_lora,
-)
-from rlbits.loops.state import OnlineState, frozen, optimizer_of
+from rlbits.loops.run import agreed, in_phase
+from rlbits.loops.runtime import Setup, head_args, kernel, prepare, with_lora
+from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import policy_logprobs
-from rlbits.models.load import freeze
 
 BASELINES = ("rloo", "grpo", "dr_grpo", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class ReinforceConfig(EnvConfig, LoRAConfig):
+class ReinforceConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
     """REINFORCE / RLOO / GRPO: group-baselined policy gradient, optional PPO-style clipping (see module doc)."""
 
     loop: str = "reinforce"
     """Which loop runs this config; ``reinforce`` for this one."""
     num_generations_per_prompt: int = 4
     """K responses per prompt (>= 2 for the rloo/grpo baselines); a prompt's K responses form its group."""
-    learning_rate: float = 1e-5
-    """AdamW learning rate of the policy."""
     baseline: Literal["rloo", "grpo", "dr_grpo", "none"] = "rloo"
     """``rloo``: r - mean of the other K-1 rewards; ``grpo``: (r - group mean) / (group std + eps); ``dr_grpo``:
     r - group mean (Dr. GRPO, Liu 2025); ``none``: r itself (plain REINFORCE)."""
@@ -86,27 +73,13 @@ class ReinforceConfig(EnvConfig, LoRAConfig):
     """Subtract ``kl_coef * sum_t KL_t`` from each sequence reward before the baseline (NeMo-Aligner RLOO)."""
     kl_coef: float = ranged(0.0, ge=0)
     """KL coefficient of the reward penalty; must be > 0 with ``kl_in_reward`` and 0 without it."""
-    kl_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k1"
-    """Per-token KL estimator of the reward penalty (``rlbits.kl_penalty``)."""
     kl_loss_coef: float = ranged(0.0, ge=0)
     """Weight of a KL(pi_theta || pi_ref) term added to the loss (GRPO: 0.04 with k3); 0 disables it."""
     kl_loss_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k3"
     """Per-token KL estimator of the loss term (GRPO uses ``k3``)."""
-    kl_clamp: float | None = ranged(None, gt=0)
-    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None =
-    no clamp."""
     num_iterations: int = ranged(1, ge=1)
     """Passes over each rollout batch (TRL's ``num_iterations``, mu in the GRPO paper); > 1 (or num_minibatches
     > 1) switches to the clipped PPO loss."""
-    num_minibatches: int = ranged(1, ge=1, at_most=MAX_ROWS)
-    """Optimizer steps per epoch; whole groups are dealt into minibatches after a seeded shuffle."""
-    clip_eps: float = ranged(0.2, ge=0)
-    """Lower clip range of the importance ratio (and upper, unless clip_eps_high) when clipping is active."""
-    clip_eps_high: float | None = ranged(None, gt=0)
-    """Upper clip range (DAPO clip-higher, e.g. 0.28); None = clip_eps."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses become one number: ``token-mean`` (DAPO), ``seq-mean-token-mean`` (GRPO paper),
-    ``seq-mean-token-sum``."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no signal) and generate more until num_prompts_per_step
     informative groups are kept (DAPO)."""
@@ -114,10 +87,6 @@ class ReinforceConfig(EnvConfig, LoRAConfig):
     """Most generation batches (of num_prompts_per_step prompts each) one step may use with dynamic_sampling."""
     overlong_filtering: bool = False
     """Mask responses that hit max_new_tokens without EOS out of the loss (DAPO overlong filtering)."""
-    monitor_init_policy_kl: bool = False
-    """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs`` (no
-    ``kl_in_reward``, ``kl_loss_coef`` 0); without it the reference model is then neither loaded nor run (as
-    TRL's GRPO with ``beta=0``)."""
 
     def check(self) -> None:
         """The groups' checks, then REINFORCE's rules across fields. Raises ConfigError naming the field."""
@@ -136,11 +105,6 @@ class ReinforceConfig(EnvConfig, LoRAConfig):
                 f"kl_coef={self.kl_coef} has no effect with kl_in_reward=false; set kl_in_reward=true, or use "
                 "kl_loss_coef for a KL term in the loss"
             )
-        if self.num_minibatches > self.num_prompts_per_step:
-            raise ConfigError(
-                f"num_minibatches ({self.num_minibatches}) must be <= num_prompts_per_step "
-                f"({self.num_prompts_per_step}): minibatches hold whole groups"
-            )
 
     @property
     def uses_ref_logprobs(self) -> bool:
@@ -154,23 +118,13 @@ class ReinforceConfig(EnvConfig, LoRAConfig):
         return self.num_iterations > 1 or self.num_minibatches > 1
 
 
-
 @dataclasses.dataclass(kw_only=True)
 class State(OnlineState):
-    """Everything a REINFORCE run carries from step to step, saved as a whole (``rlbits.loops.state``)."""
+    """Everything a REINFORCE run carries from step to step, saved as a whole (``rlbits.loops.state``): the
+    policy and its reference (``OnlineState``) and the policy's optimizer."""
 
-    policy: torch.nn.Module
-    reference: torch.nn.Module | None = frozen(default=None)
-    """Frozen initial policy (``init_policy_kl``, the KL terms); None when no term uses it
-    (``cfg.uses_ref_logprobs``) and with LoRA, whose reference is the policy with its adapters disabled
-    (``phases.reference_model``)."""
     optimizer: torch.optim.Optimizer = optimizer_of("policy")
     """AdamW over the parameters that train: all of the policy's, or only its LoRA adapters."""
-
-    @property
-    def trained_model(self) -> torch.nn.Module:
-        """The policy."""
-        return self.policy
 
 
 def init_state(
@@ -178,24 +132,17 @@ def init_state(
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
 ) -> State:
     """Load the policy and a frozen reference from the initial weights (with ``lora_rank > 0``: LoRA
-    adapters on the policy and no reference copy), build the optimizer, the generators and the prompt stream.
-    ``setup``: the run's resolved task (default ``Setup.of(cfg)``). A resumed run then restores the
-    checkpoint into it (``Run.start``)."""
+    adapters on the policy and no reference copy), build the optimizer, the generators and the prompt stream
+    (``online_fields``: ``reward``, ``prompts``, ``val_prompts`` replace the task's). ``setup``: the run's
+    resolved task (default ``Setup.of(cfg)``). A resumed run then restores the checkpoint into it
+    (``Run.start``)."""
     setup = setup if setup is not None else Setup.of(cfg)
-    make_env = setup.make_env
-    init_path = setup.initial_policy_path()
-    policy, tokenizer = load_policy_and_tokenizer(init_path, env)
-    reference = None
-    if cfg.uses_ref_logprobs and not cfg.lora:  # with LoRA the reference is the policy, adapters disabled
-        reference = prepare(freeze(load_policy_and_tokenizer(init_path, env)[0]), cfg, env)
+    init_path, policy, tokenizer, reference = initial_policy(cfg, env, setup, reference=cfg.uses_ref_logprobs)
     policy = prepare(with_lora(policy, cfg).train(), cfg, env)
     return State(
-        env=env, tokenizer=tokenizer, policy=policy, reference=reference,
+        policy=policy, reference=reference,
         optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
-        sampling_generator=generator(cfg.seed, env.rank, "sampling", env.device),
-        minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
-        stream=PromptStream(setup.prompts(tokenizer, prompts, "train"), cfg.seed), init_path=init_path,
-        reward=setup.reward(reward), make_env=make_env, val_prompts=setup.prompts(tokenizer, val_prompts, "test"),
+        **online_fields(cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts),
     )  # fmt: skip
 
 
@@ -402,32 +349,19 @@ def train(
 ) -> Path:  # fmt: skip
     """Run REINFORCE/RLOO/GRPO for ``cfg.max_num_steps`` steps and return the run directory.
 
-    Args:
-        cfg: the config (validated again here).
-        callbacks: objects with ``on_metrics`` / ``on_samples`` / ``should_stop`` (see ``rlbits.loops.run``).
-        resume: continue from the latest checkpoint of ``cfg.run_dir``; the run then matches the uninterrupted one.
-        force: also use a ``run_dir`` that is not empty and not an rlbits run, or start an existing run
-            over (``rlbits.loops.run.Run``); a live run's lock is never overridden.
-        reward: overrides the task reward (anything ``rlbits.score`` accepts).
-        prompts: overrides the task's train prompts (a list of non-empty strings, checked before any model is
-            loaded, and for length once the tokenizer is).
-        val_prompts: validation prompts instead of the task's test split (default: ``cfg.val_prompts``, a file).
-            The reward and prompts are recorded in ``RUN_DIR/provenance.json``; a resume with other ones is
-            refused unless ``cfg.allow_changed_inputs``.
+    ``callbacks``, ``resume``, ``force``, ``reward``, ``prompts``, ``val_prompts``: as ``rlbits.train``
+    (``rlbits.loops.online.online_run`` checks them and sets the run up).
 
     Raises:
-        ConfigError: an invalid config. FileNotFoundError: ``resume`` without a checkpoint.
-        PromptError: bad prompts or val_prompts (before anything is loaded or written).
-        ResumeMismatchError: ``resume`` with another reward or other prompts than the run was started with.
+        ConfigError: ``cfg`` is not a ``ReinforceConfig``, or not a valid one; as ``rlbits.train`` otherwise.
         NonFiniteError: a non-finite loss or gradient (names the step and phase).
     """
     if not isinstance(cfg, ReinforceConfig):
         raise ConfigError(f"cfg must be a ReinforceConfig, got {type(cfg).__name__}")
-    reward = cfg.resolve_reward(reward)  # the reward_model key: a reward-model folder instead of the task's reward
-    with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
-        prompts, val_prompts = run.check_inputs(reward=reward, prompts=prompts, val_prompts=val_prompts)
-        state = init_state(cfg, run.env, setup=run.setup, reward=reward, prompts=prompts, val_prompts=val_prompts)
-        run.start(state, validate=validate)  # restores a checkpoint into the state; opens the logs
+    with online_run(
+        cfg, init_state, validate, reward=reward, prompts=prompts, val_prompts=val_prompts, callbacks=callbacks,
+        resume=resume, force=force,
+    ) as (run, state):
         for _ in run.steps(state):
             with run.step(state):
                 with run.phase("rollout"):  # 1. K responses per prompt
@@ -443,7 +377,7 @@ def train(
                 with run.phase("update"):  # 5. policy-gradient (or clipped) steps
                     batch = update(state, batch, cfg)
                 run.end_step(state, batch)  # 6. log; validate and save when due
-        return run.finish(state, build=lambda: build_policy(cfg, state.init_path))
+        return run.finish(state)  # RUN_DIR/final/: the policy
 
 
 __all__ = [

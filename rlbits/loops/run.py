@@ -13,7 +13,7 @@ A loop's ``train()`` keeps its algorithm visible and hands the rest to a ``Run``
                     batch = score(state, batch, cfg)
                 ...
                 run.end_step(state, batch)                        # log, validate, save when due
-        run.finish(state, build=...)                              # last checkpoint, RUN_DIR/final/
+        run.finish(state)                                         # last checkpoint, RUN_DIR/final/
 
 The run reads the state through the contract of ``rlbits.loops.state.LoopState``: ``trained_model``,
 ``num_samples``, ``samples_per_step(cfg)``, ``epoch``, ``count_tokens(batch)`` and the counters. Every phase
@@ -477,7 +477,7 @@ class Run:
     ) -> Path:
         """End the run: checkpoint the last step if it is not saved yet, then export ``model`` (default
         ``state.trained_model``) with the tokenizer to ``RUN_DIR/final/`` (``build`` makes an unsharded
-        replica, for FSDP2). Returns the run directory."""
+        replica, for FSDP2; default ``state.export_replica(cfg)``). Returns the run directory."""
         if self.logger is not None:
             self.logger.honor_stop()  # the run ends here: a stop signal now lets it save and export
         with self._collectives(state.step, "save"):
@@ -485,7 +485,7 @@ class Run:
                 self.save(state)
             export_model(
                 model if model is not None else state.trained_model, self.dir / "final", tokenizer=state.tokenizer,
-                env=self.env, build=build,
+                env=self.env, build=build if build is not None else functools.partial(state.export_replica, self.cfg),
             )  # fmt: skip
         return self.dir
 

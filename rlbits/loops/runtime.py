@@ -17,6 +17,7 @@ import functools
 import platform
 import random
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,8 @@ import torch
 from rlbits._seeds import derive_seed, generator  # defined below the loops: rlbits.data uses them too
 from rlbits.distributed.env import DistEnv, init, main_rank_first
 from rlbits.distributed.parallelize import is_sharded, shard
-from rlbits.loops.config import RunConfig
+from rlbits.loops.config import ConfigError, RunConfig
+from rlbits.models.heads import ValueModel
 from rlbits.models.load import load_pretrained
 from rlbits.models.lora import apply_lora
 from rlbits.text import chat_prompts
@@ -260,6 +262,26 @@ def with_lora(model: torch.nn.Module, cfg: RunConfig, name: str = "policy") -> t
     )  # fmt: skip
 
 
+def load_critic(cfg: RunConfig, policy: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
+    """PPO's critic, a ``ValueModel`` in train mode on ``env.device`` (dropout off, GELU fused, LoRA adapters
+    on its backbone with ``with_lora(..., "critic")``; the value head trains whole): with ``critic_init:
+    policy`` a copy of ``policy``'s backbone (give it before the policy's adapters) and a fresh head, else
+    the folder ``critic_init`` (a saved ValueModel, or a causal LM); the head is seeded by ``cfg.seed``.
+
+    Raises:
+        ConfigError: ``critic_init`` is neither ``policy`` nor an existing folder.
+    """
+    if cfg.critic_init == "policy":
+        critic = ValueModel.from_policy(policy, seed=cfg.seed)
+    else:
+        if not Path(cfg.critic_init).is_dir():
+            raise ConfigError(f"critic_init must be 'policy' or an existing folder; {cfg.critic_init!r} is neither")
+        critic = ValueModel.from_pretrained(cfg.critic_init, seed=cfg.seed)
+    critic = fused_gelu(disable_dropout(critic))
+    with_lora(critic.backbone, cfg, "critic")  # in place; the value head stays fully trained
+    return critic.to(env.device).train()
+
+
 def build_policy(cfg: RunConfig, path: str | None = None) -> torch.nn.Module:
     """A fresh, unsharded CPU copy of the initial policy (from ``path``, default ``policy_path(cfg)``) with
     the run's adapters (``with_lora``): what ``Run.finish`` loads a sharded policy's full weights into before
@@ -278,6 +300,7 @@ __all__ = [
     "generator",
     "head_args",
     "kernel",
+    "load_critic",
     "load_policy_and_tokenizer",
     "loop_prompts",
     "policy_path",

@@ -13,7 +13,8 @@ is saved and restored as a whole (``Run.save`` / ``Run.start``):
   are not saved: they come from the config and the process.
 
 What ``Run`` reads from a state (the run contract, docs/design.md "Run lifecycle"): ``trained_model`` (the
-model whose context the prompts must fit and that ``final/`` exports; each loop's state defines it),
+model whose context the prompts must fit and that ``final/`` exports; each loop's state defines it) and
+``export_replica(cfg)`` (an unsharded model to gather it into, under FSDP2),
 ``num_samples`` and ``samples_per_step(cfg)`` (the run's length under ``max_num_epochs``, ``total_steps``),
 ``epoch`` (passes over the data done), ``count_tokens(batch)`` (``tokens_per_s``), and the counters ``step``,
 ``total_valid_tokens``, ``val_reward`` and ``metrics``.
@@ -34,6 +35,7 @@ from tensordict import TensorDictBase
 from rlbits.data.stream import PromptStream
 from rlbits.distributed.env import DistEnv
 from rlbits.loops.metrics import StepMetrics
+from rlbits.loops.runtime import build_policy
 
 _ROLE = "rlbits_role"
 
@@ -81,6 +83,15 @@ class LoopState:
             NotImplementedError: the loop's state does not define it.
         """
         raise NotImplementedError(f"{type(self).__name__} must define trained_model (the model the run exports)")
+
+    def export_replica(self, cfg: Any) -> torch.nn.Module:
+        """A fresh, unsharded CPU model of ``trained_model``'s architecture (adapters included) that
+        ``Run.finish`` loads a sharded model's full weights into before exporting ``final/`` (FSDP2).
+
+        Raises:
+            NotImplementedError: the loop's state does not define it (its loop runs on one process).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot export a sharded model (no export_replica)")
 
     @property
     def num_samples(self) -> int | None:
@@ -203,15 +214,38 @@ def _check_counter(name: str, value: Any, hint: Any) -> None:
 
 
 @dataclasses.dataclass(kw_only=True)
-class OnlineState(LoopState):
-    """What the online loops (PPO, REINFORCE) add: the prompts, the reward, and their random streams."""
+class StreamState(LoopState):
+    """A state whose train data is a ``PromptStream`` (prompts, or the reward model's rows): its epochs and
+    length are the stream's."""
 
+    stream: PromptStream
+    """The train data in a seeded order per epoch; its position is saved."""
+
+    @property
+    def epoch(self) -> int:
+        """Passes over the train data completed."""
+        return self.stream.epoch
+
+    @property
+    def num_samples(self) -> int:
+        """Train samples (prompts, rows) in one epoch."""
+        return len(self.stream)
+
+
+@dataclasses.dataclass(kw_only=True)
+class OnlineState(StreamState):
+    """What the online loops (PPO, REINFORCE) add: the policy and its frozen reference, the prompts
+    (``stream``), the reward, and their random streams."""
+
+    policy: torch.nn.Module
+    """The policy being trained: ``trained_model``, exported to ``final/``."""
+    reference: torch.nn.Module | None = frozen(default=None)
+    """The frozen initial policy, when a term uses it; None otherwise and with LoRA, whose reference is the
+    policy with its adapters disabled (``rlbits.loops.phases.reference_model``)."""
     sampling_generator: torch.Generator
     """Sampling noise of every rollout (on the policy's device)."""
     minibatch_generator: torch.Generator
     """Shuffles rows into minibatches (CPU)."""
-    stream: PromptStream
-    """The train prompts, in a seeded order per epoch; its position is saved."""
     reward: Any = runtime(default=None)
     """The reward (anything ``rlbits.score`` accepts)."""
     val_prompts: list[str] = runtime(default_factory=list)
@@ -220,18 +254,17 @@ class OnlineState(LoopState):
     """With ``precision: bf16``: the bfloat16 copy of the policy the rollouts decode with (``phases.decoding``)."""
 
     @property
-    def epoch(self) -> int:
-        """Passes over the train prompts completed."""
-        return self.stream.epoch
+    def trained_model(self) -> torch.nn.Module:
+        """The policy."""
+        return self.policy
 
-    @property
-    def num_samples(self) -> int:
-        """Train prompts in one epoch."""
-        return len(self.stream)
+    def export_replica(self, cfg: Any) -> torch.nn.Module:
+        """The initial policy with the run's adapters, unsharded on CPU (``runtime.build_policy``)."""
+        return build_policy(cfg, self.init_path)
 
     def samples_per_step(self, cfg: Any) -> int:
         """``num_prompts_per_step`` prompts on every rank."""
         return cfg.num_prompts_per_step * self.env.world_size
 
 
-__all__ = ["LoopState", "OnlineState", "frozen", "optimizer_of", "runtime"]
+__all__ = ["LoopState", "OnlineState", "StreamState", "frozen", "optimizer_of", "runtime"]

@@ -226,7 +226,7 @@ def optimize(
                 if any_rank(~torch.isfinite(loss.detach()), env):  # every rank raises together
                     _zero_grads(trained)
                     raise NonFiniteError(
-                        f"{where}, microbatch {j}: non-finite loss {float(loss)} ({_values(stats)})"
+                        f"{where}, microbatch {j}: non-finite loss {float(loss.detach())} ({_values(stats)})"
                     )
                 loss.backward()
                 log_stats(metrics, stats, num_updates, rows)

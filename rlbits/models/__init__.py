@@ -1,6 +1,6 @@
 """Models: loading and saving HF folders (``load``), value and ILQL heads (``heads``), teacher-forced
-logprobs and values (``forward``), LoRA (``lora``), packed projections (``packed``), ILQL-steered decoding
-(``steered``) and tiny configs for tests (``tiny``).
+logprobs and values (``forward``), LoRA (``lora``), packed projections (``packed``), reward models (``reward``),
+ILQL-steered decoding (``steered``) and tiny configs for tests (``tiny``).
 
     from rlbits.models import ILQLModel, load_policy
 
@@ -55,6 +55,11 @@ _LAZY = {
     # packed
     "packed_linears": "rlbits.models.packed",
     "packing_available": "rlbits.models.packed",
+    # reward
+    "RewardModel": "rlbits.models.reward",
+    "encode_texts": "rlbits.models.reward",
+    "load_classifier": "rlbits.models.reward",
+    "load_reward_model": "rlbits.models.reward",
     # steered
     "SteeredPolicy": "rlbits.models.steered",
     # tiny
@@ -67,10 +72,6 @@ _LAZY = {
     "tiny_causal_lm": "rlbits.models.tiny",
     "tiny_config": "rlbits.models.tiny",
     "tiny_tokenizer": "rlbits.models.tiny",
-    # reward: a sequence classifier scoring texts
-    "RewardModel": "rlbits.models.reward",
-    "encode_texts": "rlbits.models.reward",
-    "load_reward_model": "rlbits.models.reward",
 }
 
 __all__ = list(_LAZY)

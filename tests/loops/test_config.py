@@ -47,7 +47,7 @@ LOOP_CONFIGS = {
 
 def test_each_loop_has_the_groups_it_reads():
     groups = {name: {g.__name__ for g in GROUPS if issubclass(cls, g)} for name, cls in LOOP_CONFIGS.items()}
-    online = {"RunConfig", "PolicyConfig", "OnlineConfig", "LoRAConfig", "EnvConfig"}
+    online = {"RunConfig", "PolicyConfig", "OnlineConfig", "PolicyGradientConfig", "LoRAConfig", "EnvConfig"}
     assert groups == {
         "ppo": online,
         "reinforce": online,
@@ -145,7 +145,9 @@ def test_a_field_of_a_group_the_loop_does_not_use_is_refused(cls, key, group):
 
 
 def test_an_unknown_key_names_the_loop_and_the_nearest_fields():
-    with pytest.raises(ConfigError, match=r"unknown config key 'clip_eps' for the ilql loop \(ILQLConfig\)"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'entropy_coef' for the ilql loop \(ILQLConfig\)"):
+        config_from_dict(ILQLConfig, {"entropy_coef": 0.1})
+    with pytest.raises(ConfigError, match=r"clip_eps is not a field of the ilql loop .* PolicyGradientConfig"):
         config_from_dict(ILQLConfig, {"clip_eps": 0.2})
     with pytest.raises(ConfigError, match=r"unknown config key 'ppo_epochs' for the reinforce loop"):
         config_from_dict(ReinforceConfig, {"ppo_epochs": 2})

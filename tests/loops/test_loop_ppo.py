@@ -19,7 +19,6 @@ from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.optim import make_optimizer
 from rlbits.loops.phases import prompt_batch
 from rlbits.loops.ppo import (
-    NonFiniteError,
     PPOConfig,
     advantages,
     init_state,
@@ -32,7 +31,7 @@ from rlbits.loops.ppo import (
     update,
     values,
 )
-from rlbits.loops.run import read_metrics, total_steps
+from rlbits.loops.run import NonFiniteError, read_metrics, total_steps
 from rlbits.loops.runtime import setup
 from rlbits.models.load import save_pretrained
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer

