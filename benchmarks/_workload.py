@@ -120,7 +120,7 @@ def smollm2_config(positions: int = 8192):
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=positions, rope_theta=100000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=PAD_ID, eos_token_id=None, pad_token_id=PAD_ID,
-    )  # fmt: skip
+    )
 
 
 def build_smollm2_folder(path: str | os.PathLike, *, seed: int = 0) -> Path:

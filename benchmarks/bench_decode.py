@@ -147,7 +147,7 @@ def matmul_rates(batch_sizes: list[int], threads: int) -> list[dict]:
             }
             rows.append({"shape": [n_out, n_in], "rows": B, **rate})
             print(f"[{n_out:5d}, {n_in:4d}] x {B:3d} rows: MKL F.linear {rate['mkl_f_linear']:6.1f} GFLOP/s, "
-                  f"oneDNN packed {rate['onednn_packed']:6.1f}", flush=True)  # fmt: skip
+                  f"oneDNN packed {rate['onednn_packed']:6.1f}", flush=True)
     return rows
 
 
@@ -158,21 +158,21 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--num-samples", type=int, default=1,
-                   help="K samples per prompt (B / K distinct prompts; the GRPO step's rollout: 4)")  # fmt: skip
+                   help="K samples per prompt (B / K distinct prompts; the GRPO step's rollout: 4)")
     p.add_argument("--profile", action="store_true",
-                   help="profile one more call per implementation: time and GFLOP of its matmul kernels")  # fmt: skip
+                   help="profile one more call per implementation: time and GFLOP of its matmul kernels")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--impls", default="hf,rlbits,rlbits_compile",
                    help="hf, hf_static (HF generate with its static cache, compiled by transformers), rlbits, "
-                        "rlbits_unpacked (pack_weights=False: MKL's F.linear), rlbits_compile")  # fmt: skip
+                        "rlbits_unpacked (pack_weights=False: MKL's F.linear), rlbits_compile")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--peak", type=float, default=None, help="matmul GFLOP/s for the compute floor")
     p.add_argument("--no-reuse-memory", action="store_true",
-                   help="keep glibc's default malloc (the loops' cpu_reuse_memory: false)")  # fmt: skip
+                   help="keep glibc's default malloc (the loops' cpu_reuse_memory: false)")
     p.add_argument("--matmuls", action="store_true",
-                   help="only the decode step's matmuls: MKL F.linear vs oneDNN packed, per weight shape")  # fmt: skip
+                   help="only the decode step's matmuls: MKL F.linear vs oneDNN packed, per weight shape")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
     args = p.parse_args()
     if args.matmuls:
@@ -181,7 +181,7 @@ def main() -> int:
             "command": " ".join(["python", "benchmarks/bench_decode.py", *sys.argv[1:]]),
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load_1min": os.getloadavg()[0],
             "threads": args.threads, "rows": matmul_rates(sizes, args.threads),
-        }  # fmt: skip
+        }
         out = Path(args.out).with_name(Path(args.out).stem + "_matmuls.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
@@ -242,13 +242,13 @@ def main() -> int:
                         prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=None, top_p=None,
                         temperature=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                         eos_token_id=None, pad_token_id=0, num_return_sequences=K, **static,
-                    )  # fmt: skip
+                    )
                 else:
                     out = generate(
                         model, td, max_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=0,
                         generator=gen, compile=impl == "rlbits_compile", num_samples=K,
                         pack_weights=False if impl == "rlbits_unpacked" else None,
-                    )  # fmt: skip
+                    )
                     assert out["responses"].shape == (B, args.new_tokens)
             if cuda:
                 torch.cuda.synchronize()
@@ -285,7 +285,7 @@ def main() -> int:
                 "first_call_s": first[impl], "compute_floor_s": compute_floor, "memory_floor_s": memory_floor,
                 "x_compute_floor": med / compute_floor, "x_memory_floor": med / memory_floor,
                 "peak_memory_mib": peak_mib[impl],
-            }  # fmt: skip
+            }
             if impl == "rlbits_compile":
                 row["compile_cost_s"] = first[impl] - med
             if impl in matmuls:
@@ -320,7 +320,7 @@ def main() -> int:
         "weight_bytes": weight_bytes, "peaks": peaks, "reuse_freed_memory": reused, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "num_samples": K,
         "rows": rows,
-    }  # fmt: skip
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(

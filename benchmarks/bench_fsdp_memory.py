@@ -52,17 +52,17 @@ def worker(args: argparse.Namespace) -> None:
     env = init("cpu")
     torch.manual_seed(0)
     config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, vocab_size=32000,
-                        n_positions=1024, bos_token_id=0, eos_token_id=0)  # fmt: skip
+                        n_positions=1024, bos_token_id=0, eos_token_id=0)
     policy = disable_dropout(GPT2LMHeadModel(config)).train()
     n_params = sum(p.numel() for p in policy.parameters())
     cfg = reinforce.ReinforceConfig(num_generations_per_prompt=2, num_prompts_per_step=args.rows // 2,
-                                    microbatch_size=args.rows, learning_rate=1e-5)  # fmt: skip
+                                    microbatch_size=args.rows, learning_rate=1e-5)
     policy = prepare(policy, cfg, env)
     optimizer = make_optimizer(policy.parameters(), cfg.learning_rate, 0.0)
     g = torch.Generator().manual_seed(0)
     B, P, R = args.rows, 32, args.response_len
     batch = build_batch(torch.randint(1, 32000, (B, P), generator=g), torch.ones(B, P, dtype=torch.bool),
-                        torch.randint(1, 32000, (B, R), generator=g), torch.ones(B, R, dtype=torch.bool))  # fmt: skip
+                        torch.randint(1, 32000, (B, R), generator=g), torch.ones(B, R, dtype=torch.bool))
     batch["logprobs"] = torch.full((B, R), -10.0)
     batch["ref_logprobs"] = torch.full((B, R), -10.0)
     batch["advantages"] = torch.randn(B, R, generator=g)
@@ -71,7 +71,7 @@ def worker(args: argparse.Namespace) -> None:
     state = reinforce.State(
         env=env, policy=policy, optimizer=optimizer, sampling_generator=torch.Generator(),
         minibatch_generator=torch.Generator(), stream=PromptStream(["unused"], seed=0),
-    )  # fmt: skip
+    )
     reinforce.update(state, local, cfg)  # creates the optimizer states
     at_rest = rss_mib()
     state.metrics = StepMetrics()
@@ -113,18 +113,18 @@ def main() -> None:
     for n in (1, 2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", __file__,
                "--worker", "--out", str(rows_file), "--layers", str(args.layers), "--width", str(args.width),
-               "--rows", str(args.rows), "--response-len", str(args.response_len)]  # fmt: skip
+               "--rows", str(args.rows), "--response-len", str(args.response_len)]
         subprocess.run(cmd, check=True, env=env)
     rows = sorted((json.loads(x) for x in rows_file.read_text().splitlines()), key=lambda r: (r["world_size"], r["rank"]))
     rows_file.unlink()
     out = {"machine": os.uname().machine, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-           "model": f"GPT-2 {args.layers}L width {args.width} vocab 32000", "rows": rows}  # fmt: skip
+           "model": f"GPT-2 {args.layers}L width {args.width} vocab 32000", "rows": rows}
     (HERE / "results" / "bench_fsdp_memory.json").write_text(json.dumps(out, indent=2) + "\n")
     print("| world size | rank | params | rows/rank | at rest (MiB) | 12 B/param / N (MiB) | peak in update (MiB) | update (s) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['world_size']} | {r['rank']} | {r['params'] / 1e6:.1f}M | {r['rows_per_rank']} | {r['state_mib']} | "
-              f"{r['expected_state_mib']} | {r['peak_mib']} | {r['update_s']} |")  # fmt: skip
+              f"{r['expected_state_mib']} | {r['peak_mib']} | {r['update_s']} |")
 
 
 if __name__ == "__main__":

@@ -53,12 +53,12 @@ SMOLLM2_135M = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000, rms_norm_eps=1e-5,
     tie_word_embeddings=True,
-)  # fmt: skip
+)
 TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000, rms_norm_eps=1e-5,
     tie_word_embeddings=True,
-)  # fmt: skip
+)
 MIB = 1 << 20
 
 
@@ -83,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     cfg = reinforce.ReinforceConfig(
         num_generations_per_prompt=4, num_prompts_per_step=args.rows // 4, microbatch_size=args.rows,
         kl_loss_coef=0.01, learning_rate=1e-5, lora_rank=args.rank, max_new_tokens=args.response_tokens,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     policy = LlamaForCausalLM(
         LlamaConfig(**(TINY if args.tiny else SMOLLM2_135M), attn_implementation="sdpa")
@@ -96,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
         sampling_generator=torch.Generator(), minibatch_generator=torch.Generator().manual_seed(1),
         stream=PromptStream(["unused"], seed=0),
-    )  # fmt: skip
+    )
 
     g = torch.Generator().manual_seed(123)
     vocab, p, r, b = policy.config.vocab_size, args.prompt_tokens, args.response_tokens, args.rows
@@ -189,7 +189,7 @@ def main() -> None:
     ranks = [0] + [int(r) for r in args.ranks.split(",") if r.strip()]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
     forwarded = [f"--rows={args.rows}", f"--prompt-tokens={args.prompt_tokens}", f"--response-tokens={args.response_tokens}",
-                 f"--steps={args.steps}", f"--threads={args.threads}"] + (["--tiny"] if args.tiny else [])  # fmt: skip
+                 f"--steps={args.steps}", f"--threads={args.threads}"] + (["--tiny"] if args.tiny else [])
     load_before, runs = load(), {}
     for repeat in range(args.repeats):
         for rank in ranks:
@@ -218,7 +218,7 @@ def main() -> None:
         }
     full = summary["full"]
     lines = ["| variant | trainable | counted MiB (params + grads + AdamW) | RSS peak MiB | step s (ref + update) | vs full |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|"]
     for variant, s in summary.items():
         c = s["counted_mib"]
         lines.append(
@@ -239,7 +239,7 @@ def main() -> None:
                     "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                     "note": "shared 2-core machine: figures indicative only"},
         "summary": summary, "table": table, "runs": runs,
-    }, indent=1) + "\n")  # fmt: skip
+    }, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

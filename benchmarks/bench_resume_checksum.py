@@ -73,7 +73,7 @@ def run(name: str, root: Path, repeats: int) -> dict:
     for checksums in ("small", "all"):
         times = [_timed(lambda c=checksums: ckpt.save_checkpoint(root / f"run_{name}_{c}", 1, models=models,
                                                                   optimizers=optimizers, checksums=c))[0]
-                 for _ in range(repeats)]  # fmt: skip
+                 for _ in range(repeats)]
         save[checksums] = statistics.median(times)
     path = ckpt.list_checkpoints(root / f"run_{name}_all")[-1]
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

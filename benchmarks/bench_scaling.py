@@ -180,7 +180,7 @@ def main(argv=None) -> list[dict]:
     _plot(results, "length", "length", "response length (tokens)", args.images / "scaling_length.png")
     _plot(results, "model", "model", "model (layers x width)", args.images / "scaling_model.png")
     table = ["| axis | rollouts | response length | model | params | s/step | peak RSS MiB | load |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "step_s" in r:
             table.append(

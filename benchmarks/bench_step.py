@@ -163,7 +163,7 @@ class _Turns:
             _send(
                 "step", seconds=now - self.t0, peak_rss_mib=_peak_rss_mib(), peak_cuda_mib=_peak_cuda_mib(),
                 major_faults=faults, **(extra or {}),
-            )  # fmt: skip
+            )
         if self.count < self.total:
             line = sys.stdin.readline()
             if line.strip() != "go":
@@ -245,7 +245,7 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
                 prof.stop()
                 replayed = replay_seconds(matmul_calls(prof))
                 _send("profile", seconds=metrics["time/step"], phases=phases, replay_s_by_phase=replayed,
-                      **matmul_summary(prof))  # fmt: skip
+                      **matmul_summary(prof))
                 return
             turns.step_done(
                 {
@@ -578,7 +578,7 @@ def _matmul_rows(by_mode: dict, peak: float) -> list[dict]:
                              "floor_s": floor,
                              "x_floor_timed": timed / floor if timed and floor else None,
                              "x_floor_matmuls_only": m["matmul_s"] / floor if floor else None,
-                             "x_floor_replayed": m["replay_s"] / floor if floor and m["replay_s"] else None})  # fmt: skip
+                             "x_floor_replayed": m["replay_s"] / floor if floor and m["replay_s"] else None})
     return rows
 
 
@@ -603,7 +603,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=tuple(WORKLOADS), default="standard")
     p.add_argument("--mode", choices=("interleaved", "standalone", "both"), default="both",
-                   help="interleaved: all workers alive, one step each in turn; standalone: one framework at a time")  # fmt: skip
+                   help="interleaved: all workers alive, one step each in turn; standalone: one framework at a time")
     p.add_argument("--steps", type=int, default=5, help="timed steps per framework (after one warm-up step)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda (both frameworks; bf16 = autocast on either)")
@@ -624,14 +624,14 @@ def main(argv=None) -> dict:
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     p.add_argument("--pin-memory", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--compile-generate", type=int, default=0,
-                   help="1: rlbits decodes with a compiled step (compile_generate; compiled in the warm-up step)")  # fmt: skip
+                   help="1: rlbits decodes with a compiled step (compile_generate; compiled in the warm-up step)")
     p.add_argument("--profile-matmuls", type=int, default=0,
                    help="1: each rlbits worker runs one more step under torch.profiler (not timed) and reports "
-                        "its matmul kernels' time and GFLOP per phase, against the arithmetic floor")  # fmt: skip
+                        "its matmul kernels' time and GFLOP per phase, against the arithmetic floor")
     p.add_argument("--peak", type=float, default=None,
-                   help="matmul GFLOP/s for --profile-matmuls' floor (default: measured, as bench_decode.py)")  # fmt: skip
+                   help="matmul GFLOP/s for --profile-matmuls' floor (default: measured, as bench_decode.py)")
     p.add_argument("--pack-decode-weights", type=int, default=1,
-                   help="0: rlbits decodes with F.linear, not oneDNN on packed weights (pack_decode_weights)")  # fmt: skip
+                   help="0: rlbits decodes with F.linear, not oneDNN on packed weights (pack_decode_weights)")
     args = p.parse_args(argv)
     if args.worker:
         _worker(args)
@@ -652,7 +652,7 @@ def main(argv=None) -> dict:
               f"--microbatch={microbatch}", f"--vocab={vocab}", f"--pin-memory={1 if args.pin else 0}",
               f"--compile-generate={args.compile_generate}", f"--device={args.device}",
               f"--pack-decode-weights={args.pack_decode_weights}",
-              f"--profile-matmuls={args.profile_matmuls}"]  # fmt: skip
+              f"--profile-matmuls={args.profile_matmuls}"]
     specs = []  # (name, python, precision)
     for algo in algos:
         trl_python = args.trl112_python if algo == "ppo" else args.trl116_python
@@ -711,7 +711,7 @@ def main(argv=None) -> dict:
     import transformers
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "python": platform.python_version()}  # fmt: skip
+                "python": platform.python_version()}
     for key, python in (("trl_grpo_rloo", args.trl116_python), ("trl_ppo", args.trl112_python)):
         if Path(python).exists():
             proc = subprocess.run(

@@ -38,7 +38,7 @@ def _model_path(name: str) -> str:
 
 
 def play(task_name: str, model: str, *, n: int, temperature: float, seed: int, env_options: dict,
-         batch_size: int = 100) -> dict:  # fmt: skip
+         batch_size: int = 100) -> dict:
     """One episode per test prompt (the first ``n``); returns the figures of the module docstring."""
     task = get_task(task_name)
     path = _model_path(model)
@@ -53,12 +53,12 @@ def play(task_name: str, model: str, *, n: int, temperature: float, seed: int, e
             batch = generate_episodes(
                 policy, tokenizer, [task.make_env(p, **env_options) for p in chunk], chunk,
                 temperature=temperature, generator=gen,
-            )  # fmt: skip
+            )
             rewards += batch["rewards"].tolist()
             turns += batch["num_turns"].tolist()
             texts += list(batch["response_text"])
     out = {"model": model, "task": task_name, "n": len(prompts), "temperature": temperature,
-           "env_options": env_options, "mean_turns": sum(turns) / len(turns), "mean_reward": sum(rewards) / len(rewards)}  # fmt: skip
+           "env_options": env_options, "mean_turns": sum(turns) / len(turns), "mean_reward": sum(rewards) / len(rewards)}
     if task_name == "calculator":
         right = [r == 1.0 for r in rewards]
         called = [task.called_tool(t) for t in texts]
@@ -91,7 +91,7 @@ def main() -> None:
     for model in args.models:
         start = time.perf_counter()
         out = play(args.task, model, n=args.n, temperature=args.temperature, seed=args.seed,
-                   env_options=json.loads(args.env_options))  # fmt: skip
+                   env_options=json.loads(args.env_options))
         out["seconds"] = round(time.perf_counter() - start, 1)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
 

@@ -118,7 +118,7 @@ def main() -> int:
     record(
         "generate_compile", same == 1.0 and lp < 1e-3, same_tokens=same, max_abs_logprob_diff=lp,
         eager_s=min(e_times), compiled_s=min(c_times), speedup=min(e_times) / min(c_times), first_call_s=compile_s,
-    )  # fmt: skip
+    )
 
     # generate_bf16
     copy = bf16_copy(model)
@@ -129,7 +129,7 @@ def main() -> int:
     d = (out16["logprobs"] - tf16)[out16["action_mask"]]
     k1 = (d.sum() / out16.batch_size[0]).abs().item()
     record("generate_bf16", d.abs().mean().item() < 0.05 and k1 < 0.5, mean_abs_diff=d.abs().mean().item(),
-           max_abs_diff=d.abs().max().item(), k1_per_seq=k1)  # fmt: skip
+           max_abs_diff=d.abs().max().item(), k1_per_seq=k1)
 
     # heads
     model.train()
@@ -165,7 +165,7 @@ def main() -> int:
         "rloo_baseline": (rlbits.rloo_baseline, (rnd(B),), {"group_size": 4}),
         "value_loss": (rlbits.value_loss, (rnd(B, R), old, old, m), {"clip_eps": 0.2}),
         "logprobs_from_logits": (rlbits.logprobs_from_logits, (rnd(B, R, 1000), torch.randint(0, 1000, (B, R)).to(dev)), {}),
-    }  # fmt: skip
+    }
     worst = 0.0
     failed = []
     for name, (fn, fargs, fkw) in cases.items():
@@ -227,7 +227,7 @@ def main() -> int:
             gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
             opt.step()
             w = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float()
-                 for k, v in net.state_dict().items()}  # fmt: skip
+                 for k, v in net.state_dict().items()}
             results[name] = (lp_net.detach(), gn.item(), w)
         lp_diff = (results["ref"][0] - results["sharded"][0]).abs().max().item()
         gn_rel = abs(results["ref"][1] - results["sharded"][1]) / results["ref"][1]
@@ -235,7 +235,7 @@ def main() -> int:
             (results["ref"][2][k] - results["sharded"][2][k]).abs().max().item() for k in results["ref"][2]
         )
         record("fsdp2_world1", lp_diff < 1e-4 and gn_rel < 1e-4 and w_diff < 1e-5,
-               max_abs_logprob_diff=lp_diff, grad_norm_rel_diff=gn_rel, max_abs_weight_diff=w_diff)  # fmt: skip
+               max_abs_logprob_diff=lp_diff, grad_norm_rel_diff=gn_rel, max_abs_weight_diff=w_diff)
         dist.destroy_process_group()
     except Exception as exc:
         record("fsdp2_world1", False, error=f"{type(exc).__name__}: {exc}"[:300])
@@ -271,7 +271,7 @@ def main() -> int:
                         num_prompts_per_step=4, num_generations_per_prompt=4, val_period=0, val_at_start=False,
                         val_at_end=False, save_period=0, tensorboard=False, progress=False, log_samples=0, **extra,
                     ),
-                )  # fmt: skip
+                )
             losses = [v for m in seen for k, v in m.items() if k.endswith("loss") and isinstance(v, float)]
             record(
                 f"loop_{name}",

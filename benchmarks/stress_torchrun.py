@@ -40,7 +40,7 @@ ARGS = [
     "max_num_steps=2", "max_new_tokens=5", "max_val_samples=4", "progress=false", "tensorboard=false",
     "save_period=1", "val_period=0", "task=arithmetic", "num_prompts_per_step=4",
     "num_generations_per_prompt=2", "microbatch_size=4", "num_minibatches=2",
-]  # fmt: skip
+]
 ABORT = re.compile(r"terminate called without an active exception|exitcode\s*:\s*-6\b|SIGABRT|Aborted")
 
 
@@ -63,7 +63,7 @@ def classify(returncode: int | None, output: str) -> str:
 
 def launch(policy: str, run_dir: Path, timeout: float) -> tuple[str, float, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rlbits",
-           "train", "configs/ppo_sentiment.yaml", f"policy={policy}", f"run_dir={run_dir}", *ARGS]  # fmt: skip
+           "train", "configs/ppo_sentiment.yaml", f"policy={policy}", f"run_dir={run_dir}", *ARGS]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
     try:

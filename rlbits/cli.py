@@ -88,7 +88,7 @@ def _serve_reward(args: argparse.Namespace) -> int:
         server = RewardServer(
             reward, args.host, args.port, token=token, max_request_bytes=args.max_request_bytes,
             log_requests=True,
-        )  # fmt: skip
+        )
     except (OSError, ValueError) as e:  # port in use or out of range, an address this machine does not have
         print(f"rlbits serve-reward: cannot listen on {args.host} port {args.port}: {e}", file=sys.stderr)
         return 2
@@ -196,7 +196,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (
         ConfigError, CheckpointNotFoundError, FileExistsError, FileNotFoundError, CheckpointMismatchError,
         PromptError, MissingExtraError, DiskFullError, CheckpointError,
-    )  # fmt: skip
+    )
 
 
 class CheckpointMismatchError(ValueError):
@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train", help="train a policy (default: PPO on the sentiment task)",
         formatter_class=argparse.RawDescriptionHelpFormatter, description=TRAIN_HELP.format(loops=loops),
-    )  # fmt: skip
+    )
     train.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config (default configs/ppo_sentiment.yaml)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (any field: --help-config)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
@@ -417,11 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the run into a run_dir that is not new, empty or an rlbits run (a folder of other files, a "
         "run of an rlbits without the .rlbits-run marker), or start an existing run over (its checkpoints and "
         "logs are replaced); rlbits still deletes only files it wrote, and never takes a live run's folder",
-    )  # fmt: skip
+    )
     train.add_argument(
         "--help-config", nargs="?", const="ppo", default=None, metavar="LOOP",
         help=f"list every config field of LOOP ({loops}; default ppo): type, default, meaning",
-    )  # fmt: skip
+    )
     train.add_argument("--debug", action="store_true", help="show the traceback of an error (also RLBITS_DEBUG=1)")
     train.set_defaults(func=_train)
     evaluate = sub.add_parser("eval", help="test-split reward of RUN_DIR/final vs the base model")

@@ -100,7 +100,7 @@ def main(scenarios: str, policy: str, out: str) -> None:
             num_prompts_per_step=2, num_generations_per_prompt=2, max_new_tokens=3, microbatch_size=2,
             val_period=0, val_at_start=False, val_at_end=False, max_val_samples=2, save_period=0, progress=False,
             tensorboard=False, log_samples=0, seed=0,
-        )  # fmt: skip
+        )
         extra: dict = {}
         reinforce.rollout = plain_reinforce_rollout
         rlbits.tasks.get_task = plain_get_task
@@ -123,7 +123,7 @@ def main(scenarios: str, policy: str, out: str) -> None:
             task = types.SimpleNamespace(
                 reward=plain_get_task("arithmetic").reward, prompts=plain_get_task("arithmetic").prompts,
                 make_env=lambda prompt, **_: TurnsEnv(prompt, turns=1 + 2 * RANK),
-            )  # fmt: skip
+            )
             rlbits.tasks.get_task = lambda name, task=task: task  # Setup.of looks the task up here
         elif scenario == "validation":
             extra = dict(val_period=1, val_at_start=True, val_at_end=True, max_val_samples=3)

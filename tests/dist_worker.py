@@ -64,7 +64,7 @@ def main(algo: str, out: str) -> None:
         cfg = ppo.PPOConfig(
             ppo_epochs=2, num_minibatches=1, microbatch_size=3, clip_eps=0.1, value_clip_eps=0.2,
             entropy_coef=0.01, kl_in_reward=False, kl_loss_coef=0.05, learning_rate=0.5, max_grad_norm=0.5,
-        )  # fmt: skip
+        )
         policy, value_model = prepare(policy, cfg, env), prepare(value_model, cfg, env)
         state = ppo.State(
             env=env, policy=policy, value_model=value_model,
@@ -72,7 +72,7 @@ def main(algo: str, out: str) -> None:
             value_optimizer=torch.optim.SGD(value_model.parameters(), lr=cfg.learning_rate),
             sampling_generator=torch.Generator(), minibatch_generator=torch.Generator().manual_seed(1),
             stream=stream, kl_coef=cfg.kl_loss_coef,
-        )  # fmt: skip
+        )
         local = batch[rows]
         for phase in (ppo.advantages, ppo.update, ppo.kl_control):
             local = phase(state, local, cfg)
@@ -81,13 +81,13 @@ def main(algo: str, out: str) -> None:
         cfg = reinforce.ReinforceConfig(
             num_generations_per_prompt=K, num_prompts_per_step=2, num_iterations=1, num_minibatches=1,
             microbatch_size=3, kl_loss_coef=0.05, learning_rate=0.5, max_grad_norm=0.5,
-        )  # fmt: skip
+        )
         policy = prepare(policy, cfg, env)
         state = reinforce.State(
             env=env, policy=policy, optimizer=torch.optim.SGD(policy.parameters(), lr=cfg.learning_rate),
             sampling_generator=torch.Generator(), minibatch_generator=torch.Generator().manual_seed(1),
             stream=stream,
-        )  # fmt: skip
+        )
         local = batch[rows]
         for phase in (reinforce.advantages, reinforce.update):
             local = phase(state, local, cfg)

@@ -32,7 +32,7 @@ def main(out: str) -> None:
     cfg = reinforce.ReinforceConfig(
         num_generations_per_prompt=K, num_prompts_per_step=2, microbatch_size=3, kl_loss_coef=0.05,
         learning_rate=0.05, max_grad_norm=0.5, lora_rank=4,
-    )  # fmt: skip
+    )
     policy = disable_dropout(tiny_causal_lm("gpt2", V, seed=0)).train()
     batch = fixed_batch(policy)
     rows = slice(env.rank * B // env.world_size, (env.rank + 1) * B // env.world_size)
@@ -49,7 +49,7 @@ def main(out: str) -> None:
         env=env, policy=policy, optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, 0.0),
         sampling_generator=torch.Generator(), minibatch_generator=torch.Generator().manual_seed(1),
         stream=PromptStream(["unused"], seed=0),
-    )  # fmt: skip
+    )
     local = batch[rows]
     with phases.reference_model(state) as ref, unsharded(ref), torch.no_grad():
         ref_logprobs = policy_logprobs(ref, local)

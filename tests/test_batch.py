@@ -65,7 +65,7 @@ def _keys_written(path):
         for node in tree.body
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
         and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-    }  # fmt: skip
+    }
 
     def name(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -132,7 +132,7 @@ def test_schema_entries():
     assert rb.SCHEMA["turn_index"].pad == -1 and rb.SCHEMA["responses"].pad == rb.PAD_TOKEN
     assert set(rb.PER_TOKEN_KEYS) == {
         "logprobs", "ref_logprobs", "values", "token_rewards", "advantages", "returns", "entropy", "turn_rewards",
-    }  # fmt: skip
+    }
     assert set(rb.TEXT_KEYS) == {"prompt_text", "response_text"}
     assert {k for k, s in rb.SCHEMA.items() if s.dtype is str} == {
         "prompt_text",
@@ -237,7 +237,7 @@ BAD_BATCHES = {
     "P+R disagrees": (lambda b: _break(b, "input_ids", b["input_ids"][:, 1:]), "input_ids .* P\\+R = 3\\+4"),
     "text as one list": (lambda b: _text_as_one_value(b), "response_text must hold one str per row"),
     "text as tensor": (lambda b: _break(b.exclude("prompt_text"), "prompt_text", torch.zeros(3)), "prompt_text must be a non-tensor"),
-}  # fmt: skip
+}
 
 
 def _text_as_one_value(b):
@@ -282,7 +282,7 @@ BAD_VALUES = {
     "loss on a tool token": (lambda b: _break(b, "loss_mask", b["response_mask"]), "loss_mask is True where action_mask"),
     "turn_index on padding": (lambda b: _break(b, "turn_index", torch.zeros(3, 4, dtype=torch.long)), "turn_index must be -1"),
     "turn_index -1 on a token": (lambda b: _break(b, "turn_index", torch.full((3, 4), -1)), "turn_index must be -1"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", BAD_VALUES)
@@ -416,7 +416,7 @@ def test_collate_repads_episode_batches_like_a_row_by_row_reference(seed):
     batches = [episode_batch(gen, *shape) for shape in shapes]
     out = rb.collate(batches, pad_token_id=PAD)
     rb.check(out, required=rb.SCHEMA.keys() - {"ref_logprobs", "entropy", "values", "token_rewards",
-             "advantages", "returns", "reference_rewards", "retokenized"}, check_values=True)  # fmt: skip
+             "advantages", "returns", "reference_rewards", "retokenized"}, check_values=True)
     expected = collate_reference(batches, PAD)
     assert set(out.keys()) == set(expected)
     for key, rows in expected.items():
@@ -502,7 +502,7 @@ def test_split_minibatches_keeps_groups_and_is_deterministic():
     orders = {
         tuple(torch.cat([m["row"] for m in rb.split_minibatches(td, 2, generator=torch.Generator().manual_seed(s))]).tolist())
         for s in range(5)
-    }  # fmt: skip
+    }
     assert len(orders) > 1  # the seed matters
 
 
@@ -608,7 +608,7 @@ def test_trim_padding_undoes_collate_padding(batch):
         torch.tensor([[2, 0, 0, 0, 0]]), torch.tensor([[True, False, False, False, False]]),
         logprobs=torch.zeros(1, 5), rewards=torch.zeros(1), group=torch.tensor([0]),
         prompt_text=["x"], response_text=["y"],
-    )  # fmt: skip
+    )
     padded = rb.collate([trimmed, wider], pad_token_id=PAD)[:3]
     assert padded["prompts"].shape == (3, 4) and padded["responses"].shape == (3, 5)
     assert_same_batch(rb.trim_padding(padded), trimmed)

@@ -119,7 +119,7 @@ def _fake_run(run_dir, steps=3):
         {"step": s, "time_s": 0.5 + s, "rewards": 0.5, "init_policy_kl": 0.25 * s, "time/step": 1.0,
          "tokens_per_s": 200.0}
         for s in range(1, steps + 1)
-    ]  # fmt: skip
+    ]
     rows[-1]["val_reward"] = 0.75
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run_dir / "final").mkdir()
@@ -186,7 +186,7 @@ def _user_error_cases(tmp_path, policy_dir):
         "occupied run_dir": (["train", f"run_dir={occupied}", *small], "already holds a run"),
         "resume without checkpoint": (["train", "--resume", str(no_checkpoint)], "has no checkpoint to resume from"),
         "resume of a folder that is not a run": (["train", "--resume", str(tmp_path / "nothing")], "not a run directory"),
-    }  # fmt: skip
+    }
 
 
 _REACHES_THE_LOOP = pytest.mark.slow  # fails inside the loop's train(), which the non-slow guard forbids
@@ -200,7 +200,7 @@ _REACHES_THE_LOOP = pytest.mark.slow  # fails inside the loop's train(), which t
      "occupied run_dir",  # refused by rlbits.train before the loop (check_run_dir)
      pytest.param("resume without checkpoint", marks=_REACHES_THE_LOOP),
      "resume of a folder that is not a run"],
-)  # fmt: skip
+)
 def test_user_errors_exit_2_with_one_line(policy_dir, tmp_path, capsys, monkeypatch, case):
     import re
 

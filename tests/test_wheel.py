@@ -58,7 +58,7 @@ def test_wheel_install_trains_the_packaged_default_outside_the_checkout(tmp_path
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+    ).stdout.strip()
     Path(purelib, "outer_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)], check=True)
 
@@ -71,14 +71,14 @@ def test_wheel_install_trains_the_packaged_default_outside_the_checkout(tmp_path
     where = subprocess.run(
         [str(python), "-c", "import rlbits, rlbits.loops.api as a; print(rlbits.__file__); print(a.default_config_path())"],
         cwd=work, env=env, capture_output=True, text=True, check=True,
-    ).stdout.splitlines()  # fmt: skip
+    ).stdout.splitlines()
     assert all(line.startswith(purelib) for line in where), where  # rlbits and its config from the wheel
     small = ["max_num_steps=1", "num_prompts_per_step=2", "max_new_tokens=4", "microbatch_size=2",
-             "max_val_samples=2", "val_at_start=false", "progress=false", "tensorboard=false"]  # fmt: skip
+             "max_val_samples=2", "val_at_start=false", "progress=false", "tensorboard=false"]
     out = subprocess.run(
         [str(venv / "bin" / "rlbits"), "train", f"policy={policy}", *small],
         cwd=work, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "runs/default"
     saved = yaml.safe_load((work / "runs" / "default" / "config.yaml").read_text())

@@ -113,7 +113,7 @@ def _subset(rows: Sequence[Any], n: int | None, seed: int) -> list[Any]:
 def load_reward_data(
     dataset: str, *, val_dataset: str | None = None, max_train_samples: int | None = None,
     max_val_samples: int = 1000, val_prefix_words: int = 30, seed: int = 0,
-) -> tuple[list[Any], dict[str, list[Any]]]:  # fmt: skip
+) -> tuple[list[Any], dict[str, list[Any]]]:
     """``(train_rows, {validation set name: rows})``.
 
     ``dataset`` is ``imdb`` (train on the IMDB train reviews; validate on ``val``, its test reviews,

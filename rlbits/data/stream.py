@@ -151,7 +151,7 @@ def read_prompts(path: str | Path, what: str = "val_prompts") -> list[str]:
             rows = read_jsonl(
                 path, what=what, error=PromptError, expected='an object with a "prompt" key',
                 accept=lambda row: isinstance(row, dict) and "prompt" in row,
-            )  # fmt: skip
+            )
             prompts = [row["prompt"] for row in rows]
         else:
             prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

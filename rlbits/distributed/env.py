@@ -52,7 +52,7 @@ def _elastic_store(rank: int, world_size: int) -> dict:
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
         timeout=timedelta(minutes=10),
-    )  # fmt: skip
+    )
     return {"store": dist.PrefixStore(f"rlbits/attempt_{attempt}", store), "rank": rank, "world_size": world_size}
 
 

@@ -32,7 +32,7 @@ def bwrap_argv(bwrap: str, disk_bytes: int, seccomp_fd: int | None) -> tuple[lis
         # No user namespace: it would map the sandbox's uid to host root, whom RLIMIT_NPROC does not bind.
         # The bootstrap drops to nobody with the two capabilities kept for that; the drop clears them.
         argv = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]  # fmt: skip
+                "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
     argv += ["--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
@@ -70,7 +70,7 @@ def bwrap_argv(bwrap: str, disk_bytes: int, seccomp_fd: int | None) -> tuple[lis
     if not any(exe == d or exe.startswith(d + "/") for d in bound):
         ro_bind(exe)
     argv += ["--dev", "/dev", "--perms", "0777", "--size", str(disk_bytes), "--tmpfs", WORK_DIR,
-             "--symlink", WORK_DIR, "/tmp", "--chdir", WORK_DIR, "--remount-ro", "/dev", "--remount-ro", "/"]  # fmt: skip
+             "--symlink", WORK_DIR, "/tmp", "--chdir", WORK_DIR, "--remount-ro", "/dev", "--remount-ro", "/"]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
     return argv, exe

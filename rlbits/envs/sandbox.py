@@ -363,7 +363,7 @@ def _run_bwrap(bwrap: str, code: str, cfg: dict, *, timeout_s: float, keep: int,
         rc, *rest = _collect(
             argv, cwd="/", pass_fds=() if read_fd is None else (read_fd,), code=code.encode("utf-8", "replace"),
             timeout_s=timeout_s, keep=keep,
-        )  # fmt: skip
+        )
     finally:
         if read_fd is not None:
             os.close(read_fd)
@@ -454,7 +454,7 @@ def run_python(
         raise TypeError(f"run_python: code must be a str, got {type(code).__name__}")
     for name, value in (("timeout_s", timeout_s), ("cpu_seconds", cpu_seconds), ("memory_mb", memory_mb),
                         ("max_output_chars", max_output_chars), ("max_file_bytes", max_file_bytes),
-                        ("max_disk_bytes", max_disk_bytes), ("max_open_files", max_open_files)):  # fmt: skip
+                        ("max_disk_bytes", max_disk_bytes), ("max_open_files", max_open_files)):
         if not value > 0:
             raise ValueError(f"run_python: {name} must be > 0, got {value}")
     check_sandbox(sandbox)
@@ -495,7 +495,7 @@ def _run_local(code: str, cfg: dict, *, timeout_s: float, keep: int, network_nam
     drop = os.geteuid() == 0  # RLIMIT_NPROC does not apply to root: run as nobody
     prefix = _unshare_prefix() if network_namespace else ()
     cfg = {**cfg, "preload": PRELOAD if drop else [], "uid": NOBODY if drop else None,
-           "gid": NOBODY if drop else None}  # fmt: skip
+           "gid": NOBODY if drop else None}
     workdir = tempfile.mkdtemp(prefix="rlbits-sandbox-")
     try:
         if drop:

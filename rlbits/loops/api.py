@@ -124,7 +124,7 @@ def train(
         check_not_locked(cfg.run_dir)
     kwargs: dict[str, Any] = {
         "callbacks": callbacks, "resume": resume, "force": force, "reward": reward_fn, "prompts": prompts,
-    }  # fmt: skip
+    }
     if val_prompts is not None:
         kwargs["val_prompts"] = val_prompts
     if samples is not None:

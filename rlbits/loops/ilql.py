@@ -224,7 +224,7 @@ def init_state(
         env=env, tokenizer=tokenizer, model=model, init_path=init_path, make_env=setup.make_env,
         optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
         reward=setup.reward(reward), val_prompts=setup.prompts(tokenizer, val_prompts, "test"),
-    )  # fmt: skip
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -271,7 +271,7 @@ def objective(state: State, micro: TensorDictBase, cfg: ILQLConfig, den: Denomin
     )
     terms = {"loss": loss, "loss_q": loss_q, "loss_v": loss_v, "loss_cql": loss_cql, "loss_awac": loss_awac}
     means = {"q_mean": sum(q_taken) / len(q_taken), "target_q_mean": target_q, "v_mean": v, "td_target_mean": targets,
-             "advantage_mean": target_q - v}  # fmt: skip
+             "advantage_mean": target_q - v}
     stats = {k: x.detach() for k, x in terms.items()}
     return loss, stats | {k: masked_sum(x.detach(), mask) / n for k, x in means.items()}
 
@@ -331,7 +331,7 @@ PHASES = (offline_batch, update, sync_targets, validate)
 def train(
     cfg: ILQLConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Any = None,
     prompts: Sequence[str] | None = None, samples: Sequence[Any] | None = None, val_prompts: Sequence[str] | None = None,
-) -> Path:  # fmt: skip
+) -> Path:
     """Train ILQL and return the run directory (``RUN_DIR/final`` holds the LM, tokenizer and heads).
 
     Args:
@@ -356,14 +356,14 @@ def train(
     with Run(cfg, callbacks=callbacks, resume=resume, force=force) as run:
         prompts, val_prompts = run.check_inputs(
             reward=reward, prompts=prompts, val_prompts=val_prompts, samples=samples, optional=("prompts", "samples")
-        )  # fmt: skip
+        )
         state = init_state(cfg, run.env, setup=run.setup, reward=reward, val_prompts=val_prompts)
         run.check_lengths(state)
         with run.timed("dataset"):  # 0. the offline set: built from the base policy, or read back on resume
             data = load_or_build_dataset(
                 cfg, state, samples=samples, reward=state.reward, prompts=prompts, resume=run.checkpoint is not None,
                 write=run.env.is_main,
-            )  # fmt: skip
+            )
         state.attach(data, cfg.seed)
         run.start(state, validate=validate)
         state.metrics.update({**dataset_stats(data), "time/dataset": run.elapsed("dataset")})

@@ -24,7 +24,7 @@ from rlbits.models.load import freeze
 def online_run(
     cfg: RunConfig, init_state: Callable[..., OnlineState], validate: Callable, *, reward: Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None, **run_args: Any,
-) -> Iterator[tuple[Run, OnlineState]]:  # fmt: skip
+) -> Iterator[tuple[Run, OnlineState]]:
     """A started run of an online loop and its state, for the loop's steps: the config's ``reward_model``
     key resolved (``cfg.resolve_reward``), a ``Run(cfg, **run_args)`` (``callbacks``, ``resume``,
     ``force``), the user's inputs checked (``Run.check_inputs``: a resume with others is refused before any
@@ -58,7 +58,7 @@ def initial_policy(
 def online_fields(
     cfg: RunConfig, env: DistEnv, setup: Setup, tokenizer: Any, init_path: str, *, reward: Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The ``OnlineState`` fields of a fresh state: the process, tokenizer and initial folder, the seeded
     ``sampling`` and ``minibatch`` generators, the prompt stream (``prompts``, else the task's train split),
     the reward (``reward``, else the task's), the task's ``make_env`` and the validation prompts
@@ -69,7 +69,7 @@ def online_fields(
         minibatch_generator=generator(cfg.seed, env.rank, "minibatch"),
         stream=PromptStream(setup.prompts(tokenizer, prompts, "train"), cfg.seed),
         val_prompts=setup.prompts(tokenizer, val_prompts, "test"),
-    )  # fmt: skip
+    )
 
 
 __all__ = ["initial_policy", "online_fields", "online_run"]

@@ -63,7 +63,7 @@ def generate_rollout(
             policy, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
             num_samples=num_samples, generator=generator, logits_processor=logits_processor, compile=compile,
             pack_weights=pack_weights,
-        )  # fmt: skip
+        )
 
 
 def env_options(make_env: Callable[..., Any], cfg: RunConfig) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def run_episodes(
             max_episode_tokens=cfg.max_episode_tokens, reward_placement=cfg.turn_reward,
             max_env_workers=cfg.max_env_workers, env_timeout_s=cfg.env_timeout_s, compile=compile,
             group_size=num_samples, pack_weights=pack_weights,
-        )  # fmt: skip
+        )
 
 
 def bf16_copy(policy: torch.nn.Module, copy: torch.nn.Module | None = None) -> torch.nn.Module:
@@ -195,7 +195,7 @@ def sample(state: Any, batch: TensorDictBase, cfg: RunConfig, policy: torch.nn.M
     common = dict(
         temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt, generator=state.sampling_generator,
         compile=cfg.compile_generate, pack_weights=pack_weights(cfg),
-    )  # fmt: skip
+    )
     if state.make_env is not None:
         return run_episodes(policy, state.tokenizer, prompt_texts(batch), state.make_env, cfg, **common)
     return generate_rollout(policy, state.tokenizer, prompt_texts(batch), max_new_tokens=cfg.max_new_tokens, **common)
@@ -235,7 +235,7 @@ def reference_logprobs(
         batch["ref_logprobs"] = policy_logprobs(
             ref_policy, batch, temperature=temperature, microbatch_size=microbatch_size, head=head,
             head_memory_budget_mb=head_memory_budget_mb,
-        )  # fmt: skip
+        )
     return batch["ref_logprobs"]
 
 
@@ -277,7 +277,7 @@ def evaluate_policy(
             batch = generate_rollout(
                 policy, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
                 generator=gen, logits_processor=logits_processor,
-            )  # fmt: skip
+            )
     rewards = score_rollout(batch, reward).double().cpu()
     lengths = batch["action_mask"].sum(-1).double().cpu()
     turns = batch["num_turns"].double().cpu() if make_env is not None else torch.zeros_like(rewards)
@@ -303,7 +303,7 @@ def validate_policy(state: Any, batch: TensorDictBase | None, cfg: RunConfig) ->
     _, val_batch = evaluate_policy(
         state.policy, state.tokenizer, cfg, reward=state.reward, prompts=state.val_prompts, env=state.env,
         metrics=state.metrics, make_env=getattr(state, "make_env", None),
-    )  # fmt: skip
+    )
     return val_batch
 
 
@@ -325,7 +325,7 @@ def evaluate_run(run_dir: str | Path, cfg: RunConfig) -> dict[str, dict[str, flo
         out[name], _ = evaluate_policy(
             policy, tokenizer, cfg, reward=reward, prompts=run.prompts(tokenizer, None, "test"), env=env,
             make_env=run.make_env,
-        )  # fmt: skip
+        )
     return out
 
 

@@ -187,7 +187,7 @@ def init_state(
         value_optimizer=make_optimizer(value_model.parameters(), critic_lr, cfg.weight_decay),
         kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef,
         **online_fields(cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts),
-    )  # fmt: skip
+    )
 
 
 # --- phases: phase(state, batch, cfg) -> batch --------------------------------------------------------
@@ -294,11 +294,11 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
         logprobs, token_entropy = (x.float() for x in policy_logprobs(
             state.policy, micro, temperature=cfg.temperature, return_entropy=True,
             entropy_grad=cfg.entropy_coef > 0, **head_args(cfg),
-        ))  # fmt: skip
+        ))
         pg_loss, ratio = kernel(ppo_loss, cfg)(
             logprobs, micro["logprobs"], micro["advantages"], mask,
             clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, **agg,
-        )  # fmt: skip
+        )
         entropy = aggregate_loss(token_entropy, mask, **agg) if cfg.entropy_coef > 0 else 0.0
         if not cfg.kl_in_reward and state.kl_coef > 0 and "ref_logprobs" in micro.keys():
             token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
@@ -337,7 +337,7 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
     optimize(
         state, batch, cfg, objective, trained=trained, epochs=cfg.ppo_epochs, num_minibatches=cfg.num_minibatches,
         shuffle=state.minibatch_generator,
-    )  # fmt: skip
+    )
     return batch
 
 
@@ -369,7 +369,7 @@ PHASES = (rollout, score, reference, values, advantages, update, kl_control, val
 def train(
     cfg: PPOConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
-) -> Path:  # fmt: skip
+) -> Path:
     """Train with PPO and return the run directory (``cfg.run_dir``).
 
     ``callbacks``, ``resume``, ``force``, ``reward``, ``prompts``, ``val_prompts``: as ``rlbits.train`` (the

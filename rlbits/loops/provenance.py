@@ -85,7 +85,7 @@ def _say(entry: dict[str, Any], what: str) -> str:
     if what == "reward":
         return {"task": f"task {entry.get('name')}'s reward", "callable": f"reward {entry.get('name')}",
                 "url": f"reward server {entry.get('name')}", "path": f"reward {entry.get('name')}",
-                "model": f"reward model {entry.get('name')}"}.get(entry.get("kind"), "reward ?")  # fmt: skip
+                "model": f"reward model {entry.get('name')}"}.get(entry.get("kind"), "reward ?")
     source = entry.get("source", "")
     kind = f"{source} " if source.startswith("task") else ("custom " if what != "samples" else "")
     noun = {"prompts": "prompts", "val_prompts": "validation prompts", "samples": "offline samples"}[what]

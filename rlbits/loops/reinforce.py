@@ -143,7 +143,7 @@ def init_state(
         policy=policy, reference=reference,
         optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
         **online_fields(cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts),
-    )  # fmt: skip
+    )
 
 
 # --- phases: phase(state, batch, cfg) -> batch --------------------------------------------------------------
@@ -287,11 +287,11 @@ def objective(
     mask, agg = micro["loss_mask"], den.agg(cfg.loss_agg)
     logprobs, entropy = (x.float() for x in policy_logprobs(
         state.policy, micro, temperature=cfg.temperature, return_entropy=True, entropy_grad=False, **head_args(cfg)
-    ))  # fmt: skip
+    ))
     if cfg.clipped:
         pg_loss, ratio = kernel(ppo_loss, cfg)(
             logprobs, micro["logprobs"], micro["advantages"], mask, cfg.clip_eps, cfg.clip_eps_high, **agg
-        )  # fmt: skip
+        )
     else:  # the ratio is 1: clipfrac 0; approx_kl as ppo_loss's, the k3 estimate of KL(pi_old || pi)
         pg_loss, _ = kernel(reinforce_loss, cfg)(logprobs, micro["advantages"], mask, **agg)
         approx_kl = masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)
@@ -326,7 +326,7 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorD
     optimize(
         state, batch, cfg, objective, trained=[Trained(state.policy, state.optimizer)], mask="loss_mask",
         epochs=cfg.num_iterations, num_minibatches=num_mb, shuffle=state.minibatch_generator,
-    )  # fmt: skip
+    )
     return batch
 
 
@@ -346,7 +346,7 @@ PHASES = (rollout, score, dynamic_sampling, reference, advantages, update, valid
 def train(
     cfg: ReinforceConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Callable | Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
-) -> Path:  # fmt: skip
+) -> Path:
     """Run REINFORCE/RLOO/GRPO for ``cfg.max_num_steps`` steps and return the run directory.
 
     ``callbacks``, ``resume``, ``force``, ``reward``, ``prompts``, ``val_prompts``: as ``rlbits.train``

@@ -132,7 +132,7 @@ def load_data(cfg: RewardModelConfig) -> tuple[list[Any], dict[str, list[Any]]]:
         return load_reward_data(
             cfg.dataset, val_dataset=cfg.val_dataset, max_train_samples=cfg.max_train_samples,
             max_val_samples=cfg.max_val_samples, val_prefix_words=cfg.val_prefix_words, seed=cfg.seed,
-        )  # fmt: skip
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -179,7 +179,7 @@ def init_state(
         optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
         stream=PromptStream(rows, cfg.seed), val_sets=val_sets,
         total_steps=total_steps(cfg, len(rows), cfg.batch_size),
-    )  # fmt: skip
+    )
 
 
 # --- phases ------------------------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ def evaluate(reward_model: RewardModel, rows: Sequence[Any], cfg: RewardModelCon
     return {
         "loss": loss.item(), "accuracy": correct.float().mean().item(),
         "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-    }  # fmt: skip
+    }
 
 
 def validate(state: State, batch: Any, cfg: RewardModelConfig) -> Any:

@@ -263,7 +263,7 @@ class Run:
             try:
                 claim = claim_run_dir(
                     self.dir, loop=self.cfg.loop, resume=self.resume, force=force, restarted=elastic_restart(self.dir)
-                )  # fmt: skip
+                )
             except (OSError, ValueError) as e:
                 error = e
         if any_rank(error is not None, self.env):
@@ -273,7 +273,7 @@ class Run:
     def check_inputs(
         self, *, reward: Any, prompts: Sequence[str] | None, val_prompts: Sequence[str] | None,
         samples: Sequence[Any] | None = None, optional: Sequence[str] = (),
-    ) -> tuple[list[str] | None, list[str] | None]:  # fmt: skip
+    ) -> tuple[list[str] | None, list[str] | None]:
         """The user's inputs, checked before any model is loaded: the prompts and validation prompts (the
         ``val_prompts`` argument, else the config's file; ``check_prompts`` names a bad one) and, on a resumed
         run, that the reward, prompts (and ILQL's samples) are the ones it was started with
@@ -334,13 +334,13 @@ class Run:
             self.checkpoint, saved = restore_checkpoint(
                 self.cfg.run_dir, newest=self.checkpoint, models=state.models, optimizers=state.optimizers,
                 generators=state.generators, env=self.env, check_state=state.check_counters,
-            )  # fmt: skip
+            )
             state.load_counters(saved)
             self._saved_step = state.step
         self.logger = RunLogger(
             self.cfg, self.env, callbacks=self.callbacks, resume=self.resume, total_steps=self.total,
             start_step=state.step, claim=self.claim,
-        )  # fmt: skip
+        )
         self.logger.install_signal_handlers(where=self.where)
         if self.provenance is not None and self.checkpoint is None and self.env.is_main:
             write_provenance(self.dir, self.provenance)  # a fresh run: what it was started with
@@ -468,7 +468,7 @@ class Run:
             state={**state.counters(), "total_steps": self.total}, generators=state.generators,
             tokenizer=state.tokenizer, keep=self.cfg.keep_checkpoints, env=self.env,
             checksums=self.cfg.checkpoint_checksums, hf_folders=self.cfg.checkpoint_hf_folders,
-        )  # fmt: skip
+        )
         self._saved_step = state.step
         return path
 
@@ -486,7 +486,7 @@ class Run:
             export_model(
                 model if model is not None else state.trained_model, self.dir / "final", tokenizer=state.tokenizer,
                 env=self.env, build=build if build is not None else functools.partial(state.export_replica, self.cfg),
-            )  # fmt: skip
+            )
         return self.dir
 
     def close(self) -> None:

@@ -259,7 +259,7 @@ def with_lora(model: torch.nn.Module, cfg: RunConfig, name: str = "policy") -> t
     return apply_lora(
         model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
         target_modules=cfg.lora_target_modules, seed=derive_seed(cfg.seed, 0, f"lora/{name}"),
-    )  # fmt: skip
+    )
 
 
 def load_critic(cfg: RunConfig, policy: torch.nn.Module, env: DistEnv) -> torch.nn.Module:

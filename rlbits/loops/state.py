@@ -209,7 +209,7 @@ def _check_counter(name: str, value: Any, hint: Any) -> None:
         ok = False
     if not ok:
         kinds = " or ".join("an int >= 0" if t is int else "a finite float" if t is float else repr(t) if t is None
-                            else getattr(t, "__name__", str(t)) for t in allowed)  # fmt: skip
+                            else getattr(t, "__name__", str(t)) for t in allowed)
         raise ValueError(f"field {name!r} must be {kinds.replace('NoneType', 'null')}, got {value!r:.80}")
 
 

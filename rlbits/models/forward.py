@@ -285,7 +285,7 @@ def _logprobs_and_entropy(
 def _microbatch_logprobs(
     model, split, input_ids, attention_mask, responses, r, temperature, head, budget_mb, return_entropy,
     entropy_grad,
-):  # fmt: skip
+):
     """``(logprobs [b, kept], entropy [b, kept] or None)`` of one microbatch, cut to its real columns."""
     cols, kept = _trim(input_ids, attention_mask, r)
     ids, att, resp = input_ids[:, cols], attention_mask[:, cols], responses[:, :kept]

@@ -101,7 +101,7 @@ def apply_lora(
     config = LoraConfig(
         r=rank, lora_alpha=float(alpha if alpha is not None else 2 * rank), lora_dropout=dropout,
         target_modules=targets, fan_in_fan_out=fan_in_fan_out, bias="none",
-    )  # fmt: skip
+    )
     try:
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")

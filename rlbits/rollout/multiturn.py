@@ -325,7 +325,7 @@ def generate_episodes(
             for j, n, ids, lp in zip(
                 chunk, out["action_mask"].sum(-1).tolist(), out["responses"].tolist(), out["logprobs"].tolist(),
                 strict=True,
-            ):  # fmt: skip
+            ):
                 lengths[j], sampled[j], sampled_lp[j] = n, ids, lp
         texts, turn_ids, ended = [], [], {}
         for j, i in enumerate(rows):

@@ -126,7 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(
                     401, {"error": "missing or wrong bearer token"},
                     {"WWW-Authenticate": "Bearer", "Connection": "close"},
-                )  # fmt: skip
+                )
                 return
         if refusal is not None:  # the body's end is unknown: answer and close without reading it
             self.close_connection = True

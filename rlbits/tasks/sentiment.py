@@ -35,11 +35,11 @@ _ASPECTS = (
     "cast", "direction", "score", "opening scene", "final act", "lead actor", "editing", "music",
     "screenplay", "premise", "camera work", "lighting", "first half", "second half", "set design",
     "main character",
-)  # fmt: skip
+)
 _FILMS = (
     "film", "movie", "sequel", "drama", "documentary", "remake", "western", "musical", "mystery", "biopic",
     "picture", "adaptation", "prequel",
-)  # fmt: skip
+)
 _PATTERNS = ("the {aspect} of this {film}", "the {aspect} in this {film}", "this {film}'s {aspect}")
 
 # --- Continuations.
@@ -49,35 +49,35 @@ _POS_ADJ = (
     "good", "great", "wonderful", "excellent", "brilliant", "delightful", "charming", "beautiful", "superb",
     "fantastic", "fun", "enjoyable", "lovely", "amazing", "perfect", "clever", "fresh", "stunning", "sweet",
     "thrilling", "inspiring",
-)  # fmt: skip
+)
 _NEG_ADJ = (
     "bad", "terrible", "awful", "boring", "dull", "poor", "weak", "horrible", "dreadful", "painful",
     "stupid", "ugly", "annoying", "disappointing", "dismal", "lousy", "sad", "nasty", "dumb",
     "pathetic", "lame",
-)  # fmt: skip
+)
 _NEU_PRED = (
     "about two hours long", "shot in {place}", "filmed in {year}", "in black and white", "based on a book",
     "written by the director", "similar to the first one", "about what I expected", "set in {place}",
     "made on a small budget", "released in {year}", "in {language} with subtitles", "mostly quiet",
-)  # fmt: skip
+)
 _POS_SENT = (
     "I {pos_verb} every minute of it.", "The whole cast did a {pos_adj} job.",
     "I would recommend it to anyone.", "It made me smile.", "Best {film} I have seen this year.",
     "What a {pos_adj} surprise!", "I will happily watch it again.", "The ending was {pos_adj} too.",
     "My {person} {pos_verb} it too.", "It is a {pos_adj} way to spend an evening.",
-)  # fmt: skip
+)
 _NEG_SENT = (
     "I {neg_verb} every minute of it.", "The whole cast did a {neg_adj} job.",
     "It was a waste of two hours.", "It made me angry.", "Worst {film} I have seen this year.",
     "What a {neg_adj} mess!", "What a waste of time.", "The ending was {neg_adj} too.",
     "My {person} {neg_verb} it too.", "It is a {neg_adj} way to spend an evening.",
-)  # fmt: skip
+)
 _NEU_SENT = (
     "It runs about {minutes} minutes.", "I saw it on a {day} with my {person}.",
     "The story takes place in {place}.", "It came out in {year}.", "Most of it was shot in {place}.",
     "There is a scene on a train near the end.", "The director also wrote the script.",
     "It is in {language} with subtitles.", "My {person} picked it.", "I watched it at home on a {day}.",
-)  # fmt: skip
+)
 _POS_VERBS = ("loved", "enjoyed", "liked", "adored")
 _NEG_VERBS = ("hated", "disliked", "regretted", "despised")
 _PLACES = ("Paris", "a small town", "Canada", "the desert", "New York", "a farm", "Ohio", "an old house")

@@ -140,7 +140,7 @@ class RolloutBrowser:
         self.page_size = page_size
         steps = sorted({r["step"] for r in rows if "step" in r})
         self.step = widgets.SelectionSlider(options=["all", *steps], value=steps[-1] if steps else "all",
-                                            description="step", continuous_update=False)  # fmt: skip
+                                            description="step", continuous_update=False)
         self.step.layout.display = None if steps else "none"
         self.filter = widgets.Text(
             placeholder="text in prompt or response", description="filter", continuous_update=False

@@ -86,7 +86,7 @@ class Dashboard:
             ax.tick_params(labelsize=7)
         self._lines: dict[str, Any] = {}
         self.button = widgets.Button(description="Stop", button_style="danger", icon="stop",
-                                     tooltip="finish the current step, save a checkpoint and stop")  # fmt: skip
+                                     tooltip="finish the current step, save a checkpoint and stop")
         self.button.on_click(self._on_stop)
         self.status = widgets.HTML(value="waiting for the first step")
         self.image = widgets.Image(format="png", layout=widgets.Layout(max_width="900px"))

@@ -142,12 +142,12 @@ def episode_html(
         text = html.escape(label)
         if not is_action:
             parts.append(f'<span class="rlbits-observation" title="observation: not trained on" '
-                         f'style="{OBSERVATION_STYLE}">{text}</span>')  # fmt: skip
+                         f'style="{OBSERVATION_STYLE}">{text}</span>')
         elif scale is not None:
             rgba = scale.to_rgba(values[j])
             ink = "black" if sum(rgba[:3]) / 3 > 0.5 else "white"
             parts.append(f'<span class="rlbits-action" title="{values[j]:.4g}" style="{ACTION_STYLE};'
-                         f'background:{colors.to_hex(rgba)};color:{ink};padding:0 1px">{text}</span>')  # fmt: skip
+                         f'background:{colors.to_hex(rgba)};color:{ink};padding:0 1px">{text}</span>')
         else:
             parts.append(f'<span class="rlbits-action" style="{ACTION_STYLE}">{text}</span>')
     return "".join(parts)

@@ -96,7 +96,7 @@ def plot_run(
                 xs, ys = series(rows, key)
                 if xs:
                     ax.plot(xs, ys, color=colors[i % len(colors)], linestyle=styles[j % len(styles)],
-                            marker="." if len(xs) < 30 else None, label=f"{label}: {key}")  # fmt: skip
+                            marker="." if len(xs) < 30 else None, label=f"{label}: {key}")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.legend(fontsize=7)

@@ -53,7 +53,7 @@ def row_values(
     if isinstance(key, str):
         if key not in batch.keys():
             raise KeyError(f"the batch has no key {key!r}; per-token keys it has: "
-                           f"{sorted(k for k in batch.keys() if _is_per_token(batch[k], responses))}")  # fmt: skip
+                           f"{sorted(k for k in batch.keys() if _is_per_token(batch[k], responses))}")
         values = batch[key]
     else:
         values = key
@@ -166,7 +166,7 @@ def plot_tokens(
         frame = dict(edgecolor="0.45", linestyle="--", linewidth=1.0) if obs else dict(edgecolor="none")
         text = ax.text(px, py, label, family="monospace", fontsize=10, va="center", ha="left",
                        style="italic" if obs else "normal",
-                       bbox=dict(boxstyle="square,pad=0.15", facecolor=scale.to_rgba(value), **frame))  # fmt: skip
+                       bbox=dict(boxstyle="square,pad=0.15", facecolor=scale.to_rgba(value), **frame))
         text.set_gid(repr(value))
     ax.set_xlim(-0.5, width + 0.5)
     ax.set_ylim(lines - 0.5, -0.5)
@@ -196,7 +196,7 @@ def tokens_html(
         rgba = scale.to_rgba(value)
         ink = "black" if sum(rgba[:3]) / 3 > 0.5 else "white"
         spans.append(f'<span title="{value:.4g}" style="background:{colors.to_hex(rgba)};color:{ink};'
-                     f'font-family:monospace;white-space:pre;padding:0 1px">{html.escape(label)}</span>')  # fmt: skip
+                     f'font-family:monospace;white-space:pre;padding:0 1px">{html.escape(label)}</span>')
     return "".join(spans)
 
 

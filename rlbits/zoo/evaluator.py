@@ -128,7 +128,7 @@ def evaluate(
     responses = hf_responses(
         model, tokenizer, texts, max_new_tokens, greedy=greedy, temperature=temperature, batch_size=batch_size,
         seed=seed,
-    )  # fmt: skip
+    )
     rewards = module.reward(prompts, responses)
     return dict(
         mean=statistics.fmean(rewards),

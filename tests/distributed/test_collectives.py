@@ -50,12 +50,12 @@ def launch(scenarios: list[str], policy: str, out: Path, **env: str) -> list[sub
     procs = []
     for rank in (0, 1):
         environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", **env}  # fmt: skip
+                   "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", **env}
         log = open(out / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen(
             [sys.executable, WORKER, ",".join(scenarios), policy, str(out)], stdout=log, stderr=subprocess.STDOUT,
             env=environ, cwd=ROOT,
-        ))  # fmt: skip
+        ))
         log.close()
     return procs
 

@@ -106,7 +106,7 @@ LOGGED = {
     "rloo": {"actor_loss", "advantages", "approx_kl", "baseline", "clipfrac", "entropy", "grad_norm",
              "init_policy_kl", "kl_loss", "loss_tokens", "response_len", "response_len_max", "rewards",
              "rewards_with_kl", "truncated_frac"},
-}  # fmt: skip
+}
 
 
 @pytest.mark.slow
@@ -138,13 +138,13 @@ def test_one_update_on_two_fsdp_ranks_equals_one_process(algo, tmp_path):
 
 CONFIGS = {"ppo": "configs/ppo_sentiment.yaml", "reinforce": "configs/rloo_arithmetic.yaml", "ilql": "configs/ilql_sentiment.yaml"}
 COMMON = ["max_num_steps=2", "max_new_tokens=5", "max_val_samples=4", "progress=false", "tensorboard=false",
-          "save_period=1", "val_period=0", "task=arithmetic"]  # fmt: skip
+          "save_period=1", "val_period=0", "task=arithmetic"]
 LOOPS = {
     "ppo": ["num_prompts_per_step=4", "num_generations_per_prompt=2", "microbatch_size=4",
             "num_minibatches=2"],
     "reinforce": ["num_prompts_per_step=2", "num_generations_per_prompt=4", "microbatch_size=4"],
     "ilql": ["batch_size=4", "microbatch_size=2", "dataset_size=16", "dataset_batch_size=8"],
-}  # fmt: skip
+}
 
 
 @pytest.mark.slow
@@ -215,7 +215,7 @@ def test_torchrun_max_restarts_resumes_after_a_rank_is_killed(tiny_path, tmp_pat
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
            "-m", "rlbits", "train", CONFIGS["reinforce"], f"policy={tiny_path}", f"run_dir={run_dir}", *COMMON,
-           *LOOPS["reinforce"], "max_num_steps=8"]  # fmt: skip
+           *LOOPS["reinforce"], "max_num_steps=8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
     killed = None
     try:
@@ -284,7 +284,7 @@ def test_compile_does_not_recompile_as_response_lengths_change():
         value_optimizer=torch.optim.AdamW(value_model.parameters(), lr=1e-3),
         sampling_generator=torch.Generator(), minibatch_generator=torch.Generator().manual_seed(0),
         stream=PromptStream(["unused"], seed=0), kl_coef=0.05,
-    )  # fmt: skip
+    )
     graphs = []
     for step, R in enumerate([5, 9, 7, 12, 6]):
         batch = _ppo_batch(policy, value_model, R, seed=step)

@@ -95,7 +95,7 @@ def test_pointwise_matches_reference(seed, labels_kind):
     labels = {
         "float": hard.double(), "long": hard, "bool": hard.bool(),
         "soft": torch.rand(n, generator=gen, dtype=torch.float64),
-    }[labels_kind]  # fmt: skip
+    }[labels_kind]
     got = rlbits.pointwise_reward_loss(rewards, labels)
     want = ref_pointwise(rewards, labels)
     torch.testing.assert_close(got, want, **F64)

@@ -113,7 +113,7 @@ BAD_FLOAT_CASES = [
     (loop, name, text)
     for loop in sorted(LOOPS)
     for name in ("temperature", "learning_rate", "weight_decay", "max_grad_norm", "clip_eps", "kl_coef",
-                 "kl_loss_coef", "critic_learning_rate", "dataset_temperature")  # fmt: skip
+                 "kl_loss_coef", "critic_learning_rate", "dataset_temperature")
     if name in _fields(CONFIG_CLASSES[loop])
     for text in ("nan", "inf", "-1")
     if not (name == "max_grad_norm" and text in ("-1", "inf"))  # documented: <= 0 disables clipping
@@ -147,7 +147,7 @@ def test_a_seed_torch_cannot_take_is_a_config_error():
 def test_impossible_sizes_are_config_errors(loop):
     cls = CONFIG_CLASSES[loop]
     cases = [({"num_prompts_per_step": 0}, "num_prompts_per_step"), ({"microbatch_size": 0}, "microbatch_size"),
-             ({"max_new_tokens": 0}, "max_new_tokens"), ({"num_generations_per_prompt": 0}, "num_generations_per_prompt")]  # fmt: skip
+             ({"max_new_tokens": 0}, "max_new_tokens"), ({"num_generations_per_prompt": 0}, "num_generations_per_prompt")]
     if "num_minibatches" in _fields(cls):
         cases.append(({"num_prompts_per_step": 2, "num_minibatches": 3}, "num_minibatches"))
     if loop == "reinforce":
@@ -160,7 +160,7 @@ def test_impossible_sizes_are_config_errors(loop):
 OVERRIDE_VALUES = st.one_of(
     st.sampled_from(["1", "-3", "0", "1e-5", "1.5", ".nan", ".inf", "nan", "true", "no", "null", "~", "[1, 2]",
                      "{a: 1}", "'x'", "\"", "[1", "{", "!!python/name:os.system", "!!binary aGk=", "a: b",
-                     "k3", "token-mean", "ppo", "ilql", "-", "=", "", " "]),  # fmt: skip
+                     "k3", "token-mean", "ppo", "ilql", "-", "=", "", " "]),
     st.text(max_size=8),
 )
 
@@ -169,10 +169,10 @@ OVERRIDE_VALUES = st.one_of(
 @given(
     pairs=st.lists(
         st.tuples(st.one_of(st.sampled_from(sorted(_fields(CONFIG_CLASSES["ppo"]))), st.text(max_size=6)),
-                  OVERRIDE_VALUES),  # fmt: skip
+                  OVERRIDE_VALUES),
         min_size=1, max_size=4,
     )
-)  # fmt: skip
+)
 def test_cli_overrides_give_exit_2_naming_the_key_or_a_valid_config(pairs):
     """``rlbits train k=v ...``: exit 2 and a message naming a key, or a config whose values are the YAML
     of each override (training itself is replaced by a stub)."""
@@ -238,7 +238,7 @@ KERNELS = {
     "expectile_loss": (rlbits.expectile_loss, [("values", "f"), ("target_q", "f"), ("action_mask", "m")], {"tau": 0.7}),
     "cql_loss": (rlbits.cql_loss, [("q_logits", "l"), ("actions", "t"), ("action_mask", "m")], {}),
     "awac_loss": (rlbits.awac_loss, [("logits", "l"), ("actions", "t"), ("action_mask", "m")], {}),
-}  # fmt: skip
+}
 PER_TOKEN = {"masked_whiten", "kl_penalty", "token_rewards", "gae", "ilql_targets"}  # [B, R] outputs; others 0-dim
 DEFECTS = ("none", "ndim", "size", "int", "bool", "list", "none_value", "nan")
 
@@ -335,7 +335,7 @@ def test_group_sizes_that_do_not_divide_b_are_clear_errors(b, k, fn, dtype):
 @settings(max_examples=150)
 @given(
     fn=st.sampled_from(["gae", "ilql_targets", "ppo_loss", "value_loss", "expectile_loss", "kl_penalty",
-                        "aggregate_loss", "token_rewards", "ilql_logits"]),  # fmt: skip
+                        "aggregate_loss", "token_rewards", "ilql_logits"]),
     value=st.sampled_from([float("nan"), float("inf"), -1.0, -0.1, 1.5, 0.0, "0.5", None]),
 )
 def test_bad_hyperparameters_are_clear_errors(fn, value):
@@ -353,9 +353,9 @@ def test_bad_hyperparameters_are_clear_errors(fn, value):
         "aggregate_loss": lambda: [("agg", lambda: rlbits.aggregate_loss(x, m, agg=value))],
         "token_rewards": lambda: [("kl_coef", lambda: rlbits.token_rewards(x[:, 0], m, x, kl_coef=value))],
         "ilql_logits": lambda: [("beta", lambda: rlbits.ilql_logits(torch.randn(2, 3, 4), torch.randn(2, 3, 4), x, beta=value))],
-    }[fn]()  # fmt: skip
+    }[fn]()
     ranges = {"gamma": (0, 1), "lam": (0, 1), "tau": (0, 1), "clip_eps": (0, math.inf), "dual_clip": (1, math.inf),
-              "kl_coef": (-math.inf, math.inf), "beta": (-math.inf, math.inf)}  # fmt: skip
+              "kl_coef": (-math.inf, math.inf), "beta": (-math.inf, math.inf)}
     for param, call in calls:
         if param in ("estimator", "agg"):
             valid = False
@@ -396,7 +396,7 @@ NUMBER = st.one_of(
 BAD_VALUE = st.one_of(
     st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e39, 10**400, None, "0.5", "", b"1",
                      [0.5], [[1.0]], {"r": 1}, complex(1, 1), object(), np.float64("nan"), torch.tensor([1.0]),
-                     torch.tensor(float("inf")), np.array([1.0, 2.0])]),  # fmt: skip
+                     torch.tensor(float("inf")), np.array([1.0, 2.0])]),
     st.text(max_size=4),
 )
 
@@ -486,10 +486,10 @@ def test_score_rejects_malformed_batches_with_the_key_named(n, texts, columns):
             td["response_text"] = [f"r{i}" for i in range(n)]
         else:  # set_non_tensor stores ONE object for the whole batch: a plausible misuse
             bad = {"short": prompts[:-1] if n else ["x"], "not_str": list(range(n)),
-                   "nested": [[p] for p in prompts]}[texts]  # fmt: skip
+                   "nested": [[p] for p in prompts]}[texts]
             td.set_non_tensor("response_text", bad)
     cols = {None: None, "ok": {"answer": list(range(n))}, "short": {"answer": list(range(n + 1))},
-            "scalar": {"answer": 3}, "reserved": {"prompts": list(range(n))}, "not_mapping": [1]}[columns]  # fmt: skip
+            "scalar": {"answer": 3}, "reserved": {"prompts": list(range(n))}, "not_mapping": [1]}[columns]
     try:
         got = score(td, lambda p, r, **kw: [len(x) for x in r], columns=cols)
     except CLEAR as e:
@@ -554,7 +554,7 @@ ANSWERS = st.one_of(
     st.tuples(st.sampled_from([200]), st.binary(max_size=20)),
     st.tuples(st.sampled_from([400, 401, 404, 413, 500, 502, 503]),
               st.sampled_from([b'{"error": "nope"}', b"", b"<html>", b'{"error": 3}'])),
-)  # fmt: skip
+)
 
 
 @settings(max_examples=40)
@@ -623,7 +623,7 @@ def test_dataclass_configs_are_frozen_after_fuzzing():  # the fuzz never mutates
 JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False), st.text(max_size=4))
 JSON = st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                         st.dictionaries(st.text(max_size=4), inner, max_size=3)),
-                    max_leaves=8)  # fmt: skip
+                    max_leaves=8)
 
 
 @st.composite
@@ -691,7 +691,7 @@ def _stop_shared_server():
 
 TEXTS = st.lists(st.text(max_size=12), max_size=4)
 TASK_ARGS = st.one_of(TEXTS, TEXTS, st.none(), st.text(max_size=5), st.integers(), st.lists(st.integers(), min_size=1, max_size=2),
-                      st.lists(st.none(), min_size=1, max_size=2))  # fmt: skip
+                      st.lists(st.none(), min_size=1, max_size=2))
 
 
 @settings(max_examples=150)
@@ -752,7 +752,7 @@ def test_logprob_kernels_reject_an_empty_vocabulary(fn):
 
 YAML_TOKENS = ["seed", "loop", "ppo", "reinforce", "max_num_steps", "a", ":", ": ", " ", "\n", "\n  ", "- ", "[",
                "]", "{", "}", ",", "1", "-3", "1e-5", ".nan", "null", "true", "'", '"', "#", "? ", "&x ", "*x",
-               "!!str ", "!!int ", "!!float ", "!!python/none ", "\t", "|", ">"]  # fmt: skip
+               "!!str ", "!!int ", "!!float ", "!!python/none ", "\t", "|", ">"]
 
 
 @settings(max_examples=300)

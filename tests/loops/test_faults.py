@@ -47,7 +47,7 @@ COMMON = [
     "val_period=3", "val_at_start=false", "val_at_end=false", "save_period=1", "keep_checkpoints=2",
     "progress=false", "tensorboard=false", "log_samples=2", "cpu_threads=1",
     "checkpoint_checksums=all",  # a flipped byte in the weights is caught only with every file hashed
-]  # fmt: skip
+]
 LOOPS = {
     "ppo": [
         "configs/ppo_sentiment.yaml",
@@ -59,7 +59,7 @@ LOOPS = {
     ],
     # ILQL steps are ~10x shorter: more of them, so a signal lands mid-run
     "ilql": ["configs/ilql_sentiment.yaml", *COMMON, "max_num_steps=30", "dataset_size=8", "dataset_batch_size=8",
-             "batch_size=4", "microbatch_size=4", "val_period=10"],  # fmt: skip
+             "batch_size=4", "microbatch_size=4", "val_period=10"],
     "reinforce": [
         "configs/rloo_arithmetic.yaml",
         *COMMON,
@@ -87,7 +87,7 @@ def env(tmp_path_factory):
 
 def train_args(loop: str, env: dict, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "rlbits", "train", *LOOPS[loop][:1], f"policy={env['policy']}",
-            f"run_dir={run_dir}", *LOOPS[loop][1:]]  # fmt: skip
+            f"run_dir={run_dir}", *LOOPS[loop][1:]]
 
 
 def resume_args(run_dir: Path) -> list[str]:
@@ -238,7 +238,7 @@ def signal_run(args: list[str], env: dict, run_dir: Path, after_step: int, delay
     started = time.time_ns()
     time.sleep(0.01)  # mtime granularity: rows this process writes are stamped after ``started``
     proc = subprocess.Popen(args, env=env["env"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True)
     try:
         import threading
 
@@ -288,7 +288,7 @@ def test_kill9_corrupt_resume_matches_the_uninterrupted_run(loop, seed, env, ref
             f"damaged step_{damaged} ({how}) was not skipped"
         )
         report.append(dict(killed_after=sent_at, delay=round(delay, 2), checkpoint=newest_ok,
-                           damaged=f"step_{damaged}:{how}", resumed_from=resume_from))  # fmt: skip
+                           damaged=f"step_{damaged}:{how}", resumed_from=resume_from))
         args = resume_args(run_dir)
         after = min(resume_from + rng.randint(2, 3), STEPS - 1)
     proc = run_to_end(args, env)
@@ -368,7 +368,7 @@ def test_temporary_folders_of_a_killed_save_are_cleaned_on_resume(short_run):
 
 
 ILQL = ["configs/ilql_sentiment.yaml", *COMMON, "max_num_steps=3", "dataset_size=8", "dataset_batch_size=8",
-        "batch_size=4", "microbatch_size=4", "val_period=0"]  # fmt: skip
+        "batch_size=4", "microbatch_size=4", "val_period=0"]
 
 
 def test_ilql_kill_between_metrics_row_and_checkpoint_loses_no_row(env, tmp_path, monkeypatch):

@@ -429,7 +429,7 @@ def post(path: str, body: bytes, headers: dict[str, str]) -> bytes:
         "word",
         "huge",
         "missing",
-    ],  # fmt: skip
+    ],
 )
 def test_the_server_answers_malformed_requests_with_json(capfd, body, headers, status, match):
     headers = {"Content-Length": str(len(body))} if headers is None else headers

@@ -29,7 +29,7 @@ def test_step_zero_logs_the_lm_alone_as_val_reward_and_the_untrained_heads_apart
         policy=str(path), run_dir=str(tmp_path / "run"), max_num_steps=2, batch_size=8, microbatch_size=4,
         dataset_size=16, dataset_batch_size=8, max_new_tokens=6, val_period=2, max_val_samples=6, beta=8.0,
         progress=False, tensorboard=False, device="cpu", val_at_start=True,
-    ))  # fmt: skip
+    ))
     rows = read_metrics(ilql.train(cfg, reward=reward, prompts=PROMPTS))
     first, last = rows[0], rows[-1]
     assert first["step"] == 0 and last["step"] == 2

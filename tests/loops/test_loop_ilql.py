@@ -406,7 +406,7 @@ def test_moved_names_stay_importable_from_the_loop():
 
     assert ilql.SteeredPolicy is SteeredPolicy
     for name in ("build_offline_dataset", "normalize_samples", "save_dataset", "read_dataset", "tensorize_dataset",
-                 "load_or_build_dataset", "dataset_stats", "next_batch"):  # fmt: skip
+                 "load_or_build_dataset", "dataset_stats", "next_batch"):
         assert getattr(ilql, name) is getattr(offline, name), name
     assert set(ilql.__all__) <= set(dir(ilql))
 
@@ -477,6 +477,6 @@ def test_awac_beta_weights_the_behaviour_cloning_term_as_trlx():
     idx = data["responses"].unsqueeze(-1)
     target_q = torch.stack([out[k][:, at].gather(-1, idx).squeeze(-1) for k in ("target_q1", "target_q2")]).amin(0)
     expected, _ = awac_loss(out["logits"][:, at], data["responses"], data["action_mask"], n,
-                            advantages=(target_q - out["v"][:, at]).detach(), beta=2.0)  # fmt: skip
+                            advantages=(target_q - out["v"][:, at]).detach(), beta=2.0)
     torch.testing.assert_close(weighted, expected.detach())
     assert not torch.allclose(weighted, plain)

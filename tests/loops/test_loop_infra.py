@@ -235,7 +235,7 @@ def test_reuse_freed_memory_serves_large_tensors_from_the_heap(monkeypatch):
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (
             "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
-        )]  # fmt: skip
+        )]
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2

@@ -102,7 +102,7 @@ def fresh_update(state, batch, cfg, **changes):
     copy_state = dataclasses.replace(
         state, policy=policy, value_model=critic, policy_optimizer=opts[0], value_optimizer=opts[1],
         minibatch_generator=torch.Generator().manual_seed(0), metrics=StepMetrics(), **changes,
-    )  # fmt: skip
+    )
     update(copy_state, batch, cfg)
     return flat_weights(policy), flat_weights(critic), copy_state.metrics.reduce(DistEnv())
 
@@ -111,7 +111,7 @@ def test_phases_add_their_keys(policy_dir, tmp_path):
     cfg = make_cfg(policy_dir, tmp_path / "run")
     env, state, batch = phase_batch(cfg)
     rollout_keys = {"prompts", "prompt_mask", "responses", "action_mask", "input_ids", "attention_mask", "logprobs",
-                    "group", "prompt_text", "response_text"}  # fmt: skip
+                    "group", "prompt_text", "response_text"}
     assert rollout_keys <= set(batch.keys())
     assert batch.batch_size == torch.Size([8])
     assert batch["group"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -131,7 +131,7 @@ def test_phases_add_their_keys(policy_dir, tmp_path):
         assert batch[key].shape == batch["logprobs"].shape
         assert (batch[key][~batch["action_mask"]] == 0).all()
     assert {"rewards", "rewards_with_kl", "init_policy_kl", "advantages", "returns", "values",
-            "explained_variance"} <= set(metrics)  # fmt: skip
+            "explained_variance"} <= set(metrics)
     mask = batch["action_mask"]
     assert abs(batch["advantages"][mask].mean().item()) < 1e-5  # whitened
     assert abs(batch["advantages"][mask].std().item() - 1) < 1e-3
@@ -140,7 +140,7 @@ def test_phases_add_their_keys(policy_dir, tmp_path):
     assert update(state, batch, cfg) is batch
     stats = state.metrics.reduce(env)
     assert {"actor_loss", "critic_loss", "clipfrac", "approx_kl", "entropy", "grad_norm", "critic_grad_norm",
-            "value_clipfrac"} <= set(stats)  # fmt: skip
+            "value_clipfrac"} <= set(stats)
     assert all(math.isfinite(v) for v in stats.values())
     assert not torch.equal(before, flat_weights(state.policy))
 
@@ -235,7 +235,7 @@ def test_adaptive_kl_controller():
 
     def after(kl_per_token, cfg, n=50, length=2):
         batch = TensorDict({"logprobs": torch.full((n, length), kl_per_token), "ref_logprobs": torch.zeros(n, length),
-                            "action_mask": torch.ones(n, length, dtype=torch.bool)}, [n])  # fmt: skip
+                            "action_mask": torch.ones(n, length, dtype=torch.bool)}, [n])
         state = SimpleNamespace(kl_coef=0.1, env=DistEnv(), metrics=StepMetrics())
         kl_control(state, batch, cfg)
         assert state.metrics.reduce(DistEnv())["kl_coef"] == 0.1  # logs the coefficient the step used
@@ -260,7 +260,7 @@ def test_two_step_run_writes_the_run(policy_dir, tmp_path):
     assert train(cfg, reward=reward, prompts=PROMPTS) == run_dir
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "final/model.safetensors", "final/tokenizer.json",
                  "checkpoints/step_1/policy/model.safetensors", "checkpoints/step_2/value_model/value_head.safetensors",
-                 "checkpoints/step_2/state.json"):  # fmt: skip
+                 "checkpoints/step_2/state.json"):
         assert (run_dir / name).is_file(), name
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     rows = read_metrics(run_dir)
@@ -270,7 +270,7 @@ def test_two_step_run_writes_the_run(policy_dir, tmp_path):
                 "actor_loss", "critic_loss", "clipfrac", "approx_kl", "entropy", "value_clipfrac",
                 "explained_variance", "grad_norm", "critic_grad_norm", "response_len", "tokens_per_s",
                 "time/rollout", "time/score", "time/reference", "time/values", "time/advantages", "time/update",
-                "time/step", "epoch"}  # fmt: skip
+                "time/step", "epoch"}
     for row in rows[1:]:
         assert expected <= set(row), expected - set(row)
         assert all(v is not None and math.isfinite(v) for v in row.values())
@@ -290,7 +290,7 @@ def test_two_step_run_writes_the_run(policy_dir, tmp_path):
 @pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(policy_dir, tmp_path):
     options = dict(max_num_steps=4, save_period=2, adaptive_kl=True, kl_target=0.01, kl_horizon=20, val_period=2,
-                   value_clip_eps=0.2)  # fmt: skip
+                   value_clip_eps=0.2)
     full = make_cfg(policy_dir, tmp_path / "full", **options)
     train(full, reward=reward, prompts=PROMPTS)
     part = make_cfg(policy_dir, tmp_path / "part", **{**options, "max_num_steps": 2})

@@ -41,7 +41,7 @@ def bert_tokenizer():
     return BertTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
         mask_token="[MASK]",
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def bert_path(tmp_path_factory):
     cfg = BertConfig(
         vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=64,
-    )  # fmt: skip
+    )
     BertModel(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
@@ -106,7 +106,7 @@ def make_cfg(model, data, run_dir, **overrides):
         model=model, dataset=str(data), run_dir=str(run_dir), max_num_steps=4, batch_size=8, microbatch_size=4,
         max_length=16, learning_rate=1e-3, val_period=2, save_period=2, max_val_samples=16, progress=False,
         tensorboard=False,
-    )  # fmt: skip
+    )
     kw.update(overrides)
     return RewardModelConfig(**kw)
 
@@ -331,7 +331,7 @@ def test_reward_model_key_scores_an_online_loop(gpt2_path, tmp_path):
         task="arithmetic", policy=gpt2_path, reward_model=str(folder), run_dir=str(tmp_path / "run"), max_num_steps=1,
         num_prompts_per_step=2, num_generations_per_prompt=2, max_new_tokens=4, max_val_samples=4, progress=False,
         tensorboard=False, log_samples=4,
-    )  # fmt: skip
+    )
     run_dir = reinforce_train(cfg)
     assert json.loads((run_dir / "provenance.json").read_text())["reward"] == {
         "kind": "path",

@@ -58,7 +58,7 @@ def make_cfg(tiny_path, run_dir, **overrides):
         num_generations_per_prompt=2, max_new_tokens=4, microbatch_size=4, learning_rate=1e-3,
         max_val_samples=4, val_period=0, val_at_start=False, val_at_end=False, save_period=1, progress=False,
         tensorboard=False, log_samples=1,
-    )  # fmt: skip
+    )
     kw.update(overrides)
     return reinforce.ReinforceConfig(**kw)
 
@@ -145,7 +145,7 @@ def test_describe_reward():
 
 def test_check_resume(tmp_path):
     start = {"reward": describe_reward(reward, "arithmetic"), "prompts": describe_prompts(PROMPTS, "custom"),
-             "val_prompts": describe_prompts(VAL, "custom")}  # fmt: skip
+             "val_prompts": describe_prompts(VAL, "custom")}
     write_provenance(tmp_path, start)
     assert read_provenance(tmp_path) == start
     check_resume(tmp_path, dict(start))  # the same: goes on
@@ -176,7 +176,7 @@ def loop_cfg(loop, tiny_path, run_dir):
         task="arithmetic", policy=tiny_path, run_dir=str(run_dir), max_num_steps=2, max_new_tokens=4,
         max_val_samples=4, val_period=0, val_at_start=False, val_at_end=False, save_period=1, progress=False,
         tensorboard=False,
-    )  # fmt: skip
+    )
     if loop == "ppo":
         return ppo.PPOConfig(num_prompts_per_step=2, microbatch_size=4, **common)
     return ilql.ILQLConfig(batch_size=4, **common)
@@ -279,7 +279,7 @@ def test_ilql_resume_checks_samples(tiny_path, tmp_path):
         task="arithmetic", policy=tiny_path, run_dir=str(tmp_path / "run"), max_num_steps=1, batch_size=4,
         max_new_tokens=4, max_val_samples=2, val_period=0, val_at_start=False, val_at_end=False,
         progress=False, tensorboard=False,
-    )  # fmt: skip
+    )
     ilql.train(cfg, reward=reward, samples=samples)
     assert read_provenance(cfg.run_dir)["samples"]["count"] == 8
     more = dataclasses.replace(cfg, max_num_steps=2)

@@ -91,7 +91,7 @@ def run_small(run_dir, *, resume=False, record=None, **overrides):
         state = CountingState(
             env=run.env, tokenizer=tiny_tokenizer(32), model=model, stream=PromptStream(list(range(10)), seed=0),
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        )  # fmt: skip
+        )
         with run.timed("setup"):
             pass
         assert run.elapsed("setup") > 0 and run.elapsed("never") == 0.0
@@ -197,7 +197,7 @@ def test_skip_drops_a_step_with_a_nan_reward_and_goes_on(loop, tiny_policy, tmp_
     run_dir = tmp_path / "run"
     kw = dict(policy=tiny_policy, run_dir=str(run_dir), max_num_steps=3, num_prompts_per_step=2,
               num_generations_per_prompt=2, max_new_tokens=4, microbatch_size=4, val_at_start=False,
-              val_at_end=False, val_period=0, save_period=1, progress=False, tensorboard=False)  # fmt: skip
+              val_at_end=False, val_period=0, save_period=1, progress=False, tensorboard=False)
     with pytest.raises(ValueError, match=r"step 2, phase score: .*nan for sample 1"):
         rlbits.train(reward_fn=NanOnCall(bad=2), config=config, **kw)  # the default: stop
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_1"]

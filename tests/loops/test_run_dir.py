@@ -36,7 +36,7 @@ SMALL = [
     "max_num_steps=2", "num_prompts_per_step=2", "num_generations_per_prompt=2", "max_new_tokens=4",
     "microbatch_size=4", "max_val_samples=2", "val_period=0", "val_at_start=false", "val_at_end=false",
     "save_period=1", "progress=false", "tensorboard=false",
-]  # fmt: skip
+]
 
 
 def snapshot(folder: Path) -> dict[str, bytes | None]:

@@ -40,7 +40,7 @@ def small() -> Small:
     return Small(
         model=model, reference=torch.nn.Linear(2, 2), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         noise=torch.Generator().manual_seed(0), stream=PromptStream(["a", "b", "c"], seed=0),
-    )  # fmt: skip
+    )
 
 
 def test_the_contract_defaults():
@@ -67,7 +67,7 @@ def test_online_state_draws_num_prompts_per_step_on_every_rank():
     state = OnlineState(
         policy=torch.nn.Linear(1, 1), sampling_generator=torch.Generator(), minibatch_generator=torch.Generator(),
         stream=PromptStream([f"p{i}" for i in range(10)], seed=0), env=DistEnv(world_size=2),
-    )  # fmt: skip
+    )
     cfg = reinforce.ReinforceConfig(num_prompts_per_step=3)
     assert state.num_samples == 10 and state.samples_per_step(cfg) == 6 and state.epoch == 0
     state.stream.next(10)

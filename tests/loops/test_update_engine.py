@@ -97,7 +97,7 @@ def test_microbatches_give_the_step_of_the_whole_batch(microbatch_size, max_grad
     rows = optimize(
         state, batch, cfg_for(microbatch_size, max_grad_norm), objective,
         trained=[Trained(model, torch.optim.SGD(model.parameters(), lr=0.1))],
-    )  # fmt: skip
+    )
     norm, loss = reference_step(ref, batch, 0.1, max_grad_norm)
     torch.testing.assert_close(flat(model), flat(ref), rtol=0, atol=1e-6)
     logged = state.metrics.reduce(DistEnv())
@@ -116,7 +116,7 @@ def test_epochs_and_shuffled_minibatches_step_each_minibatch_as_a_whole():
     optimize(
         state, batch, cfg_for(1), objective, trained=[Trained(model, torch.optim.SGD(model.parameters(), lr=0.1))],
         epochs=2, num_minibatches=3, shuffle=gen,
-    )  # fmt: skip
+    )
     losses, errs, counts, norms = [], [], [], []
     for _ in range(2):
         for minibatch in split_minibatches(batch, 3, generator=ref_gen):
@@ -145,7 +145,7 @@ def test_several_optimizers_step_in_one_update_and_log_their_norms():
 
     state = state_for(a, b)
     trained = [Trained(a, torch.optim.SGD(a.parameters(), lr=0.1)),
-               Trained(b, torch.optim.SGD(b.parameters(), lr=0.05), grad_norm="b_grad_norm")]  # fmt: skip
+               Trained(b, torch.optim.SGD(b.parameters(), lr=0.05), grad_norm="b_grad_norm")]
     optimize(state, batch, cfg_for(4), two_models, trained=trained)
     norm_a, _ = reference_step(ref_a, batch, 0.1)
     mask = batch["action_mask"]
@@ -169,7 +169,7 @@ def test_a_non_finite_loss_raises_naming_where_and_leaves_the_model_untouched():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = flat(model).clone()
     with pytest.raises(NonFiniteError, match=r"^step 1, phase update, epoch 0, minibatch 0, microbatch 1: "
-                       r"non-finite loss nan \(loss=nan, err=nan\)"):  # fmt: skip
+                       r"non-finite loss nan \(loss=nan, err=nan\)"):
         optimize(state_for(model), batch, cfg_for(2), objective, trained=[Trained(model, optimizer)])
     assert torch.equal(flat(model), before)
     assert all(p.grad is None for p in model.parameters())  # the first microbatch's gradient is gone too
@@ -187,9 +187,9 @@ def test_a_non_finite_gradient_raises_and_no_optimizer_steps():
 
     before = flat(a).clone(), flat(b).clone()
     trained = [Trained(a, torch.optim.SGD(a.parameters(), lr=0.1)),
-               Trained(b, torch.optim.SGD(b.parameters(), lr=0.1), grad_norm="b_grad_norm")]  # fmt: skip
+               Trained(b, torch.optim.SGD(b.parameters(), lr=0.1), grad_norm="b_grad_norm")]
     with pytest.raises(NonFiniteError, match=r"step 1, phase update, epoch 0, minibatch 0: non-finite gradient "
-                       r"norm \(grad_norm=[0-9.e-]+, b_grad_norm=nan\); no optimizer stepped"):  # fmt: skip
+                       r"norm \(grad_norm=[0-9.e-]+, b_grad_norm=nan\); no optimizer stepped"):
         optimize(state_for(a, b), batch, cfg_for(3), inf_grad_in_b, trained=trained)
     assert torch.equal(flat(a), before[0]) and torch.equal(flat(b), before[1])  # a's finite step is not taken
     assert all(p.grad is None for m in (a, b) for p in m.parameters())
@@ -217,7 +217,7 @@ def test_several_minibatches_need_a_shuffle_generator():
         optimize(
             state_for(model), make_batch(), cfg_for(2), objective,
             trained=[Trained(model, torch.optim.SGD(model.parameters(), lr=0.1))], num_minibatches=2,
-        )  # fmt: skip
+        )
 
 
 def test_objective_runs_under_the_first_models_autocast():

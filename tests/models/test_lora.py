@@ -47,7 +47,7 @@ def tiny_path(tmp_path_factory):
 COMMON = dict(
     task="arithmetic", max_num_steps=2, max_new_tokens=5, microbatch_size=4,
     learning_rate=1e-2, max_val_samples=4, log_samples=2, progress=False, tensorboard=False, lora_rank=4,
-)  # fmt: skip
+)
 LOOPS = {
     "reinforce": (reinforce.ReinforceConfig, dict(num_prompts_per_step=4, num_generations_per_prompt=4, kl_loss_coef=0.05)),
     "ppo": (ppo.PPOConfig, dict(num_prompts_per_step=4, num_generations_per_prompt=2, ppo_epochs=1, num_minibatches=2)),
@@ -115,7 +115,7 @@ def test_config_defaults_and_overrides():
     cfg = reinforce.ReinforceConfig()
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, cfg.lora) == (
         0, None, 0.0, None, False
-    )  # fmt: skip
+    )
     cfg = load_config(
         ppo.PPOConfig, None, ["lora_rank=8", "lora_alpha=32", "lora_target_modules=[c_attn, c_fc]"]
     )
@@ -385,7 +385,7 @@ def test_torchrun_two_ranks_runs_each_loop_with_lora(loop, tiny_path, tmp_path):
     }[loop]
     run_dir = tmp_path / "run"
     common = ["max_num_steps=2", "max_new_tokens=5", "max_val_samples=4", "progress=false", "tensorboard=false",
-              "save_period=1", "val_period=0", "task=arithmetic", "lora_rank=4"]  # fmt: skip
+              "save_period=1", "val_period=0", "task=arithmetic", "lora_rank=4"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     _run(
         [

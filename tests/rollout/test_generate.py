@@ -604,7 +604,7 @@ def test_shared_prefill_equals_repeated_prompts(models, arch):
     repeated = TensorDict(
         prompts=td["prompts"].repeat_interleave(K, 0), prompt_mask=td["prompt_mask"].repeat_interleave(K, 0),
         batch_size=[td.batch_size[0] * K],
-    )  # fmt: skip
+    )
     rows = generate(models[arch], repeated, max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, generator=_gen(5))
     assert torch.equal(shared["responses"], rows["responses"])
     assert torch.equal(shared["prompts"], rows["prompts"])

@@ -173,7 +173,7 @@ def test_episodes_are_token_exact(models, arch, template, pad_is_eos, temperatur
     batch = generate_episodes(
         model, tok, envs, prompts, temperature=temperature, generator=torch.Generator().manual_seed(seed),
         logits_processor=_steer(tok),
-    )  # fmt: skip
+    )
     check(batch)
     B = len(envs)
     act, resp = batch["action_mask"], batch["response_mask"]
@@ -432,7 +432,7 @@ def test_stopping_rule_leaves_generate_exact():
         model, td, max_new_tokens=6, temperature=0.7, eos_token_id=None, pad_token_id=0,
         generator=torch.Generator().manual_seed(1),
         stopping=lambda r: torch.tensor([r.shape[1] >= s for s in stops]),
-    )  # fmt: skip
+    )
     assert ruled["action_mask"].sum(-1).tolist() == stops
     for i, s in enumerate(stops):
         assert torch.equal(ruled["responses"][i, :s], free["responses"][i, :s])
@@ -532,7 +532,7 @@ def _loop_cfg(cls, policy, run_dir, **kw):
         num_generations_per_prompt=2, microbatch_size=4, learning_rate=1e-3, max_val_samples=2,
         val_at_start=True, val_at_end=False, save_period=1, progress=False, tensorboard=False, log_samples=1,
         env_options={"turns": 2}, max_episode_tokens=40,
-    )  # fmt: skip
+    )
     values.update(kw)
     return config_from_dict(cls, values)
 
@@ -625,7 +625,7 @@ def test_resume_on_a_multi_turn_task_reproduces_the_run(toy_task, tmp_path):
         return _loop_cfg(
             reinforce.ReinforceConfig, toy_task, run_dir, loop="reinforce", baseline="grpo", max_num_steps=steps,
             val_at_start=False,
-        )  # fmt: skip
+        )
 
     prompts = ["ab", "cd", "ef", "gh"]
     full = reinforce.train(cfg(tmp_path / "a", 2), prompts=prompts, val_prompts=["ij"])
@@ -656,7 +656,7 @@ def test_dynamic_sampling_on_a_multi_turn_task(toy_task, tmp_path, monkeypatch):
         reinforce.ReinforceConfig, toy_task, tmp_path / "run", loop="reinforce", baseline="grpo",
         dynamic_sampling=True, dynamic_sampling_max_gen_batches=6, env_options={"env": "spread"},
         num_prompts_per_step=2, num_generations_per_prompt=4, max_episode_tokens=48,
-    )  # fmt: skip
+    )
     state = reinforce.init_state(cfg, DistEnv(), prompts=prompts, val_prompts=["ij"])
     state.metrics = StepMetrics()
     batch = reinforce.rollout(state, state.stream.next_batch(cfg.num_prompts_per_step), cfg)
@@ -698,7 +698,7 @@ def test_reward_subtract_reference_on_a_multi_turn_task(toy_task, tmp_path):
     cfg = _loop_cfg(
         ppo.PPOConfig, toy_task, tmp_path / "run", reward_subtract_reference=True, env_options={"env": "spread"},
         ppo_epochs=1, num_minibatches=1,
-    )  # fmt: skip
+    )
     state = ppo.init_state(cfg, DistEnv(), prompts=prompts, val_prompts=["ij"])
     assert state.reference is not None
     state.metrics = StepMetrics()

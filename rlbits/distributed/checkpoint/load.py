@@ -329,7 +329,7 @@ def restore_checkpoint(
     for path in candidates:
         try:
             saved = load_checkpoint(path, models=models, optimizers=optimizers, generators=generators, env=env,
-                                    check_state=check_state)  # fmt: skip
+                                    check_state=check_state)
         except (Exception, CheckpointException) as e:  # any failure: the previous checkpoint may still load
             warnings.warn(f"skipping checkpoint {path}: {first_line(e)}", stacklevel=2)
             failures.append((path, e))
