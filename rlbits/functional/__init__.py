@@ -25,6 +25,7 @@ from rlbits.functional.policy_losses import (
     cispo_loss,
     dppo_kl_loss,
     dppo_tv_loss,
+    dro_loss,
     geo_mean_loss,
     gpg_loss,
     gspo_loss,
@@ -34,6 +35,7 @@ from rlbits.functional.policy_losses import (
 from rlbits.functional.reward import bradley_terry_loss, pointwise_reward_loss
 
 __all__ = [
+    "dro_loss",
     "vanilla_loss",
     "sapo_loss",
     "gspo_loss",

@@ -14,8 +14,8 @@ with ``logprobs`` [B, R] float (log pi_theta of the sampled tokens, with grad), 
 half-precision inputs); ``metrics`` a dict of detached 0-dim tensors over the local action tokens (no host
 sync, so every loss compiles with ``torch.compile(fullgraph=True)``).
 
-Source of truth: verl (``verl/trainer/ppo/core_algos.py``, with ``dppo_tv`` / ``dppo_kl`` from its 2026
-releases). Conventions shared by all losses that differ from verl:
+Source of truth: verl 0.9's ``verl/trainer/ppo/core_algos.py`` (tag v0.9.0, commit 483b8a0; the file is the
+same in 0.10.0.dev). Conventions shared by all losses that differ from verl:
 
 - padding tokens never reach ``exp`` (their log-ratio is set to 0 first), so padding holding any value,
   even ``inf``, leaves the loss and gradient finite; verl computes on padding and masks afterwards.
@@ -23,12 +23,12 @@ releases). Conventions shared by all losses that differ from verl:
   reports; verl's ``ppo_kl`` is k1 ``mean(-log r)``.
 - rows without action tokens are left out of the ``seq-*`` row averages (as verl's ``agg_loss`` does).
 
-Losses of verl's registry not here: ``clip_cov`` and ``kl_cov`` pick tokens by a data-dependent count
-(``clip_cov``: a random subset via ``randperm``; ``kl_cov``: ``topk`` of a host-side list) and are not yet
-written. ``bypass_mode`` is not a loss: it forwards to ``vanilla`` or a REINFORCE loss inside verl's trainer
-depending on its rollout-correction config (the behaviour policy's logprobs standing in for the old ones),
-so in rlbits it is ``vanilla``/``gpg`` with ``old_logprobs`` from the sampler. ``dro`` was not in the verl
-source read for this module and is not written.
+Losses of verl's registry not here: ``clip_cov`` and ``kl_cov`` pick the tokens they change by a
+data-dependent count (``clip_cov``: a random subset via ``randperm``; ``kl_cov``: ``topk`` over a host-side
+copy) and are not written yet. ``bypass_mode`` is not a loss of its own: inside verl's trainer it takes the
+sampler's logprobs as ``old_log_prob``, computes rollout-correction IS weights and rejection masks from its
+``rollout_correction`` config, and forwards to ``vanilla`` or an IS-weighted REINFORCE loss; in rlbits that
+is ``vanilla`` (or ``gpg``) called with the sampler's logprobs as ``old_logprobs``, plus a rollout correction.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ __all__ = [
     "cispo_loss",
     "dppo_kl_loss",
     "dppo_tv_loss",
+    "dro_loss",
     "geo_mean_loss",
     "gpg_loss",
     "gspo_loss",
@@ -370,6 +371,47 @@ def gpg_loss(
     return loss, _detached(metrics)
 
 
+def dro_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    agg: str = "token-mean",
+    num_tokens: int | torch.Tensor | None = None,
+    num_seqs: int | torch.Tensor | None = None,
+    dro_beta: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Direct Reward Optimization with a quadratic log-ratio penalty: verl's ``loss_mode: dro``.
+
+    ``l_t = -(A_t log pi_theta(y_t) - (dro_beta / 2) (log pi_theta(y_t) - log pi_old(y_t))^2)``: the policy
+    gradient with a proximal penalty on the log-ratio in place of a clip. Direct Reward Optimisation is
+    Richemond 2024 ("Offline regularised reinforcement learning for large language models alignment",
+    arXiv:2405.19107); this is the per-token form verl writes in its ``docs/algo/dro.md``, which expects the
+    caller to supply advantages suited to DRO's soft off-policy setting.
+
+    Args:
+        logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        agg, num_tokens, num_seqs: see ``aggregate_loss``.
+        dro_beta: penalty strength, > 0; verl's ``policy_loss.dro_beta`` (no default there either).
+
+    Returns:
+        ``(loss, metrics)``: ``approx_kl``, ``ratio_mean``.
+
+    Raises:
+        ValueError: ``dro_beta`` missing or <= 0, mismatched shapes, unknown ``agg``.
+    """
+    if dro_beta is None:
+        raise ValueError("dro_loss needs dro_beta > 0 (the weight of its log-ratio penalty); got None")
+    mask, lp, _, log_ratio, adv = _prepare(logprobs, old_logprobs, advantages, action_mask, agg)
+    _checks.in_range("dro_beta", dro_beta, 0, math.inf, low_open=True, high_open=True)
+    per_token = -(lp * adv - 0.5 * dro_beta * log_ratio.square())
+    loss = aggregate_loss(per_token, mask, agg, num_tokens, num_seqs)
+    with torch.no_grad():
+        metrics = {"approx_kl": _k3(log_ratio, mask), "ratio_mean": masked_mean(torch.exp(log_ratio), mask)}
+    return loss, _detached(metrics)
+
+
 def _dppo(lp, old, log_ratio, adv, mask, agg, num_tokens, num_seqs, clip_ratio_c, valid):
     ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
     weight = torch.clamp(ratio, max=clip_ratio_c).detach()
@@ -482,5 +524,6 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tenso
     "gpg": gpg_loss,
     "dppo_tv": dppo_tv_loss,
     "dppo_kl": dppo_kl_loss,
+    "dro": dro_loss,
 }
 """verl's ``loss_mode`` name -> policy loss with the shared signature (see this module's docstring)."""

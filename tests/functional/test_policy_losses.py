@@ -1,5 +1,5 @@
 """The policy losses of ``rlbits.POLICY_LOSSES`` against slow references that follow verl's ``core_algos.py``
-(commit b178a3cd5 of volcengine/verl for all but DPPO, whose two losses come from verl's 2026 release)
+(verl v0.9.0, commit 483b8a0 of verl-project/verl; its core_algos.py is unchanged up to 1dda039, 0.10.0.dev)
 line by line, in Python loops over rows and tokens on float64 torch scalars: values and gradients."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from rlbits.functional import policy_losses
 
 B, T = 6, 7
 AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-IMPLEMENTED = {"vanilla", "gspo", "cispo", "geo_mean", "sapo", "gpg", "dppo_tv", "dppo_kl"}
+IMPLEMENTED = {"vanilla", "gspo", "cispo", "geo_mean", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro"}
 # verl's registered loss modes that rlbits does not register; the module docstring says why.
-NOT_REGISTERED = {"clip_cov", "kl_cov", "bypass_mode", "dro"}
+NOT_REGISTERED = {"clip_cov", "kl_cov", "bypass_mode"}
 HYPER = {
     "vanilla": {"clip_eps": 0.2, "clip_eps_high": 0.28, "clip_ratio_c": 1.3},
     "gspo": {"clip_eps": 0.03, "clip_eps_high": 0.04},
@@ -24,6 +24,7 @@ HYPER = {
     "geo_mean": {"clip_eps": 0.2, "clip_eps_high": 0.3},
     "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
     "gpg": {},
+    "dro": {"dro_beta": 0.7},
     "dppo_tv": {"clip_eps": 0.05, "clip_eps_high": 0.08, "clip_ratio_c": 1.3},
     "dppo_kl": {"clip_eps": 0.003, "clip_eps_high": 0.01, "clip_ratio_c": 1.3},
 }
@@ -57,12 +58,6 @@ def _agg_ref(mat, mask, mode, num_tokens=None, num_seqs=None):
                 total = total + mat[i][t] * float(mask[i, t])
                 count += int(mask[i, t])
         return total / (count if num_tokens is None else num_tokens)
-    if mode == "seq-mean-token-sum-norm":
-        total = zero
-        for i in range(B):
-            for t in range(T):
-                total = total + mat[i][t] * float(mask[i, t])
-        return total / T
     total, rows = zero, 0
     for i in range(B):
         n = int(mask[i].sum())
@@ -74,7 +69,8 @@ def _agg_ref(mat, mask, mode, num_tokens=None, num_seqs=None):
         if n > 0:
             total = total + row
             rows += 1
-    return total / (rows if num_seqs is None else num_seqs)
+    loss = total / (rows if num_seqs is None else num_seqs)
+    return loss / T if mode == "seq-mean-token-sum-norm" else loss
 
 
 def _t(x):
@@ -135,6 +131,15 @@ def ref_gpg(lp, old, adv, mask):
     return [[-lp[i, t] * adv[i, t] for t in range(T)] for i in range(B)]
 
 
+def ref_dro(lp, old, adv, mask, dro_beta):
+    mat = [[None] * T for _ in range(B)]
+    for i in range(B):
+        for t in range(T):
+            log_ratio = lp[i, t] - old[i, t]
+            mat[i][t] = -(lp[i, t] * adv[i, t] - 0.5 * dro_beta * log_ratio**2)
+    return mat
+
+
 def _ref_dppo(lp, old, adv, clip_ratio_c, keep):
     mat = [[None] * T for _ in range(B)]
     for i in range(B):
@@ -191,6 +196,7 @@ TOKEN_REFS = {
     "cispo": ref_cispo,
     "sapo": ref_sapo,
     "gpg": ref_gpg,
+    "dro": ref_dro,
     "dppo_tv": ref_dppo_tv,
     "dppo_kl": ref_dppo_kl,
 }
@@ -245,7 +251,7 @@ def test_matches_verl_reference(name, agg, seed):
 def test_global_denominators(name):
     new, old, adv, mask = _inputs(2)
     new = new.clone().requires_grad_(True)
-    for agg in ("token-mean", "seq-mean-token-mean"):
+    for agg in AGGS:
         loss, _ = rlbits.POLICY_LOSSES[name](
             new, old, adv, mask, agg=agg, num_tokens=50, num_seqs=9, **HYPER[name]
         )
@@ -315,11 +321,12 @@ def test_geo_mean_ignores_agg():
 def test_seq_mean_token_sum_norm_aggregation():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, generator=gen)
-    mask = torch.rand(3, 5, generator=gen) > 0.4
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 0, 1, 1, 1]], dtype=torch.bool)
+    mask[1] = False  # an empty row: left out of the row mean
     out = rlbits.aggregate_loss(x, mask, "seq-mean-token-sum-norm")
-    torch.testing.assert_close(out, (x * mask).sum() / 5)
-    out = rlbits.aggregate_loss(x, mask, "seq-mean-token-sum-norm", loss_scale_factor=128)
-    torch.testing.assert_close(out, (x * mask).sum() / 128)
+    torch.testing.assert_close(out, (x * mask).sum() / 2 / 5)
+    out = rlbits.aggregate_loss(x, mask, "seq-mean-token-sum-norm", num_seqs=4, loss_scale_factor=128)
+    torch.testing.assert_close(out, (x * mask).sum() / 4 / 128)
 
 
 @pytest.mark.parametrize(
@@ -331,6 +338,8 @@ def test_seq_mean_token_sum_norm_aggregation():
         ("sapo", {"tau_pos": 0.0}),
         ("dppo_tv", {"clip_ratio_c": 0.0}),
         ("gpg", {"agg": "sum"}),
+        ("dro", {}),
+        ("dro", {"dro_beta": 0.0}),
     ],
 )
 def test_bad_hyperparameters_raise(name, bad):
