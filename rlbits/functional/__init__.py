@@ -23,18 +23,22 @@ from rlbits.functional.masked import masked_mean, masked_sum, masked_var, masked
 from rlbits.functional.policy_losses import (
     POLICY_LOSSES,
     cispo_loss,
+    clip_cov_loss,
     dppo_kl_loss,
     dppo_tv_loss,
     dro_loss,
     geo_mean_loss,
     gpg_loss,
     gspo_loss,
+    kl_cov_loss,
     sapo_loss,
     vanilla_loss,
 )
 from rlbits.functional.reward import bradley_terry_loss, pointwise_reward_loss
 
 __all__ = [
+    "clip_cov_loss",
+    "kl_cov_loss",
     "dro_loss",
     "vanilla_loss",
     "sapo_loss",

@@ -23,12 +23,16 @@ same in 0.10.0.dev). Conventions shared by all losses that differ from verl:
   reports; verl's ``ppo_kl`` is k1 ``mean(-log r)``.
 - rows without action tokens are left out of the ``seq-*`` row averages (as verl's ``agg_loss`` does).
 
-Losses of verl's registry not here: ``clip_cov`` and ``kl_cov`` pick the tokens they change by a
-data-dependent count (``clip_cov``: a random subset via ``randperm``; ``kl_cov``: ``topk`` over a host-side
-copy) and are not written yet. ``bypass_mode`` is not a loss of its own: inside verl's trainer it takes the
-sampler's logprobs as ``old_log_prob``, computes rollout-correction IS weights and rejection masks from its
-``rollout_correction`` config, and forwards to ``vanilla`` or an IS-weighted REINFORCE loss; in rlbits that
-is ``vanilla`` (or ``gpg``) called with the sampler's logprobs as ``old_logprobs``, plus a rollout correction.
+``clip_cov`` and ``kl_cov`` pick the tokens they change by a count that depends on the data; they do it with
+a fixed-shape sort over the batch instead of verl's host-side ``nonzero`` / ``topk``, so they compile
+without a graph break. Their covariance statistics are over the tokens of the call (a microbatch), as in
+verl.
+
+Of verl's registry only ``bypass_mode`` is not here, as it is not a loss of its own: inside verl's trainer
+it takes the sampler's logprobs as ``old_log_prob``, computes rollout-correction IS weights and rejection
+masks from its ``rollout_correction`` config, and forwards to ``vanilla`` or an IS-weighted REINFORCE loss;
+in rlbits that is ``vanilla`` (or ``gpg``) called with the sampler's logprobs as ``old_logprobs``, plus a
+rollout correction.
 """
 
 from __future__ import annotations
@@ -45,12 +49,14 @@ from rlbits.functional.masked import masked_mean
 __all__ = [
     "POLICY_LOSSES",
     "cispo_loss",
+    "clip_cov_loss",
     "dppo_kl_loss",
     "dppo_tv_loss",
     "dro_loss",
     "geo_mean_loss",
     "gpg_loss",
     "gspo_loss",
+    "kl_cov_loss",
     "sapo_loss",
     "vanilla_loss",
 ]
@@ -412,6 +418,138 @@ def dro_loss(
     return loss, _detached(metrics)
 
 
+def _rank_descending(key: torch.Tensor) -> torch.Tensor:
+    """Each element's position when ``key`` (any shape) is sorted in descending order (0 = largest)."""
+    flat = key.reshape(-1)
+    order = torch.argsort(flat, descending=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
+    return rank.reshape(key.shape)
+
+
+def _count_at_ratio(mask: torch.Tensor, ratio: float) -> torch.Tensor:
+    """``max(int(ratio * action tokens), 1)``, as a tensor (no host sync)."""
+    return torch.floor(mask.sum().to(torch.float64) * ratio).clamp(min=1)
+
+
+def clip_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    agg: str = "token-mean",
+    num_tokens: int | torch.Tensor | None = None,
+    num_seqs: int | torch.Tensor | None = None,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov (Cui 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617, sec. 4.2):
+    verl's ``loss_mode: clip_cov``.
+
+    PPO's clipped surrogate (as ``vanilla``, without dual clip), with the gradient removed from a few tokens
+    of high covariance ``cov_t = (A_t - mean A) (log pi_t - mean log pi)`` (means over the action tokens):
+    among the tokens PPO does not already clip whose ``clip_cov_lb < cov_t < clip_cov_ub``, a uniformly
+    random subset of ``max(int(clip_cov_ratio * action tokens), 1)`` (all of them if fewer) gets loss 0.
+    This keeps entropy from collapsing.
+
+    Args:
+        logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        agg, num_tokens, num_seqs: see ``aggregate_loss``.
+        clip_eps, clip_eps_high: verl's ``clip_ratio_low`` / ``clip_ratio_high`` (>= 0).
+        clip_cov_ratio: fraction of the action tokens to detach (> 0); verl's default 0.0002.
+        clip_cov_lb, clip_cov_ub: the covariance window of the candidates; verl's defaults 1.0 and 5.0.
+        generator: the random source of the subset (``torch.rand``'s), or None for the global one.
+
+    Returns:
+        ``(loss, metrics)``: ``clipfrac`` (fraction of tokens detached by the covariance rule, verl's
+        ``pg_clipfrac``), ``approx_kl``, ``ratio_mean``.
+
+    Differs from verl: the subset is drawn by sorting random keys, not by ``randperm`` of the candidates'
+    indices: the same distribution (a uniform subset of that size), not the same draw for a given seed.
+
+    Raises:
+        ValueError: mismatched shapes, negative clip ranges, ``clip_cov_ratio <= 0``, unknown ``agg``.
+    """
+    mask, lp, _, log_ratio, adv = _prepare(logprobs, old_logprobs, advantages, action_mask, agg)
+    low, high = _clip_range(clip_eps, clip_eps_high)
+    _checks.in_range("clip_cov_ratio", clip_cov_ratio, 0, math.inf, low_open=True, high_open=True)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    with torch.no_grad():
+        lp_d = lp.detach()
+        cov = (adv - masked_mean(adv, mask)) * (lp_d - masked_mean(lp_d, mask))
+        candidate = mask & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+        key = torch.where(candidate, torch.rand(adv.shape, generator=generator, device=adv.device), -1.0)
+        detached = candidate & (_rank_descending(key) < _count_at_ratio(mask, clip_cov_ratio))
+    per_token = torch.where(detached, 0.0, torch.maximum(unclipped, clipped))
+    loss = aggregate_loss(per_token, mask, agg, num_tokens, num_seqs)
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean(detached.to(adv.dtype), mask),
+            "approx_kl": _k3(log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, _detached(metrics)
+
+
+def kl_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    agg: str = "token-mean",
+    num_tokens: int | torch.Tensor | None = None,
+    num_seqs: int | torch.Tensor | None = None,
+    kl_cov_ratio: float = 0.0002,
+    ppo_kl_coef: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov (Cui 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617, sec. 4.2):
+    verl's ``loss_mode: kl_cov``.
+
+    The unclipped surrogate ``-A_t r_t``, plus ``ppo_kl_coef |log r_t|`` on the
+    ``max(int(kl_cov_ratio * action tokens), 1)`` tokens of largest covariance
+    ``cov_t = (A_t - mean A) (log pi_t - mean log pi)`` (means over the action tokens, detached).
+
+    Args:
+        logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        agg, num_tokens, num_seqs: see ``aggregate_loss``.
+        kl_cov_ratio: fraction of the action tokens penalised (> 0); verl's default 0.0002.
+        ppo_kl_coef: weight of the ``|log r|`` penalty; verl's default 1.0.
+
+    Returns:
+        ``(loss, metrics)``: ``kl_abs`` (mean ``|log r|``, verl's ``ppo_kl`` for this loss),
+        ``penalised_frac``, ``approx_kl``, ``ratio_mean``.
+
+    Raises:
+        ValueError: mismatched shapes, ``kl_cov_ratio <= 0``, unknown ``agg``.
+    """
+    mask, lp, _, log_ratio, adv = _prepare(logprobs, old_logprobs, advantages, action_mask, agg)
+    _checks.in_range("kl_cov_ratio", kl_cov_ratio, 0, math.inf, low_open=True, high_open=True)
+    ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        lp_d = lp.detach()
+        cov = (adv - masked_mean(adv, mask)) * (lp_d - masked_mean(lp_d, mask))
+        key = torch.where(mask, cov, -math.inf)
+        penalised = mask & (_rank_descending(key) < _count_at_ratio(mask, kl_cov_ratio))
+    per_token = -adv * ratio + torch.where(penalised, ppo_kl_coef * log_ratio.abs(), 0.0)
+    loss = aggregate_loss(per_token, mask, agg, num_tokens, num_seqs)
+    with torch.no_grad():
+        metrics = {
+            "kl_abs": masked_mean(log_ratio.abs(), mask),
+            "penalised_frac": masked_mean(penalised.to(adv.dtype), mask),
+            "approx_kl": _k3(log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, _detached(metrics)
+
+
 def _dppo(lp, old, log_ratio, adv, mask, agg, num_tokens, num_seqs, clip_ratio_c, valid):
     ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
     weight = torch.clamp(ratio, max=clip_ratio_c).detach()
@@ -525,5 +663,7 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tenso
     "dppo_tv": dppo_tv_loss,
     "dppo_kl": dppo_kl_loss,
     "dro": dro_loss,
+    "clip_cov": clip_cov_loss,
+    "kl_cov": kl_cov_loss,
 }
 """verl's ``loss_mode`` name -> policy loss with the shared signature (see this module's docstring)."""

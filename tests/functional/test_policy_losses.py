@@ -14,9 +14,21 @@ from rlbits.functional import policy_losses
 
 B, T = 6, 7
 AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-IMPLEMENTED = {"vanilla", "gspo", "cispo", "geo_mean", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro"}
+IMPLEMENTED = {
+    "vanilla",
+    "gspo",
+    "cispo",
+    "geo_mean",
+    "sapo",
+    "gpg",
+    "dppo_tv",
+    "dppo_kl",
+    "dro",
+    "clip_cov",
+    "kl_cov",
+}
 # verl's registered loss modes that rlbits does not register; the module docstring says why.
-NOT_REGISTERED = {"clip_cov", "kl_cov", "bypass_mode"}
+NOT_REGISTERED = {"bypass_mode"}
 HYPER = {
     "vanilla": {"clip_eps": 0.2, "clip_eps_high": 0.28, "clip_ratio_c": 1.3},
     "gspo": {"clip_eps": 0.03, "clip_eps_high": 0.04},
@@ -25,6 +37,15 @@ HYPER = {
     "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
     "gpg": {},
     "dro": {"dro_beta": 0.7},
+    # clip_cov_ratio 1: every candidate is detached, so no random draw decides the value (see the test below)
+    "clip_cov": {
+        "clip_eps": 0.2,
+        "clip_eps_high": 0.28,
+        "clip_cov_ratio": 1.0,
+        "clip_cov_lb": 0.1,
+        "clip_cov_ub": 1.0,
+    },
+    "kl_cov": {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.5},
     "dppo_tv": {"clip_eps": 0.05, "clip_eps_high": 0.08, "clip_ratio_c": 1.3},
     "dppo_kl": {"clip_eps": 0.003, "clip_eps_high": 0.01, "clip_ratio_c": 1.3},
 }
@@ -140,6 +161,60 @@ def ref_dro(lp, old, adv, mask, dro_beta):
     return mat
 
 
+def _masked_mean_ref(x, mask):
+    vals = [x[i, t] for i in range(B) for t in range(T) if mask[i, t]]
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def _cov_ref(lp, adv, mask):
+    mean_adv = _masked_mean_ref(adv, mask)
+    mean_lp = _masked_mean_ref(lp.detach(), mask)
+    return [
+        [float((adv[i, t] - mean_adv) * (lp[i, t].detach() - mean_lp)) for t in range(T)] for i in range(B)
+    ]
+
+
+def ref_clip_cov(
+    lp, old, adv, mask, clip_eps, clip_eps_high, clip_cov_ratio, clip_cov_lb, clip_cov_ub, keys=None
+):
+    """verl's clip_cov; ``keys`` (random, [B, T]) picks the subset when there are more candidates than
+    clip_num: the candidates with the largest keys (rlbits' draw; verl draws with randperm)."""
+    mat = [[None] * T for _ in range(B)]
+    cov = _cov_ref(lp, adv, mask)
+    candidates = []
+    for i in range(B):
+        for t in range(T):
+            ratio = torch.exp(lp[i, t] - old[i, t])
+            l1 = -adv[i, t] * ratio
+            l2 = -adv[i, t] * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)
+            mat[i][t] = torch.maximum(l1, l2)
+            clip_by_origin = bool(l2 > l1) and bool(mask[i, t])
+            c = -math.inf if (not mask[i, t] or clip_by_origin) else cov[i][t]
+            if clip_cov_lb < c < clip_cov_ub and mask[i, t]:
+                candidates.append((i, t))
+    clip_num = max(int(clip_cov_ratio * int(mask.sum())), 1)
+    if len(candidates) > clip_num:
+        candidates = sorted(candidates, key=lambda it: -float(keys[it]))[:clip_num]
+    for i, t in candidates:
+        mat[i][t] = mat[i][t] * 0.0
+    return mat
+
+
+def ref_kl_cov(lp, old, adv, mask, kl_cov_ratio, ppo_kl_coef):
+    mat = [[None] * T for _ in range(B)]
+    for i in range(B):
+        for t in range(T):
+            mat[i][t] = -adv[i, t] * torch.exp(lp[i, t] - old[i, t])
+    cov = _cov_ref(lp, adv, mask)
+    valid = [(i, t) for i in range(B) for t in range(T) if mask[i, t]]
+    if valid:
+        k = max(1, int(len(valid) * kl_cov_ratio))
+        for i, t in sorted(valid, key=lambda it: -cov[it[0]][it[1]])[:k]:
+            log_ratio = lp[i, t] - old[i, t]
+            mat[i][t] = -adv[i, t] * torch.exp(log_ratio) + ppo_kl_coef * log_ratio.abs()
+    return mat
+
+
 def _ref_dppo(lp, old, adv, clip_ratio_c, keep):
     mat = [[None] * T for _ in range(B)]
     for i in range(B):
@@ -197,6 +272,8 @@ TOKEN_REFS = {
     "sapo": ref_sapo,
     "gpg": ref_gpg,
     "dro": ref_dro,
+    "clip_cov": ref_clip_cov,
+    "kl_cov": ref_kl_cov,
     "dppo_tv": ref_dppo_tv,
     "dppo_kl": ref_dppo_kl,
 }
@@ -311,6 +388,29 @@ def test_gspo_ratio_is_the_sequence_mean():
     torch.testing.assert_close(metrics["ratio_mean"], expected)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clip_cov_detaches_a_random_subset_of_the_candidates(seed):
+    new, old, adv, mask = _inputs(seed)
+    hyper = {"clip_eps": 0.2, "clip_cov_ratio": 0.1, "clip_cov_lb": 0.0, "clip_cov_ub": 5.0}
+    leaf = new.clone().requires_grad_(True)
+    loss, metrics = rlbits.clip_cov_loss(
+        leaf, old, adv, mask, generator=torch.Generator().manual_seed(7), **hyper
+    )
+    (grad,) = torch.autograd.grad(loss, leaf)
+    keys = torch.rand(B, T, generator=torch.Generator().manual_seed(7))
+    lp = new.double().requires_grad_(True)
+    ref = _agg_ref(
+        ref_clip_cov(lp, old.double(), adv.double(), mask, clip_eps_high=0.2, keys=keys, **hyper),
+        mask,
+        "token-mean",
+    )
+    (ref_grad,) = torch.autograd.grad(ref, lp)
+    _close(loss, ref)
+    _close(grad, ref_grad)
+    clip_num = max(int(0.1 * int(mask.sum())), 1)
+    torch.testing.assert_close(metrics["clipfrac"], torch.tensor(clip_num / int(mask.sum())))
+
+
 def test_geo_mean_ignores_agg():
     new, old, adv, mask = _inputs(6)
     values = [rlbits.geo_mean_loss(new, old, adv, mask, agg=agg)[0] for agg in AGGS]
@@ -340,6 +440,8 @@ def test_seq_mean_token_sum_norm_aggregation():
         ("gpg", {"agg": "sum"}),
         ("dro", {}),
         ("dro", {"dro_beta": 0.0}),
+        ("clip_cov", {"clip_cov_ratio": 0.0}),
+        ("kl_cov", {"kl_cov_ratio": -1.0}),
     ],
 )
 def test_bad_hyperparameters_raise(name, bad):
