@@ -20,10 +20,36 @@ from rlbits.functional.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_penalty
 from rlbits.functional.logprobs import entropy_from_logits, logprobs_from_logits
 from rlbits.functional.losses import aggregate_loss, ppo_loss, reinforce_loss, value_loss
 from rlbits.functional.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlbits.functional.policy_losses import (
+    POLICY_LOSSES,
+    cispo_loss,
+    clip_cov_loss,
+    dppo_kl_loss,
+    dppo_tv_loss,
+    dro_loss,
+    geo_mean_loss,
+    gpg_loss,
+    gspo_loss,
+    kl_cov_loss,
+    sapo_loss,
+    vanilla_loss,
+)
 from rlbits.functional.reward import bradley_terry_loss, pointwise_reward_loss
 
 __all__ = [
+    "clip_cov_loss",
+    "kl_cov_loss",
+    "dro_loss",
+    "vanilla_loss",
+    "sapo_loss",
+    "gspo_loss",
+    "gpg_loss",
+    "geo_mean_loss",
+    "dppo_tv_loss",
+    "dppo_kl_loss",
+    "cispo_loss",
     "KL_ESTIMATORS",
+    "POLICY_LOSSES",
     "adaptive_kl_coef",
     "aggregate_loss",
     "awac_loss",

@@ -23,6 +23,7 @@ def aggregate_loss(
     agg: str = "token-mean",
     num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None,
+    loss_scale_factor: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a [B, R] per-token loss to a scalar over action tokens.
 
@@ -31,6 +32,10 @@ def aggregate_loss(
     - ``seq-mean-token-mean``: each row's mean over its action tokens, averaged over rows (the original
       GRPO; long sequences' tokens weigh less).
     - ``seq-mean-token-sum``: each row's sum over its action tokens, averaged over rows.
+    - ``seq-mean-token-sum-norm``: ``seq-mean-token-sum`` divided by the constant ``loss_scale_factor``
+      (default ``R``, the padded length): each row's token sum over a fixed horizon instead of the row's
+      own length, Dr. GRPO's normaliser (Liu 2025, "Understanding R1-Zero-like training", sec. 3.1), as
+      verl 0.9's ``agg_loss`` defines it (rows averaged over ``num_seqs``, then divided by the factor).
 
     Rows with no action token (e.g. filtered overlong samples) are left out of the row average instead of
     counting as zeros; ``num_seqs`` overrides that row count (the global one across microbatches/ranks).
@@ -40,7 +45,10 @@ def aggregate_loss(
         action_mask: [B, R] bool.
         agg: aggregation mode.
         num_tokens: denominator of ``token-mean`` (int or 0-dim tensor); default the local token count.
-        num_seqs: denominator of the ``seq-*`` modes; default the local count of rows with action tokens.
+        num_seqs: the row-average denominator of the ``seq-*`` modes; default the local count of rows with
+            action tokens.
+        loss_scale_factor: the constant horizon of ``seq-mean-token-sum-norm`` (verl's name); default ``R``.
+            Set it to the maximum response length to keep the normaliser fixed across batches.
 
     Returns:
         0-dim tensor in the dtype of ``per_token``. An empty mask gives 0.
@@ -61,6 +69,8 @@ def aggregate_loss(
     if agg == "seq-mean-token-mean":
         row = row / row_count.clamp(min=1)
     denom = (row_count > 0).sum().clamp(min=1) if num_seqs is None else num_seqs
+    if agg == "seq-mean-token-sum-norm":
+        return row.sum() / denom / (per_token.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     return row.sum() / denom
 
 
