@@ -76,6 +76,15 @@ def in_range(
         raise ValueError(f"{name} must be in {lo}, {hi}, got {value!r}")
 
 
+def clip_range(clip_eps: float, clip_eps_high: float | None) -> tuple[float, float]:
+    """``(clip_eps, clip_eps_high)`` with ``clip_eps_high`` None meaning ``clip_eps``; raises ValueError unless
+    both are finite and >= 0."""
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    in_range("clip_eps", clip_eps, 0, math.inf, high_open=True)
+    in_range("clip_eps_high", clip_eps_high, 0, math.inf, high_open=True)
+    return clip_eps, clip_eps_high
+
+
 def finite(name: str, value: object) -> None:
     """Raise ValueError unless the Python number ``value`` is finite (tensors pass: no host sync)."""
     in_range(name, value, -math.inf, math.inf, low_open=True, high_open=True)

@@ -121,9 +121,7 @@ def ppo_loss(
     """
     _check_per_token(action_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     _checks.aggregation(agg)
-    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    _checks.in_range("clip_eps", clip_eps, 0, math.inf, high_open=True)
-    _checks.in_range("clip_eps_high", clip_eps_high, 0, math.inf, high_open=True)
+    clip_eps, clip_eps_high = _checks.clip_range(clip_eps, clip_eps_high)
     if dual_clip is not None and not (
         isinstance(dual_clip, torch.Tensor) or (_checks.is_number(dual_clip) and 1 < dual_clip < math.inf)
     ):

@@ -43,7 +43,7 @@ from collections.abc import Callable
 import torch
 
 from rlbits.functional import _checks
-from rlbits.functional.losses import _check_per_token, aggregate_loss, ppo_loss
+from rlbits.functional.losses import _check_per_token, aggregate_loss, ppo_loss, reinforce_loss
 from rlbits.functional.masked import masked_mean
 
 __all__ = [
@@ -73,13 +73,6 @@ def _prepare(logprobs, old_logprobs, advantages, action_mask, agg):
     old = torch.where(mask, old_logprobs.detach().to(dtype), zero)
     adv = advantages.detach().to(dtype)
     return mask, lp, old, lp - old, adv
-
-
-def _clip_range(clip_eps, clip_eps_high):
-    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    _checks.in_range("clip_eps", clip_eps, 0, math.inf, high_open=True)
-    _checks.in_range("clip_eps_high", clip_eps_high, 0, math.inf, high_open=True)
-    return clip_eps, clip_eps_high
 
 
 def _k3(log_ratio, mask):
@@ -176,7 +169,7 @@ def gspo_loss(
         ValueError: mismatched shapes, negative clip ranges, unknown ``agg``.
     """
     mask, lp, _, log_ratio, adv = _prepare(logprobs, old_logprobs, advantages, action_mask, agg)
-    low, high = _clip_range(clip_eps, clip_eps_high)
+    low, high = _checks.clip_range(clip_eps, clip_eps_high)
     seq_log_ratio = log_ratio.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
     log_s = lp - lp.detach() + seq_log_ratio.detach().unsqueeze(-1)
     s = torch.exp(torch.clamp(log_s, max=10.0))
@@ -224,7 +217,7 @@ def cispo_loss(
         ValueError: mismatched shapes, negative clip ranges, unknown ``agg``.
     """
     mask, lp, _, log_ratio, adv = _prepare(logprobs, old_logprobs, advantages, action_mask, agg)
-    low, high = _clip_range(clip_eps, clip_eps_high)
+    low, high = _checks.clip_range(clip_eps, clip_eps_high)
     ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
     weight = torch.clamp(ratio, 1.0 - low, 1.0 + high).detach()
     loss = aggregate_loss(-weight * adv * lp, mask, agg, num_tokens, num_seqs)
@@ -278,7 +271,7 @@ def geo_mean_loss(
     """
     del num_tokens
     mask, _, _, log_ratio, adv = _prepare(logprobs, old_logprobs, advantages, action_mask, agg)
-    low, high = _clip_range(clip_eps, clip_eps_high)
+    low, high = _checks.clip_range(clip_eps, clip_eps_high)
     sign = torch.sign(adv)
     clamped = torch.clamp(log_ratio, -low, high)
     chosen = sign * torch.minimum(sign * log_ratio, sign * clamped)
@@ -370,8 +363,8 @@ def gpg_loss(
     Raises:
         ValueError: mismatched shapes, unknown ``agg``.
     """
-    mask, lp, _, log_ratio, adv = _prepare(logprobs, old_logprobs, advantages, action_mask, agg)
-    loss = aggregate_loss(-lp * adv, mask, agg, num_tokens, num_seqs)
+    mask, _, _, log_ratio, _ = _prepare(logprobs, old_logprobs, advantages, action_mask, agg)
+    loss, _ = reinforce_loss(logprobs, advantages, action_mask, agg, num_tokens, num_seqs)
     with torch.no_grad():
         metrics = {"approx_kl": _k3(log_ratio, mask), "ratio_mean": masked_mean(torch.exp(log_ratio), mask)}
     return loss, _detached(metrics)
@@ -476,7 +469,7 @@ def clip_cov_loss(
         ValueError: mismatched shapes, negative clip ranges, ``clip_cov_ratio <= 0``, unknown ``agg``.
     """
     mask, lp, _, log_ratio, adv = _prepare(logprobs, old_logprobs, advantages, action_mask, agg)
-    low, high = _clip_range(clip_eps, clip_eps_high)
+    low, high = _checks.clip_range(clip_eps, clip_eps_high)
     _checks.in_range("clip_cov_ratio", clip_cov_ratio, 0, math.inf, low_open=True, high_open=True)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
@@ -566,7 +559,7 @@ def _dppo(lp, old, log_ratio, adv, mask, agg, num_tokens, num_seqs, clip_ratio_c
 
 
 def _dppo_args(clip_eps, clip_eps_high, clip_ratio_c):
-    low, high = _clip_range(clip_eps, clip_eps_high)
+    low, high = _checks.clip_range(clip_eps, clip_eps_high)
     _checks.in_range("clip_ratio_c", clip_ratio_c, 0, math.inf, low_open=True, high_open=True)
     return low, high
 
