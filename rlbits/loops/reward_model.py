@@ -150,8 +150,6 @@ class State(StreamState):
     optimizer: torch.optim.Optimizer = optimizer_of("model")
     val_sets: dict[str, list[Any]] = runtime(default_factory=dict)
     """Validation rows by set name (``val``, ``val_ood``, ``val_prefix``)."""
-    total_steps: int = runtime(default=1)
-    """The run's length in steps (the learning-rate schedule's)."""
 
     @property
     def trained_model(self) -> torch.nn.Module:
@@ -178,7 +176,6 @@ def init_state(
         env=env, tokenizer=tokenizer, model=model, init_path=str(path),
         optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
         stream=PromptStream(rows, cfg.seed), val_sets=val_sets,
-        total_steps=total_steps(cfg, len(rows), cfg.batch_size),
     )
 
 
@@ -244,7 +241,8 @@ def objective(state: State, micro: TensorDict, cfg: RewardModelConfig, den: Deno
 
 def update(state: State, batch: TensorDict, cfg: RewardModelConfig) -> TensorDict:
     """Phase 2: one optimizer step on ``objective`` over microbatches of ``microbatch_size`` rows
-    (``rlbits.loops.update.optimize``) at the learning rate of ``learning_rate(step, state.total_steps)``.
+    (``rlbits.loops.update.optimize``) at the learning rate of ``learning_rate(step, total)``, ``total`` the
+    run's length as ``Run`` computes it (``total_steps`` of the state's data size).
     Dropout noise is seeded by ``(seed, step)`` (a resumed run repeats it). Adds ``loss``, ``accuracy``,
     ``grad_norm``, ``reward_mean``, ``reward_std`` (of the step's scores) and ``lr`` to ``state.metrics``.
     Returns ``batch``.
@@ -252,7 +250,7 @@ def update(state: State, batch: TensorDict, cfg: RewardModelConfig) -> TensorDic
     Raises:
         NonFiniteError: a non-finite loss or gradient (the model is left untouched).
     """
-    lr = learning_rate(state.step, state.total_steps, cfg)
+    lr = learning_rate(state.step, total_steps(cfg, state.num_samples, state.samples_per_step(cfg)), cfg)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
     state.model.train()
