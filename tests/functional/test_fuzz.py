@@ -14,14 +14,13 @@ import contextlib
 import dataclasses
 import json
 import math
-import threading
 import types
 import typing
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 import torch
+from http_support import fake_server
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -510,39 +509,6 @@ def test_check_rewards_overflowing_ints_are_named():
 # --------------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def fake_server(respond):
-    """A stdlib HTTP server whose POST answer is ``respond(state) -> (status, body)``; counts requests."""
-    state = {"count": 0, "release": threading.Event()}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            state["count"] += 1
-            status, body = respond(state)
-            try:
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-            except OSError:  # the client gave up (timeout test)
-                pass
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02})
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", state
-    finally:
-        state["release"].set()
-        server.shutdown()
-        thread.join()
-        server.server_close()
-
-
 ANSWERS = st.one_of(
     st.tuples(st.sampled_from([200]), st.sampled_from([
         b"", b"null", b"[]", b"{}", b"not json", b"\xff\xfe", b'{"rewards": null}', b'{"rewards": {}}',
@@ -564,7 +530,7 @@ def test_malformed_server_answers_are_rejected_clearly(answer):
     from rlbits.rollout.score import RewardServerError
 
     status, body = answer
-    with fake_server(lambda state: (status, body)) as (url, state):
+    with fake_server(lambda state: (status, body), poll_interval=0.02) as (url, state):
         client = RewardClient(url, retries=1, backoff=0.0, timeout=5)
         try:
             got = score_texts(["a", "b"], ["c", "d"], client)
@@ -593,7 +559,7 @@ def test_slow_server_times_out_quickly_and_names_the_url():
         state["release"].wait(5)
         return 200, b'{"rewards": [1, 2]}'
 
-    with fake_server(slow) as (url, _):
+    with fake_server(slow, poll_interval=0.02) as (url, _):
         t0 = time.perf_counter()
         with pytest.raises(RewardServerError, match=rf"{url}.*timed out"):
             score_texts(["a", "b"], ["c", "d"], RewardClient(url, timeout=0.3, retries=2))
@@ -606,7 +572,7 @@ def test_oversized_answer_is_rejected(monkeypatch):
 
     monkeypatch.setattr(rc, "_MAX_RESPONSE_BYTES", 1000)
     body = json.dumps({"rewards": [0.5, 0.5], "pad": "x" * 5000}).encode()
-    with fake_server(lambda state: (200, body)) as (url, _):
+    with fake_server(lambda state: (200, body), poll_interval=0.02) as (url, _):
         with pytest.raises(RewardServerError, match="more than 1000 bytes"):
             score_texts(["a", "b"], ["c", "d"], rc.RewardClient(url, retries=0))
 

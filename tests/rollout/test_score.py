@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
@@ -12,11 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 import torch
+from http_support import fake_server
 from tensordict import TensorDict
 
 from rlbits.cli import build_parser
@@ -526,39 +525,6 @@ def test_server_paths_methods_and_reward_failures():
         ):
             client(["a", "b", "c"], ["ok", "ok", "nan"])
         assert client([], []) == []
-
-
-@contextlib.contextmanager
-def fake_server(respond):
-    """A server whose POST answer is ``respond(count) -> (status, body bytes)``; counts requests."""
-    state = {"count": 0, "release": threading.Event()}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            state["count"] += 1
-            status, body = respond(state)
-            try:
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-            except OSError:  # the client gave up (timeout test)
-                pass
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", state
-    finally:
-        state["release"].set()
-        server.shutdown()
-        thread.join()
-        server.server_close()
 
 
 @pytest.mark.parametrize(
