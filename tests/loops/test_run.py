@@ -17,7 +17,7 @@ from rlbits.loops import ilql, ppo, reinforce, reward_model
 from rlbits.loops.config import PolicyConfig, RunConfig
 from rlbits.loops.provenance import ResumeMismatchError
 from rlbits.loops.run import Run, read_metrics, total_steps
-from rlbits.loops.state import LoopState, optimizer_of
+from rlbits.loops.state import LoopState, StreamState, optimizer_of
 from rlbits.models.load import load_policy
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
@@ -40,24 +40,16 @@ def test_total_steps_rounds_the_last_pass_up_and_caps_at_max_num_steps():
 
 
 @dataclasses.dataclass(kw_only=True)
-class CountingState(LoopState):
-    """A loop that nudges a tiny LM's weights and 'trains' on prompts of 3 tokens each."""
+class CountingState(StreamState):
+    """A loop that nudges a tiny LM's weights and 'trains' on prompts of 3 tokens each (its epochs and
+    length are its stream's: ``StreamState``)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer = optimizer_of("model")
-    stream: PromptStream
 
     @property
     def trained_model(self) -> torch.nn.Module:
         return self.model
-
-    @property
-    def epoch(self) -> int:
-        return self.stream.epoch
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.stream)
 
     def samples_per_step(self, cfg):
         return 4
