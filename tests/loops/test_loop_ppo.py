@@ -383,7 +383,7 @@ def test_reward_subtract_reference_run(policy_dir, tmp_path):
             "num_minibatches .* must be <= num_prompts_per_step",
         ),
         ({"clip_eps": -0.1}, "clip_eps must be >= 0"),
-        ({"dual_clip": 1.0}, "dual_clip must be > 1"),
+        ({"policy_loss_kwargs": {"clip_ratio_c": 1.0}}, "policy_loss 'vanilla' .*clip_ratio_c.*must be > 1"),
         ({"lam": 1.5}, r"lam must be in \[0, 1\]"),
         ({"critic_lam": -1.0}, r"critic_lam must be in \[0, 1\]"),
         ({"reward_clip": 0.0}, "reward_clip must be > 0 or null"),
