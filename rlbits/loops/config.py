@@ -356,10 +356,12 @@ class PolicyGradientConfig(OnlineConfig):
     """Optimizer steps per pass over a rollout batch: the batch is shuffled (whole prompt groups, seeded) and
     dealt into this many minibatches (at most ``num_prompts_per_step``)."""
     clip_eps: float = ranged(0.2, ge=0)
-    """Lower clip range of the importance ratio (and upper, unless ``clip_eps_high``): ratios outside
-    [1 - clip_eps, 1 + clip_eps_high] get no gradient (REINFORCE: when clipping is active)."""
+    """Lower clip range of the importance ratio (and upper, unless ``clip_eps_high``), verl's
+    ``actor.clip_ratio_low``: for ``vanilla``, ratios outside [1 - clip_eps, 1 + clip_eps_high] get no gradient
+    (REINFORCE: when clipping is active). ``dppo_tv`` / ``dppo_kl`` read it as a divergence bound; losses
+    without a clip range (``sapo``, ``gpg``, ``dro``, ``kl_cov``) ignore it."""
     clip_eps_high: float | None = ranged(None, gt=0)
-    """Upper clip range (DAPO clip-higher, e.g. 0.28); None = ``clip_eps``."""
+    """Upper clip range (DAPO clip-higher, e.g. 0.28), verl's ``actor.clip_ratio_high``; None = ``clip_eps``."""
     loss_agg: Literal[
         "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
     ] = "token-mean"
