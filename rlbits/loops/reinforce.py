@@ -306,7 +306,7 @@ def objective(
         token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
         kl = aggregate_loss(token_kl, mask, **agg)
     loss = (
-        pg_loss  # policy gradient: -A log pi, or policy_loss (vanilla: -min(r A, clip(r) A)) when clipped
+        pg_loss  # policy_loss; vanilla: -A log pi, or -min(r A, clip(r) A) when clipped
         + cfg.kl_loss_coef * kl  # KL to the reference policy
     )
     w = mask.sum()
