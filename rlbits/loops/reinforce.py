@@ -10,8 +10,9 @@ Algorithm (one step)::
                         = (r'_i - mean_g r') / (std_g r' + eps)              (grpo; Shao 2024)
                         = r'_i - mean_g r'                                  (dr_grpo; Liu 2025)
                         = r'_i                                              (none; Williams 1992)
-    5. update      loss = pg_loss + kl_loss_coef * agg(KL_t(pi_theta || pi_ref)); pg_loss is -A log pi, or
-                   the clipped PPO loss with num_iterations or num_minibatches > 1 (DAPO clip-higher)
+    5. update      loss = pg_loss + kl_loss_coef * agg(KL_t(pi_theta || pi_ref)); pg_loss is policy_loss
+                   (rlbits.POLICY_LOSSES: vanilla = the clipped PPO loss, DAPO clip-higher; gspo, cispo, ...),
+                   and -A log pi for vanilla with one iteration and one minibatch (the ratio is 1)
     6. log, validate and save (rlbits.loops.run.Run)
 
 docs/reinforce.md: the papers, how rlbits departs from them, the metrics and how to launch a run.
@@ -33,12 +34,12 @@ from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_max, any_rank
 from rlbits.functional import (
+    POLICY_LOSSES,
     aggregate_loss,
     group_normalize,
     kl_penalty,
     masked_mean,
     masked_sum,
-    ppo_loss,
     reinforce_loss,
     rloo_baseline,
 )
@@ -277,35 +278,39 @@ def objective(
     state: State, micro: TensorDictBase, cfg: ReinforceConfig, den: Denominators
 ) -> tuple[torch.Tensor, dict]:
     """REINFORCE's loss on one microbatch, aggregated (``loss_agg``) over the minibatch's global counts of
-    ``loss_mask``: the policy gradient of the group-baselined advantages, ``-A log pi`` (Williams 1992), or
-    PPO's clipped surrogate when ``cfg.clipped``, plus ``kl_loss_coef * KL(pi || pi_ref)`` (GRPO).
+    ``loss_mask``: the policy gradient of the group-baselined advantages, plus ``kl_loss_coef * KL(pi ||
+    pi_ref)`` (GRPO). The policy gradient is ``cfg.policy_loss`` (``rlbits.POLICY_LOSSES``, called with
+    ``cfg.policy_loss_args``); for ``vanilla`` (PPO's clipped surrogate) only when ``cfg.clipped``, and
+    ``-A log pi`` (Williams 1992; the same gradient at ratio 1) otherwise. Any other loss runs on every pass:
+    on the first pass over on-policy data its ratio is 1, so it moves off 1 only with ``num_iterations`` or
+    ``num_minibatches`` > 1.
 
     Stats: ``actor_loss``, ``kl_loss`` (shares of the minibatch's values) and the loss-token means over the
-    step of ``clipfrac`` (0 unclipped), ``approx_kl`` (k3 of KL(pi_old || pi) on the sampled tokens, as
-    ``ppo_loss``) and ``entropy``.
+    step of ``entropy`` and the loss's metrics (``phases.policy_loss_stats``): ``clipfrac`` (0 unclipped),
+    ``approx_kl`` (k3 of KL(pi_old || pi) on the sampled tokens), and with a loss other than ``vanilla``
+    the rest of its metrics (``ratio_mean``, ...).
     """
-    mask, agg = micro["loss_mask"], den.agg(cfg.loss_agg)
+    mask, agg = micro["loss_mask"], den.agg(cfg.loss_agg, cfg.loss_scale_factor)
     logprobs, entropy = (x.float() for x in policy_logprobs(
         state.policy, micro, temperature=cfg.temperature, return_entropy=True, entropy_grad=False, **head_args(cfg)
     ))
-    if cfg.clipped:
-        pg_loss, ratio = kernel(ppo_loss, cfg)(
-            logprobs, micro["logprobs"], micro["advantages"], mask, cfg.clip_eps, cfg.clip_eps_high, **agg
+    if cfg.clipped or cfg.policy_loss != "vanilla":
+        pg_loss, ratio = kernel(POLICY_LOSSES[cfg.policy_loss], cfg)(
+            logprobs, micro["logprobs"], micro["advantages"], mask, **agg, **cfg.policy_loss_args
         )
     else:  # the ratio is 1: clipfrac 0; approx_kl as ppo_loss's, the k3 estimate of KL(pi_old || pi)
         pg_loss, _ = kernel(reinforce_loss, cfg)(logprobs, micro["advantages"], mask, **agg)
-        approx_kl = masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)
-        ratio = {"clipfrac": torch.zeros(()), "approx_kl": approx_kl}
+        ratio = {"approx_kl": masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)}
     kl = torch.zeros(())
     if cfg.kl_loss_coef > 0:
         token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
         kl = aggregate_loss(token_kl, mask, **agg)
     loss = (
-        pg_loss  # policy gradient: -A log pi, or -min(r A, clip(r) A) when clipped
+        pg_loss  # policy_loss; vanilla: -A log pi, or -min(r A, clip(r) A) when clipped
         + cfg.kl_loss_coef * kl  # KL to the reference policy
     )
     w = mask.sum()
-    means = {"clipfrac": ratio["clipfrac"], "approx_kl": ratio["approx_kl"], "entropy": masked_mean(entropy, mask)}
+    means = {**phases.policy_loss_stats(ratio, cfg), "entropy": masked_mean(entropy, mask)}
     return loss, {"actor_loss": pg_loss.detach(), "kl_loss": kl.detach(), **{k: (v * w, w) for k, v in means.items()}}
 
 

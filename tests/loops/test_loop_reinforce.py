@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from metrics_compare import untimed_by_step
 from tensordict import TensorDict
 
 from rlbits.distributed.env import DistEnv
+from rlbits.functional import POLICY_LOSSES
 from rlbits.loops import reinforce
 from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops.metrics import StepMetrics
@@ -24,7 +26,9 @@ from rlbits.loops.reinforce import (
     update,
 )
 from rlbits.loops.run import read_metrics
+from rlbits.loops.runtime import head_args
 from rlbits.loops.update import Denominators
+from rlbits.models.forward import policy_logprobs
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
 V = 32
@@ -223,6 +227,75 @@ def test_non_finite_loss_names_step_and_phase(tiny_path, tmp_path):
         update(state, batch, cfg)
 
 
+# --- the policy losses (rlbits.POLICY_LOSSES) ------------------------------------------------------------
+
+LOSS_KWARGS = {"dro": {"dro_beta": 0.1}, "clip_cov": {"clip_cov_ratio": 0.2}, "kl_cov": {"kl_cov_ratio": 0.2}}
+
+
+@pytest.fixture(scope="module")
+def scored_batch(tiny_path, tmp_path_factory):
+    """One rollout of the tiny policy with its GRPO advantages (16 rows), shared by the policy-loss tests."""
+    cfg = make_cfg(tiny_path, tmp_path_factory.mktemp("losses"), baseline="grpo")
+    batch, _ = sample_batch(init_state(cfg, DistEnv()), cfg, length_reward)
+    advantages(batch, cfg)
+    return batch
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_every_policy_loss_trains_and_logs_its_metrics(name, tiny_path, tmp_path, scored_batch):
+    """Two passes (the second one's ratios are off 1): a finite loss, the weights move, the loss's metrics are
+    logged as step means."""
+    cfg = make_cfg(
+        tiny_path, tmp_path, baseline="grpo", num_iterations=2, policy_loss=name,
+        policy_loss_kwargs=LOSS_KWARGS.get(name, {}),
+    )
+    state = init_state(cfg, DistEnv())
+    before = torch.cat([p.detach().flatten() for p in state.policy.parameters()])
+    update(state, scored_batch.clone(), cfg)
+    logged = state.metrics.reduce(DistEnv())
+    b = scored_batch
+    _, own = POLICY_LOSSES[name](b["logprobs"], b["logprobs"], b["advantages"], b["loss_mask"], **cfg.policy_loss_args)
+    names = {"actor_loss", "clipfrac", "approx_kl", "entropy", "grad_norm"} | (set(own) if name != "vanilla" else set())
+    assert names <= set(logged)
+    assert all(math.isfinite(logged[k]) for k in names)
+    assert logged["approx_kl"] > 0  # the second pass ran off-policy
+    assert not torch.equal(before, torch.cat([p.detach().flatten() for p in state.policy.parameters()]))
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo"])
+def test_the_objective_calls_the_registered_loss(name, tiny_path, tmp_path, scored_batch):
+    """The objective's policy term is ``POLICY_LOSSES[name]`` on the same microbatch: value and gradient."""
+    cfg = make_cfg(
+        tiny_path, tmp_path, baseline="grpo", policy_loss=name, clip_eps=0.05, clip_eps_high=0.08,
+        loss_agg="seq-mean-token-mean",
+    )
+    state = init_state(cfg, DistEnv())
+    micro = scored_batch.clone()
+    noise = 0.1 * torch.randn(micro["logprobs"].shape, generator=torch.Generator().manual_seed(0))
+    micro["logprobs"] = micro["logprobs"] + noise  # an old policy off the current one: ratios != 1
+    mask = micro["loss_mask"]
+    den = Denominators(num_tokens=mask.sum().float() + 5, num_seqs=torch.tensor(19.0), num_rows=torch.tensor(19.0))
+    params = [p for p in state.policy.parameters() if p.requires_grad]
+
+    loss, stats = objective(state, micro, cfg, den)
+    got = torch.autograd.grad(loss, params, allow_unused=True)
+    logprobs = policy_logprobs(state.policy, micro, temperature=cfg.temperature, **head_args(cfg)).float()
+    want, metrics = POLICY_LOSSES[name](
+        logprobs, micro["logprobs"], micro["advantages"], mask, agg="seq-mean-token-mean",
+        num_tokens=den.num_tokens, num_seqs=den.num_seqs, clip_eps=0.05, clip_eps_high=0.08,
+    )
+    expected = torch.autograd.grad(want, params, allow_unused=True)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
+    for g, e in zip(got, expected, strict=True):
+        assert (g is None) == (e is None)
+        if g is not None:
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+    assert metrics["clipfrac"] > 0  # the clip range acts on this batch
+    for key in ("clipfrac", "approx_kl", "ratio_mean"):
+        total, count = stats[key]
+        torch.testing.assert_close(total / count, metrics[key])
+
+
 # --- the whole loop ------------------------------------------------------------------------------------
 
 
@@ -321,6 +394,8 @@ def test_resume_without_checkpoint_is_an_error(tiny_path, tmp_path):
         ({"loop": "ppo"}, "loop must be 'reinforce'"),
         ({"num_generation_per_prompt": 4}, "did you mean num_generations_per_prompt"),
         ({"dynamic_sampling": "yes"}, "dynamic_sampling must be bool"),
+        ({"policy_loss": "ppo"}, "policy_loss must be one of vanilla, gspo"),
+        ({"policy_loss": "cispo", "policy_loss_kwargs": {"tau_pos": 1.0}}, "not a hyperparameter of policy_loss"),
     ],
 )
 def test_config_errors(values, match):
@@ -335,7 +410,9 @@ def test_config_defaults_and_plain_reinforce():
         cfg.kl_coef = 1.0  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("name", ["rloo_arithmetic.yaml", "grpo_arithmetic.yaml"])
+@pytest.mark.parametrize(
+    "name", ["rloo_arithmetic.yaml", "grpo_arithmetic.yaml", "gspo_arithmetic.yaml", "cispo_arithmetic.yaml"]
+)
 def test_shipped_configs_load(name):
     from pathlib import Path
 
