@@ -11,6 +11,7 @@ import torch
 from metrics_compare import untimed_by_step
 from tensordict import TensorDict
 
+import rlbits
 from rlbits.distributed.env import DistEnv
 from rlbits.loops import reinforce
 from rlbits.loops.config import ConfigError, config_from_dict
@@ -68,7 +69,7 @@ def make_cfg(tiny_path, tmp_path, **overrides):
 
 def advantages(batch, cfg):
     """The advantages phase on a hand-made batch; returns the metrics it logged."""
-    state = SimpleNamespace(metrics=StepMetrics())
+    state = SimpleNamespace(metrics=StepMetrics(), env=DistEnv())
     reinforce.advantages(state, batch, cfg)
     return {k: torch.tensor(v) for k, v in state.metrics.reduce(DistEnv()).items()}
 
@@ -110,13 +111,13 @@ def test_rloo_advantages_broadcast_over_action_tokens():
 
 def test_grpo_and_dr_grpo_advantages():
     batch = hand_batch([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0], [1] * 8)
-    cfg = ReinforceConfig(num_generations_per_prompt=4, num_prompts_per_step=2, baseline="grpo")
+    cfg = ReinforceConfig(num_generations_per_prompt=4, num_prompts_per_step=2, adv_estimator="grpo")
     advantages(batch, cfg)
     std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std()
     expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-6)
     torch.testing.assert_close(batch["advantages"][:4, 0], expected)
     assert torch.equal(batch["advantages"][4:], torch.zeros(4, 1))  # zero spread -> zero advantage
-    advantages(batch, dataclasses.replace(cfg, baseline="dr_grpo"))  # Dr. GRPO: no division by the std
+    advantages(batch, dataclasses.replace(cfg, adv_estimator="dr_grpo"))  # Dr. GRPO: no division by the std
     torch.testing.assert_close(batch["advantages"][:4, 0], torch.tensor([0.75, -0.25, -0.25, -0.25]))
 
 
@@ -134,6 +135,34 @@ def test_kl_in_reward_is_subtracted_before_the_baseline():
     # the config's clamp reaches the kernel: KL 0.5 per token clamped to 0.2 -> sequence KL 0.4 and 0.8
     m = advantages(batch, dataclasses.replace(cfg, kl_clamp=0.2))
     assert m["rewards_with_kl"].item() == pytest.approx((1.0 - 0.04 + 1.0 - 0.08) / 2)
+
+
+def test_loop_advantages_are_the_registry_estimators():
+    """The advantages phase is ``ADVANTAGE_ESTIMATORS[adv_estimator]`` on the batch's token rewards: the
+    per-token estimators see each token's KL penalty (verl's token_level_rewards), the others the sequence's."""
+    batch = hand_batch([1.0, 0.0, 2.0, 2.0], [2, 4, 3, 1], kl=0.5)
+    kl = torch.where(batch["action_mask"], 0.5, 0.0)
+    base = dict(num_generations_per_prompt=2, num_prompts_per_step=2, kl_in_reward=True, kl_coef=0.1)
+    cfg = ReinforceConfig(adv_estimator="reinforce_plus_plus", gamma=0.9, **base)
+    advantages(batch, cfg)
+    token_level = rlbits.token_rewards(batch["rewards"], batch["action_mask"], kl, 0.1)
+    want, _ = rlbits.reinforce_plus_plus_advantage(token_level, batch["action_mask"], gamma=0.9)
+    torch.testing.assert_close(batch["advantages"], want)
+    m = advantages(batch, dataclasses.replace(cfg, adv_estimator="opo", gamma=1.0))
+    shaped = batch["rewards"] - 0.1 * kl.sum(-1)
+    want, _ = rlbits.opo_advantage(rlbits.token_rewards(shaped, batch["action_mask"]), batch["action_mask"], group_size=2)
+    torch.testing.assert_close(batch["advantages"], want)
+    assert m["baseline"].item() == pytest.approx(shaped.mean().item())  # the group means' mean
+
+
+def test_remax_advantages_subtract_the_greedy_reward():
+    batch = hand_batch([1.0, 0.0, 2.0, 2.0], [2, 3, 1, 2])
+    batch["reward_baselines"] = torch.tensor([0.5, 0.5, 3.0, 3.0])
+    cfg = ReinforceConfig(num_generations_per_prompt=2, num_prompts_per_step=2, adv_estimator="remax")
+    m = advantages(batch, cfg)
+    expected = torch.tensor([0.5, -0.5, -1.0, -1.0])
+    assert torch.equal(batch["advantages"], torch.where(batch["action_mask"], expected[:, None], 0.0))
+    assert m["baseline"].item() == pytest.approx(1.75)
 
 
 def test_overlong_filtering_masks_truncated_rows_out_of_the_loss():
@@ -230,7 +259,7 @@ def test_non_finite_loss_names_step_and_phase(tiny_path, tmp_path):
 def test_two_step_smoke_run(tiny_path, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    cfg = make_cfg(tiny_path, tmp_path, baseline="grpo", kl_loss_coef=0.05, tensorboard=True)
+    cfg = make_cfg(tiny_path, tmp_path, adv_estimator="grpo", kl_loss_coef=0.05, tensorboard=True)
     run_dir = train(cfg, reward=length_reward)
     assert {"config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "final"} <= {
         p.name for p in run_dir.iterdir()
@@ -273,6 +302,22 @@ def test_two_step_smoke_run(tiny_path, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("estimator", reinforce.ADV_ESTIMATORS)
+def test_every_estimator_runs(tiny_path, tmp_path, estimator):
+    """One step of each estimator on the tiny setup, with the KL in the reward (per token for the per-token
+    estimators); remax adds its greedy phase."""
+    cfg = make_cfg(
+        tiny_path, tmp_path, adv_estimator=estimator, max_num_steps=1, num_prompts_per_step=2, kl_in_reward=True,
+        kl_coef=0.05, val_at_start=False, val_at_end=False, save_period=0, log_samples=0,
+        gamma=0.9 if estimator == "reinforce_plus_plus" else 1.0,
+    )
+    (row,) = read_metrics(train(cfg, reward=length_reward))
+    assert all(v == v for v in row.values() if isinstance(v, float)), row  # no NaN
+    assert ("greedy_rewards" in row) == ("time/greedy" in row) == (estimator == "remax")
+    assert row["loss_tokens"] > 0
+
+
+@pytest.mark.slow
 def test_exact_resume(tiny_path, tmp_path):
     # every piece of state in play: clipping with minibatch shuffles, dynamic sampling, KL in reward and loss
     opts = dict(
@@ -309,8 +354,12 @@ def test_resume_without_checkpoint_is_an_error(tiny_path, tmp_path):
 @pytest.mark.parametrize(
     "values, match",
     [
-        ({"baseline": "ppo"}, "baseline must be one of"),
+        ({"adv_estimator": "ppo"}, "adv_estimator must be one of"),
         ({"num_generations_per_prompt": 1}, "num_generations_per_prompt must be >= 2"),
+        ({"num_generations_per_prompt": 1, "adv_estimator": "opo"}, "adv_estimator='opo'"),
+        ({"gamma": 0.9}, "gamma=0.9 has no effect with adv_estimator='rloo'"),
+        ({"gamma": 1.5, "adv_estimator": "reinforce_plus_plus"}, "gamma"),
+        ({"adv_estimator": "gae"}, "adv_estimator must be one of"),
         ({"kl_coef": 0.1}, "kl_in_reward"),
         ({"kl_in_reward": True}, "kl_coef > 0"),
         ({"kl_estimator": "k4"}, "kl_estimator must be one of"),
@@ -329,8 +378,11 @@ def test_config_errors(values, match):
 
 
 def test_config_defaults_and_plain_reinforce():
-    cfg = config_from_dict(ReinforceConfig, {"baseline": "none", "num_generations_per_prompt": 1})
+    cfg = config_from_dict(ReinforceConfig, {"adv_estimator": "none", "num_generations_per_prompt": 1})
     assert cfg.loop == "reinforce" and not cfg.clipped
+    for name in ("reinforce_plus_plus", "remax"):  # no groups: one response per prompt is enough
+        config_from_dict(ReinforceConfig, {"adv_estimator": name, "num_generations_per_prompt": 1})
+    assert set(reinforce.ADV_ESTIMATORS) <= set(rlbits.ADVANTAGE_ESTIMATORS)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.kl_coef = 1.0  # type: ignore[misc]
 
@@ -369,9 +421,9 @@ def test_stop_request_ends_after_the_step_with_a_checkpoint(tiny_path, tmp_path)
 def test_reference_skipped_when_no_term_uses_it(tiny_path, tmp_path):
     """GRPO without KL terms (TRL's beta = 0): no reference model, no init_policy_kl, the same training as
     with the reference kept for monitoring."""
-    base = dict(baseline="grpo", kl_loss_coef=0.0)
+    base = dict(adv_estimator="grpo", kl_loss_coef=0.0)
     assert not make_cfg(tiny_path, tmp_path / "x", **base).uses_ref_logprobs
-    assert make_cfg(tiny_path, tmp_path / "x", baseline="grpo", kl_loss_coef=0.05).uses_ref_logprobs
+    assert make_cfg(tiny_path, tmp_path / "x", adv_estimator="grpo", kl_loss_coef=0.05).uses_ref_logprobs
     assert make_cfg(tiny_path, tmp_path / "x", kl_in_reward=True, kl_coef=0.1).uses_ref_logprobs
     state = reinforce.init_state(make_cfg(tiny_path, tmp_path / "x", **base), DistEnv(), reward=length_reward)
     assert state.reference is None
