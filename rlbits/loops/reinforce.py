@@ -1,11 +1,12 @@
-"""REINFORCE with a group baseline: RLOO, GRPO, Dr. GRPO (and DAPO's dynamic sampling / clip-higher).
+"""REINFORCE with a group baseline: RLOO, GRPO, Dr. GRPO, verl's other critic-free advantage estimators (and DAPO's
+dynamic sampling / clip-higher).
 
 Algorithm (one step)::
 
     1. rollout     K = num_generations_per_prompt responses for each of num_prompts_per_step prompts
     2. score       sequence reward r_i per response (dynamic_sampling: keep informative groups only)
+       greedy      (remax only) one greedy response per prompt, scored: its reward is the baseline
     3. reference   log pi_ref of the sampled tokens (init_policy_kl; the KL terms)
-       greedy      (remax) one greedy response per prompt, scored: the baseline b
     4. advantages  r'_i = r_i - kl_coef * sum_t KL_t                        (kl_in_reward)
                    A_i  = r'_i - mean_{j != i} r'_j                         (rloo; Kool 2019, Ahmadian 2024)
                         = (r'_i - mean_g r') / (std_g r' + eps)              (grpo; Shao 2024)
@@ -86,7 +87,7 @@ class ReinforceConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
     loop: str = "reinforce"
     """Which loop runs this config; ``reinforce`` for this one."""
     num_generations_per_prompt: int = 4
-    """K responses per prompt (>= 2 for the rloo/grpo baselines); a prompt's K responses form its group."""
+    """K responses per prompt (>= 2 for the estimators of ``GROUPED``); a prompt's K responses form its group."""
     adv_estimator: Literal[
         "rloo", "grpo", "dr_grpo", "none", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
         "gpg", "grpo_passk",
