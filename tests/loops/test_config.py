@@ -30,7 +30,7 @@ from rlbits.loops.config import (
 from rlbits.loops.config_fields import Range, field_docs, field_ranges
 from rlbits.loops.ilql import ILQLConfig
 from rlbits.loops.ppo import PPOConfig
-from rlbits.loops.reinforce import BASELINES, ReinforceConfig
+from rlbits.loops.reinforce import ADV_ESTIMATORS, ReinforceConfig
 from rlbits.loops.reward_model import RewardModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,8 +82,8 @@ def test_every_config_field_has_a_docstring_and_no_long_line():
         assert not long, f"{path.name}: lines {long} are over 120 characters"
 
 
-def test_the_baseline_literal_is_BASELINES():
-    assert typing.get_args(typing.get_type_hints(ReinforceConfig)["baseline"]) == BASELINES
+def test_the_adv_estimator_literal_is_ADV_ESTIMATORS():
+    assert typing.get_args(typing.get_type_hints(ReinforceConfig)["adv_estimator"]) == ADV_ESTIMATORS
 
 
 # --- checked at construction -----------------------------------------------------------------------------
@@ -168,8 +168,8 @@ def test_resolve_reward_prefers_one_source(tmp_path):
 def test_removed_names_are_gone():
     assert not hasattr(RunConfig, "validate") and not hasattr(OnlineConfig, "rollout_batch_size")
     assert not hasattr(ReinforceConfig, "ppo_epochs") and not hasattr(ReinforceConfig, "RENAMED")
-    with pytest.raises(ConfigError, match="baseline must be one of"):
-        ReinforceConfig(baseline="grpo_unscaled")
+    with pytest.raises(ConfigError, match="adv_estimator must be one of"):
+        ReinforceConfig(adv_estimator="grpo_unscaled")
 
 
 # --- YAML files and overrides ----------------------------------------------------------------------------
