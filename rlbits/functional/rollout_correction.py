@@ -223,8 +223,8 @@ def _is_metrics(weights, raw, log_ratio, mask, level, upper, lower):
     var = (masked_mean(clamped.square(), mask) - mean.square()).clamp(min=0.0)
     out["rollout_is_std"] = torch.where(mask.sum() > 1, var.sqrt(), zero)
     normalized = clamped / (mean + 1e-8)
-    ess = 1.0 / masked_mean(normalized.square(), mask)
-    out["rollout_is_eff_sample_size"] = torch.where(mask.any(), ess, zero)
+    second_moment = masked_mean(normalized.square(), mask)  # 0 when every weight is 0 (verl: ZeroDivisionError)
+    out["rollout_is_eff_sample_size"] = torch.where(second_moment > 0, 1.0 / second_moment, zero)
     seq_w, raw_seq_w = _row_mean(weights, mask), _row_mean(raw, mask)
     out["rollout_is_seq_mean"] = torch.where(rows, seq_w, zero).sum() / n_rows
     out["rollout_is_seq_std"] = _std_over(seq_w, rows)
