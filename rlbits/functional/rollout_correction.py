@@ -21,7 +21,7 @@ for ``tis``'s lower clamp, ``icepop`` and ``seq_mask_tis``; AReaL's ``ppo_actor_
 ``behav_imp_weight_cap``) for ``decoupled``. The method is Yao et al. 2025, "Your efficient RL framework
 secretly brings you off-policy RL training" (TIS) and Liu et al. 2025, "When speed kills stability:
 demystifying RL collapse from the training-inference mismatch" (MIS, Geo-RS); IcePop is from the Ring-1T
-report (Ling team 2025); the decoupled objective from Fu et al. 2025, "AReaL", arXiv:2505.24298, eq. 5.
+report (Ling team 2025); the decoupled PPO objective from Fu et al. 2025, "AReaL", arXiv:2505.24298.
 
 Conventions shared by all functions that differ from the peers:
 
@@ -548,7 +548,7 @@ def decoupled_is(
     threshold: float | None = 5.0,
     threshold_low: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """The behaviour importance weight of AReaL's decoupled PPO (Fu 2025, arXiv:2505.24298, eq. 5;
+    """The behaviour importance weight of AReaL's decoupled PPO objective (Fu 2025, arXiv:2505.24298;
     ``ppo_actor_loss_fn``'s ``behav_imp_weight`` with ``behav_imp_weight_cap``).
 
     ``w_t = pi_prox / pi_behav = r_t`` (the proximal policy is the trainer's recomputed ``old_logprobs``,
@@ -613,7 +613,7 @@ def decoupled_ppo_loss(
     clip_ratio_c: float | None = None,
     behav_imp_weight_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """AReaL's decoupled PPO objective (Fu 2025, "AReaL", arXiv:2505.24298, eq. 5; ``ppo_actor_loss_fn``
+    """AReaL's decoupled PPO objective (Fu 2025, "AReaL", arXiv:2505.24298; ``ppo_actor_loss_fn``
     with ``use_decoupled_loss``).
 
     ``J(theta) = E[ pi_prox / pi_behav * min(u A, clip(u, 1 - clip_eps, 1 + clip_eps_high) A) ]`` with
