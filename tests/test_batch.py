@@ -132,6 +132,7 @@ def test_schema_entries():
     assert rb.SCHEMA["turn_index"].pad == -1 and rb.SCHEMA["responses"].pad == rb.PAD_TOKEN
     assert set(rb.PER_TOKEN_KEYS) == {
         "logprobs", "ref_logprobs", "values", "token_rewards", "advantages", "returns", "entropy", "turn_rewards",
+        "old_logprobs", "rollout_is_weights",
     }
     assert set(rb.TEXT_KEYS) == {"prompt_text", "response_text"}
     assert {k for k, s in rb.SCHEMA.items() if s.dtype is str} == {
@@ -416,7 +417,8 @@ def test_collate_repads_episode_batches_like_a_row_by_row_reference(seed):
     batches = [episode_batch(gen, *shape) for shape in shapes]
     out = rb.collate(batches, pad_token_id=PAD)
     rb.check(out, required=rb.SCHEMA.keys() - {"ref_logprobs", "entropy", "values", "token_rewards",
-             "advantages", "returns", "reference_rewards", "retokenized"}, check_values=True)
+             "advantages", "returns", "reference_rewards", "retokenized", "old_logprobs",
+             "rollout_is_weights"}, check_values=True)
     expected = collate_reference(batches, PAD)
     assert set(out.keys()) == set(expected)
     for key, rows in expected.items():

@@ -51,6 +51,18 @@ from rlbits.functional.policy_losses import (
     vanilla_loss,
 )
 from rlbits.functional.reward import bradley_terry_loss, pointwise_reward_loss
+from rlbits.functional.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    decoupled_is,
+    decoupled_ppo_loss,
+    geo_mean_mask,
+    icepop,
+    masked_is,
+    rejection_mask,
+    rollout_mismatch_metrics,
+    seq_mask_tis,
+    truncated_is,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -80,6 +92,16 @@ __all__ = [
     "cispo_loss",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "ROLLOUT_CORRECTIONS",
+    "decoupled_is",
+    "decoupled_ppo_loss",
+    "geo_mean_mask",
+    "icepop",
+    "masked_is",
+    "rejection_mask",
+    "rollout_mismatch_metrics",
+    "seq_mask_tis",
+    "truncated_is",
     "adaptive_kl_coef",
     "aggregate_loss",
     "awac_loss",

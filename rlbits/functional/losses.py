@@ -78,6 +78,24 @@ def aggregate_loss(
     return row.sum() / denom
 
 
+def _is_weighted(
+    per_token: torch.Tensor, rollout_is_weights: torch.Tensor | None, action_mask: torch.Tensor
+) -> torch.Tensor:
+    """``per_token * rollout_is_weights`` (detached; 0 off ``action_mask``, so padding holding any value stays
+    out of the gradient), or ``per_token`` when the weights are None: how every policy loss applies a rollout
+    correction's weights before aggregating (verl's ``pg_losses * rollout_is_weights``).
+
+    Raises:
+        ValueError: the weights' shape differs from the mask's, or they are not floating point.
+    """
+    if rollout_is_weights is None:
+        return per_token
+    _check_per_token(action_mask, rollout_is_weights=rollout_is_weights)
+    zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+    w = torch.where(action_mask.to(torch.bool), rollout_is_weights.detach().to(per_token.dtype), zero)
+    return per_token * w
+
+
 def _check_per_token(action_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
     _checks.ndim("action_mask", action_mask, 2, "[B, R]")
     for name, t in tensors.items():
@@ -96,6 +114,8 @@ def ppo_loss(
     agg: str = "token-mean",
     num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate policy loss of PPO (Schulman 2017, eq. 7), with clip-higher and dual clip.
 
@@ -114,6 +134,8 @@ def ppo_loss(
         clip_eps_high: upper clip range, >= 0.
         dual_clip: c > 1, or None.
         agg, num_tokens, num_seqs: see ``aggregate_loss``.
+        rollout_is_weights: [B, R] rollout-correction weights multiplying each token's loss before
+            aggregation (``rlbits.functional.rollout_correction``; detached), or None.
 
     Returns:
         ``(loss, metrics)``: loss 0-dim float32; metrics (detached, over local action tokens):
@@ -145,7 +167,7 @@ def ppo_loss(
         cap = -dual_clip * adv
         dual_clipped = (adv < 0) & (per_token > cap)
         per_token = torch.where(dual_clipped, cap, per_token)
-    loss = aggregate_loss(per_token, mask, agg, num_tokens, num_seqs)
+    loss = aggregate_loss(_is_weighted(per_token, rollout_is_weights, mask), mask, agg, num_tokens, num_seqs)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean((clipped > unclipped).to(dtype), mask),
@@ -163,6 +185,8 @@ def reinforce_loss(
     agg: str = "token-mean",
     num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE policy-gradient loss ``-A_t log pi(a_t | s_t)`` (Williams 1992), aggregated over action tokens.
 
@@ -174,6 +198,8 @@ def reinforce_loss(
         advantages: [B, R].
         action_mask: [B, R] bool.
         agg, num_tokens, num_seqs: see ``aggregate_loss``.
+        rollout_is_weights: [B, R] rollout-correction weights (``-w A log pi``, verl's IS-weighted
+            REINFORCE), or None.
 
     Returns:
         ``(loss, metrics)``: loss 0-dim float32; metrics ``advantages_mean``, ``logprobs_mean`` (detached).
@@ -187,7 +213,7 @@ def reinforce_loss(
     mask = action_mask.to(torch.bool)
     lp = logprobs.to(dtype)
     adv = advantages.detach().to(dtype)
-    loss = aggregate_loss(-adv * lp, mask, agg, num_tokens, num_seqs)
+    loss = aggregate_loss(_is_weighted(-adv * lp, rollout_is_weights, mask), mask, agg, num_tokens, num_seqs)
     metrics = {"advantages_mean": masked_mean(adv, mask), "logprobs_mean": masked_mean(lp.detach(), mask)}
     return loss, metrics
 

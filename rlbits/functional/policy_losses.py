@@ -7,7 +7,11 @@ Every function in ``POLICY_LOSSES`` is called as::
                        num_seqs=None, **hyper)
 
 with ``logprobs`` [B, R] float (log pi_theta of the sampled tokens, with grad), ``old_logprobs`` [B, R]
-(log pi_old from the rollout), ``advantages`` [B, R] and ``action_mask`` [B, R] bool. ``old_logprobs`` and
+(log pi_old from the rollout), ``advantages`` [B, R] and ``action_mask`` [B, R] bool. Every loss also takes
+``rollout_is_weights`` [B, R] (verl's name; default None): a rollout correction's detached weights
+(``rlbits.functional.rollout_correction``), which multiply each token's loss before aggregation, as in
+verl 0.9 (``pg_losses * rollout_is_weights``); ``geo_mean`` instead multiplies each row's loss by the
+row's geometric mean of the weights, as verl does. ``old_logprobs`` and
 ``advantages`` are constants (detached). The clip range is ``clip_eps`` / ``clip_eps_high`` (verl's
 ``clip_ratio_low`` / ``clip_ratio_high``); other hyperparameters take verl's config names. ``agg``,
 ``num_tokens``, ``num_seqs`` are those of ``aggregate_loss``. ``loss`` is a 0-dim tensor (float32 for
@@ -43,7 +47,7 @@ from collections.abc import Callable
 import torch
 
 from rlbits.functional import _checks
-from rlbits.functional.losses import _check_per_token, aggregate_loss, ppo_loss, reinforce_loss
+from rlbits.functional.losses import _check_per_token, _is_weighted, aggregate_loss, ppo_loss, reinforce_loss
 from rlbits.functional.masked import masked_mean
 
 __all__ = [
@@ -95,6 +99,7 @@ def vanilla_loss(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     clip_ratio_c: float | None = 3.0,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate with clip-higher and dual clip: verl's ``loss_mode: vanilla``.
 
@@ -104,6 +109,7 @@ def vanilla_loss(
 
     Args:
         logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        rollout_is_weights: [B, R] rollout-correction weights, or None; see the module docstring.
         agg, num_tokens, num_seqs: see ``aggregate_loss``.
         clip_eps, clip_eps_high: verl's ``clip_ratio_low`` / ``clip_ratio_high`` (>= 0).
         clip_ratio_c: verl's dual-clip bound (> 1; verl's default 3.0), or None for no dual clip.
@@ -128,6 +134,7 @@ def vanilla_loss(
         agg=agg,
         num_tokens=num_tokens,
         num_seqs=num_seqs,
+        rollout_is_weights=rollout_is_weights,
     )
 
 
@@ -142,6 +149,7 @@ def gspo_loss(
     num_seqs: int | torch.Tensor | None = None,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group Sequence Policy Optimization (Zheng 2025, arXiv:2507.18071, eqs. 5-7; GSPO-token, eq. 13):
     verl's ``loss_mode: gspo``.
@@ -155,6 +163,7 @@ def gspo_loss(
 
     Args:
         logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        rollout_is_weights: [B, R] rollout-correction weights, or None; see the module docstring.
         agg, num_tokens, num_seqs: see ``aggregate_loss``. The default is GSPO's sequence mean.
         clip_eps, clip_eps_high: verl's ``clip_ratio_low`` / ``clip_ratio_high`` (>= 0).
 
@@ -175,7 +184,8 @@ def gspo_loss(
     s = torch.exp(torch.clamp(log_s, max=10.0))
     unclipped = -adv * s
     clipped = -adv * torch.clamp(s, 1.0 - low, 1.0 + high)
-    loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, agg, num_tokens, num_seqs)
+    per_token = _is_weighted(torch.maximum(unclipped, clipped), rollout_is_weights, mask)
+    loss = aggregate_loss(per_token, mask, agg, num_tokens, num_seqs)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean((clipped > unclipped).to(s.dtype), mask),
@@ -196,6 +206,7 @@ def cispo_loss(
     num_seqs: int | torch.Tensor | None = None,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv:2506.13585, eqs. 4-5): verl's
     ``loss_mode: cispo``.
@@ -207,6 +218,7 @@ def cispo_loss(
 
     Args:
         logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        rollout_is_weights: [B, R] rollout-correction weights, or None; see the module docstring.
         agg, num_tokens, num_seqs: see ``aggregate_loss``.
         clip_eps, clip_eps_high: verl's ``clip_ratio_low`` / ``clip_ratio_high`` (>= 0).
 
@@ -220,7 +232,7 @@ def cispo_loss(
     low, high = _checks.clip_range(clip_eps, clip_eps_high)
     ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
     weight = torch.clamp(ratio, 1.0 - low, 1.0 + high).detach()
-    loss = aggregate_loss(-weight * adv * lp, mask, agg, num_tokens, num_seqs)
+    loss = aggregate_loss(_is_weighted(-weight * adv * lp, rollout_is_weights, mask), mask, agg, num_tokens, num_seqs)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean((ratio != weight).to(ratio.dtype), mask),
@@ -241,6 +253,7 @@ def geo_mean_loss(
     num_seqs: int | torch.Tensor | None = None,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Geometric-Mean Policy Optimization (GMPO, Zhao 2025, arXiv:2507.20673, eq. 4): verl's
     ``loss_mode: geo_mean``.
@@ -252,6 +265,7 @@ def geo_mean_loss(
 
     Args:
         logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        rollout_is_weights: [B, R] rollout-correction weights, or None; see the module docstring.
         agg: validated and ignored: the loss is a sequence mean by definition (verl ignores it too).
         num_tokens: unused (the signature is shared).
         num_seqs: the row-average denominator; default the local count of rows with action tokens.
@@ -281,7 +295,12 @@ def geo_mean_loss(
     rho = torch.exp(torch.where(mask, chosen, zero).sum(dim=1) / denom)
     adv_row = torch.where(mask, adv, zero).sum(dim=1) / denom
     rows = count > 0
-    row_loss = torch.where(rows, -adv_row * rho, zero)
+    row_loss = -adv_row * rho
+    if rollout_is_weights is not None:  # verl: the row's geometric mean of the weights, log(w + 1e-10)
+        _check_per_token(action_mask, rollout_is_weights=rollout_is_weights)
+        log_w = torch.log(rollout_is_weights.detach().to(adv.dtype) + 1e-10)
+        row_loss = row_loss * torch.exp(torch.where(mask, log_w, zero).sum(dim=1) / denom)
+    row_loss = torch.where(rows, row_loss, zero)
     loss = row_loss.sum() / (rows.sum().clamp(min=1) if num_seqs is None else num_seqs)
     with torch.no_grad():
         was_clipped = (log_ratio != clamped).to(adv.dtype)
@@ -305,6 +324,7 @@ def sapo_loss(
     num_seqs: int | torch.Tensor | None = None,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Soft Adaptive Policy Optimization (Gao 2025, arXiv:2511.20347, eq. 5): verl's ``loss_mode: sapo``.
 
@@ -314,6 +334,7 @@ def sapo_loss(
 
     Args:
         logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        rollout_is_weights: [B, R] rollout-correction weights, or None; see the module docstring.
         agg, num_tokens, num_seqs: see ``aggregate_loss``; the default is SAPO's sequence mean.
         tau_pos, tau_neg: verl's temperatures (> 0; verl's defaults 1.0 and 1.05).
 
@@ -332,7 +353,7 @@ def sapo_loss(
     ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
     tau = torch.where(adv > 0, tau_pos, tau_neg).to(adv.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    loss = aggregate_loss(-gate * adv, mask, agg, num_tokens, num_seqs)
+    loss = aggregate_loss(_is_weighted(-gate * adv, rollout_is_weights, mask), mask, agg, num_tokens, num_seqs)
     with torch.no_grad():
         metrics = {"approx_kl": _k3(log_ratio, mask), "ratio_mean": masked_mean(ratio, mask)}
     return loss, _detached(metrics)
@@ -347,6 +368,7 @@ def gpg_loss(
     agg: str = "token-mean",
     num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group Policy Gradient (Chu 2025, arXiv:2504.02546, eq. 4): verl's ``loss_mode: gpg``.
 
@@ -355,6 +377,7 @@ def gpg_loss(
 
     Args:
         logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        rollout_is_weights: [B, R] rollout-correction weights, or None; see the module docstring.
         agg, num_tokens, num_seqs: see ``aggregate_loss``.
 
     Returns:
@@ -364,7 +387,9 @@ def gpg_loss(
         ValueError: mismatched shapes, unknown ``agg``.
     """
     mask, _, _, log_ratio, _ = _prepare(logprobs, old_logprobs, advantages, action_mask, agg)
-    loss, _ = reinforce_loss(logprobs, advantages, action_mask, agg, num_tokens, num_seqs)
+    loss, _ = reinforce_loss(
+        logprobs, advantages, action_mask, agg, num_tokens, num_seqs, rollout_is_weights=rollout_is_weights
+    )
     with torch.no_grad():
         metrics = {"approx_kl": _k3(log_ratio, mask), "ratio_mean": masked_mean(torch.exp(log_ratio), mask)}
     return loss, _detached(metrics)
@@ -380,6 +405,7 @@ def dro_loss(
     num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None,
     dro_beta: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Direct Reward Optimization with a quadratic log-ratio penalty: verl's ``loss_mode: dro``.
 
@@ -391,6 +417,7 @@ def dro_loss(
 
     Args:
         logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        rollout_is_weights: [B, R] rollout-correction weights, or None; see the module docstring.
         agg, num_tokens, num_seqs: see ``aggregate_loss``.
         dro_beta: penalty strength, > 0; verl's ``policy_loss.dro_beta`` (no default there either).
 
@@ -405,7 +432,7 @@ def dro_loss(
     mask, lp, _, log_ratio, adv = _prepare(logprobs, old_logprobs, advantages, action_mask, agg)
     _checks.in_range("dro_beta", dro_beta, 0, math.inf, low_open=True, high_open=True)
     per_token = -(lp * adv - 0.5 * dro_beta * log_ratio.square())
-    loss = aggregate_loss(per_token, mask, agg, num_tokens, num_seqs)
+    loss = aggregate_loss(_is_weighted(per_token, rollout_is_weights, mask), mask, agg, num_tokens, num_seqs)
     with torch.no_grad():
         metrics = {"approx_kl": _k3(log_ratio, mask), "ratio_mean": masked_mean(torch.exp(log_ratio), mask)}
     return loss, _detached(metrics)
@@ -440,6 +467,7 @@ def clip_cov_loss(
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
     generator: torch.Generator | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clip-Cov (Cui 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617, sec. 4.2):
     verl's ``loss_mode: clip_cov``.
@@ -452,6 +480,7 @@ def clip_cov_loss(
 
     Args:
         logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        rollout_is_weights: [B, R] rollout-correction weights, or None; see the module docstring.
         agg, num_tokens, num_seqs: see ``aggregate_loss``.
         clip_eps, clip_eps_high: verl's ``clip_ratio_low`` / ``clip_ratio_high`` (>= 0).
         clip_cov_ratio: fraction of the action tokens to detach (> 0); verl's default 0.0002.
@@ -481,7 +510,7 @@ def clip_cov_loss(
         key = torch.where(candidate, torch.rand(adv.shape, generator=generator, device=adv.device), -1.0)
         detached = candidate & (_rank_descending(key) < _count_at_ratio(mask, clip_cov_ratio))
     per_token = torch.where(detached, 0.0, torch.maximum(unclipped, clipped))
-    loss = aggregate_loss(per_token, mask, agg, num_tokens, num_seqs)
+    loss = aggregate_loss(_is_weighted(per_token, rollout_is_weights, mask), mask, agg, num_tokens, num_seqs)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean(detached.to(adv.dtype), mask),
@@ -501,7 +530,8 @@ def kl_cov_loss(
     num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None,
     kl_cov_ratio: float = 0.0002,
-    ppo_kl_coef: float = 1.0,
+    ppo_kl_coef: float = 0.1,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov (Cui 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617, sec. 4.2):
     verl's ``loss_mode: kl_cov``.
@@ -512,9 +542,11 @@ def kl_cov_loss(
 
     Args:
         logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        rollout_is_weights: [B, R] rollout-correction weights, or None; see the module docstring.
         agg, num_tokens, num_seqs: see ``aggregate_loss``.
         kl_cov_ratio: fraction of the action tokens penalised (> 0); verl's default 0.0002.
-        ppo_kl_coef: weight of the ``|log r|`` penalty; verl's default 1.0.
+        ppo_kl_coef: weight of the ``|log r|`` penalty; verl's default 0.1 (``actor.policy_loss.ppo_kl_coef``;
+            the 1.0 inside verl's function applies only when the config holds None).
 
     Returns:
         ``(loss, metrics)``: ``kl_abs`` (mean ``|log r|``, verl's ``ppo_kl`` for this loss),
@@ -532,7 +564,7 @@ def kl_cov_loss(
         key = torch.where(mask, cov, -math.inf)
         penalised = mask & (_rank_descending(key) < _count_at_ratio(mask, kl_cov_ratio))
     per_token = -adv * ratio + torch.where(penalised, ppo_kl_coef * log_ratio.abs(), 0.0)
-    loss = aggregate_loss(per_token, mask, agg, num_tokens, num_seqs)
+    loss = aggregate_loss(_is_weighted(per_token, rollout_is_weights, mask), mask, agg, num_tokens, num_seqs)
     with torch.no_grad():
         metrics = {
             "kl_abs": masked_mean(log_ratio.abs(), mask),
@@ -543,11 +575,12 @@ def kl_cov_loss(
     return loss, _detached(metrics)
 
 
-def _dppo(lp, old, log_ratio, adv, mask, agg, num_tokens, num_seqs, clip_ratio_c, valid):
+def _dppo(lp, old, log_ratio, adv, mask, agg, num_tokens, num_seqs, clip_ratio_c, valid, rollout_is_weights):
     ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
     weight = torch.clamp(ratio, max=clip_ratio_c).detach()
     valid = valid.detach().to(adv.dtype)
-    loss = aggregate_loss(-adv * weight * lp * valid, mask, agg, num_tokens, num_seqs)
+    per_token = _is_weighted(-adv * weight * lp * valid, rollout_is_weights, mask)
+    loss = aggregate_loss(per_token, mask, agg, num_tokens, num_seqs)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean(1.0 - valid, mask),
@@ -575,7 +608,8 @@ def dppo_tv_loss(
     num_seqs: int | torch.Tensor | None = None,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
-    clip_ratio_c: float = 20.0,
+    clip_ratio_c: float = 3.0,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-TV (divergence-bounded PPO, arXiv:2602.04879): verl's ``loss_mode: dppo_tv``.
 
@@ -587,9 +621,11 @@ def dppo_tv_loss(
 
     Args:
         logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        rollout_is_weights: [B, R] rollout-correction weights, or None; see the module docstring.
         agg, num_tokens, num_seqs: see ``aggregate_loss``.
         clip_eps, clip_eps_high: TV bounds (verl's ``clip_ratio_low`` / ``clip_ratio_high``), >= 0.
-        clip_ratio_c: truncation of the detached IS weight (> 0; verl's default for DPPO 20.0).
+        clip_ratio_c: truncation of the detached IS weight (> 0); verl's default 3.0 (``actor.clip_ratio_c``,
+            which verl's DPPO reads; its fallback 20.0 applies only to a config without that field).
 
     Returns:
         ``(loss, metrics)``: ``clipfrac`` (tokens masked out), ``truncfrac`` (kept tokens whose weight was
@@ -602,7 +638,9 @@ def dppo_tv_loss(
     low, high = _dppo_args(clip_eps, clip_eps_high, clip_ratio_c)
     diff = torch.exp(lp) - torch.exp(old)
     valid = torch.where(adv > 0, diff <= high, diff >= -low)
-    return _dppo(lp, old, log_ratio, adv, mask, agg, num_tokens, num_seqs, clip_ratio_c, valid)
+    return _dppo(
+        lp, old, log_ratio, adv, mask, agg, num_tokens, num_seqs, clip_ratio_c, valid, rollout_is_weights
+    )
 
 
 def dppo_kl_loss(
@@ -616,7 +654,8 @@ def dppo_kl_loss(
     num_seqs: int | torch.Tensor | None = None,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
-    clip_ratio_c: float = 20.0,
+    clip_ratio_c: float = 3.0,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-KL (divergence-bounded PPO, arXiv:2602.04879): verl's ``loss_mode: dppo_kl``.
 
@@ -628,9 +667,11 @@ def dppo_kl_loss(
 
     Args:
         logprobs, old_logprobs, advantages, action_mask: [B, R]; see the module docstring.
+        rollout_is_weights: [B, R] rollout-correction weights, or None; see the module docstring.
         agg, num_tokens, num_seqs: see ``aggregate_loss``.
         clip_eps, clip_eps_high: binary-KL bounds (verl's ``clip_ratio_low`` / ``clip_ratio_high``), >= 0.
-        clip_ratio_c: truncation of the detached IS weight (> 0; verl's default for DPPO 20.0).
+        clip_ratio_c: truncation of the detached IS weight (> 0); verl's default 3.0 (``actor.clip_ratio_c``,
+            which verl's DPPO reads; its fallback 20.0 applies only to a config without that field).
 
     Returns:
         ``(loss, metrics)`` as ``dppo_tv_loss``.
@@ -643,7 +684,9 @@ def dppo_kl_loss(
     p, p_old = torch.exp(lp), torch.exp(old)
     binary_kl = p_old * (old - lp) + (1.0 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
     valid = torch.where(adv > 0, (binary_kl <= high) | (p <= p_old), (binary_kl <= low) | (p >= p_old))
-    return _dppo(lp, old, log_ratio, adv, mask, agg, num_tokens, num_seqs, clip_ratio_c, valid)
+    return _dppo(
+        lp, old, log_ratio, adv, mask, agg, num_tokens, num_seqs, clip_ratio_c, valid, rollout_is_weights
+    )
 
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {

@@ -394,6 +394,15 @@ class PolicyGradientConfig(OnlineConfig):
     """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs``
     (``uses_ref_logprobs``); without it the reference model is then neither loaded nor run (as TRL's GRPO with
     ``beta=0``)."""
+    rollout_correction: dict[str, Any] = dataclasses.field(default_factory=lambda: {"mode": "none"})
+    """Correction of the sampler/trainer mismatch (docs/rollout_correction.md): ``{mode, level, threshold,
+    threshold_low}``. ``mode``: ``none`` (off), or a key of ``rlbits.ROLLOUT_CORRECTIONS``: ``tis`` (truncated
+    IS), ``icepop``, ``mis`` (masked IS), ``geo_rs`` (geometric-mean rejection), ``rs`` (verl's rejection
+    sampling; ``level`` one of its options, e.g. ``seq_mean_k3``), ``seq_mask_tis`` (NeMo-RL), ``decoupled``
+    (AReaL's behaviour weight, ``threshold`` = ``behav_imp_weight_cap``). ``level`` (``token`` /
+    ``sequence``), ``threshold`` and ``threshold_low`` default to the mode's. When on, the trainer's policy
+    recomputes ``old_logprobs`` before the update, the loss takes them as its old policy and multiplies by
+    the correction's weights, and rejected tokens leave ``loss_mask``."""
 
     def check(self) -> None:
         super().check()
@@ -408,6 +417,7 @@ class PolicyGradientConfig(OnlineConfig):
                 "the divisor of loss_agg: seq-mean-token-sum-norm"
             )
         self._check_policy_loss()
+        self._check_rollout_correction()
 
     def _check_policy_loss(self) -> None:
         """``policy_loss`` is registered, ``policy_loss_kwargs`` names only its hyperparameters, and the loss
@@ -457,6 +467,48 @@ class PolicyGradientConfig(OnlineConfig):
             args["clip_ratio_c"] = None
         return args | self.policy_loss_kwargs
 
+    def _check_rollout_correction(self) -> None:
+        corr = self.rollout_correction
+        keys = ("mode", "level", "threshold", "threshold_low")
+        if not all(isinstance(k, str) for k in corr):
+            raise ConfigError(f"rollout_correction must be a mapping with keys {', '.join(keys)}; got {show(corr)}")
+        unknown = sorted(set(corr) - set(keys))
+        if unknown:
+            raise ConfigError(
+                f"rollout_correction has unknown key(s) {', '.join(unknown)}; its keys are {', '.join(keys)}"
+            )
+        mode = corr.get("mode", "none")
+        if mode == "none":
+            if set(corr) - {"mode"}:
+                raise ConfigError(
+                    f"rollout_correction: {', '.join(sorted(set(corr) - {'mode'}))} set with mode none (off); "
+                    "set a mode (tis, icepop, mis, geo_rs, rs, seq_mask_tis, decoupled) or drop them"
+                )
+            return
+        import torch  # the kernels' own checks judge the arguments; only a config with a correction loads torch
+
+        from rlbits.functional.rollout_correction import ROLLOUT_CORRECTIONS
+
+        if mode not in ROLLOUT_CORRECTIONS:
+            raise ConfigError(
+                f"rollout_correction mode must be none or one of {', '.join(ROLLOUT_CORRECTIONS)}; got {show(mode)}"
+            )
+        try:
+            zero = torch.zeros(1, 1)
+            ROLLOUT_CORRECTIONS[mode](zero, zero, torch.ones(1, 1, dtype=torch.bool), **self.rollout_correction_args)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"rollout_correction {show(corr)}: {e}") from None
+
+    @property
+    def rollout_correction_mode(self) -> str:
+        """``rollout_correction``'s mode (``none``: off)."""
+        return self.rollout_correction.get("mode", "none")
+
+    @property
+    def rollout_correction_args(self) -> dict[str, Any]:
+        """The keyword arguments of the mode's function: ``rollout_correction`` without ``mode`` and its nulls."""
+        return {k: v for k, v in self.rollout_correction.items() if k != "mode" and v is not None}
+
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig(OnlineConfig):
@@ -505,6 +557,7 @@ LOOP_SET_LOSS_ARGS = {
     "num_tokens": "the loop sets it (the minibatch's token count)",
     "num_seqs": "the loop sets it (the minibatch's row count)",
     "generator": "a random generator is no config value (clip_cov draws from torch's global one)",
+    "rollout_is_weights": "the config field rollout_correction sets it",
 }
 """Keywords of the policy losses that ``policy_loss_kwargs`` may not set, and why."""
 

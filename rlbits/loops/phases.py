@@ -1,4 +1,5 @@
-"""What the loops share: the online phases ``rollout``, ``reference`` and ``validate_policy``, each
+"""What the loops share: the online phases ``rollout``, ``reference``, ``rollout_correction`` and
+``validate_policy``, each
 ``phase(state, batch, cfg) -> batch``, and the model-level building blocks beneath them (``generate_rollout``,
 ``run_episodes``, ``score_rollout``, ``reference_logprobs``, ``evaluate_policy``, ``add_batch_stats``,
 ``policy_loss_stats``),
@@ -20,7 +21,7 @@ from rlbits.data.stream import prompt_batch
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import is_sharded, unsharded
 from rlbits.distributed.reduce import all_reduce_sum
-from rlbits.functional import kl_penalty, masked_sum
+from rlbits.functional import ROLLOUT_CORRECTIONS, kl_penalty, masked_sum
 from rlbits.loops.config import RunConfig
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.runtime import autocast, generator, head_args
@@ -226,6 +227,49 @@ def reference(state: Any, batch: TensorDictBase, cfg: RunConfig) -> TensorDictBa
     return batch
 
 
+def rollout_correction(state: Any, batch: TensorDictBase, cfg: RunConfig) -> TensorDictBase:
+    """The rollout-correction phase of the online loops, before the update (docs/rollout_correction.md).
+    Nothing when ``cfg.rollout_correction`` is off (mode ``none``): the batch is returned unchanged.
+
+    Otherwise writes ``old_logprobs`` [B, R], the trainer's own log-probs of the sampled tokens under
+    ``state.policy`` as it is before the update (no gradient, eval mode, ``microbatch_size`` rows at a time,
+    in the training precision), while the sampler's stay in ``logprobs``; then the correction of
+    ``cfg.rollout_correction`` (``rlbits.ROLLOUT_CORRECTIONS``) of ``old_logprobs`` against ``logprobs`` over
+    ``loss_mask`` (``action_mask`` when the batch has none) writes ``rollout_is_weights`` [B, R] and
+    ``loss_mask`` (rejected tokens removed). The loops' objectives take ``old_logprobs`` as the old policy
+    and pass the weights to the policy loss; the update counts its denominators over ``loss_mask``.
+
+    Adds the correction's metrics as ``rollout_corr/{name}`` (verl's names): under torchrun the maxima are
+    reduced exactly and every other statistic as the ranks' token-weighted mean (exact for token means).
+    """
+    mode = cfg.rollout_correction_mode
+    if mode == "none":
+        return batch
+    policy, was_training = state.policy, state.policy.training
+    policy.eval()
+    try:
+        with torch.no_grad(), autocast(policy, cfg):
+            old = policy_logprobs(
+                policy, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg)
+            )
+    finally:
+        policy.train(was_training)
+    batch["old_logprobs"] = old.float()  # 0 off action_mask, as policy_logprobs returns it
+    mask = batch["loss_mask"] if "loss_mask" in batch.keys() else batch["action_mask"]
+    weights, kept, metrics = ROLLOUT_CORRECTIONS[mode](
+        batch["old_logprobs"], batch["logprobs"], mask, **cfg.rollout_correction_args
+    )
+    batch["rollout_is_weights"] = weights.float()
+    batch["loss_mask"] = kept
+    tokens = mask.sum()
+    for name, value in metrics.items():
+        if name.endswith("_max"):
+            state.metrics.max(f"rollout_corr/{name}", value)
+        else:
+            state.metrics.mean(f"rollout_corr/{name}", value * tokens, tokens)
+    return batch
+
+
 def reference_logprobs(
     ref_policy: torch.nn.Module, batch: TensorDictBase, *, temperature: float, microbatch_size: int,
     head: str = "auto", head_memory_budget_mb: float = HEAD_MEMORY_BUDGET_MB,
@@ -386,6 +430,7 @@ __all__ = [
     "reference_logprobs",
     "reference_model",
     "rollout",
+    "rollout_correction",
     "run_episodes",
     "sample",
     "score_rollout",

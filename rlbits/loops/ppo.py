@@ -213,6 +213,11 @@ def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase
 reference = phases.reference
 """Phase 3: ``ref_logprobs`` [B, R] under the frozen reference, when a term uses them (``phases.reference``)."""
 
+rollout_correction = phases.rollout_correction
+"""Phase 5b (``rollout_correction`` on): ``old_logprobs`` recomputed by the policy, the correction's
+``rollout_is_weights`` and ``loss_mask`` (the tokens the policy and critic losses count)
+(``phases.rollout_correction``)."""
+
 
 def values(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
     """Phase 4: ``values`` [B, R], the critic's V(s_t) before each response token (no gradient)."""
@@ -288,8 +293,8 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
     and the loss's metrics (``phases.policy_loss_stats``: ``clipfrac``, ``approx_kl``, ``ratio_mean``, and
     the rest of a loss other than ``vanilla``); shares of the minibatch's values (``rlbits.loops.update``).
     """
-    mask, share = micro["action_mask"], den.share(micro["action_mask"])
-    agg = den.agg(cfg.loss_agg, cfg.loss_scale_factor)
+    mask = micro["loss_mask"] if "loss_mask" in micro.keys() else micro["action_mask"]  # rollout correction
+    agg, share = den.agg(cfg.loss_agg, cfg.loss_scale_factor), den.share(mask)
     pg_loss = entropy = kl = 0.0
     stats: dict[str, torch.Tensor] = {}
     if state.step >= cfg.policy_training_start_step:
@@ -297,8 +302,11 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
             state.policy, micro, temperature=cfg.temperature, return_entropy=True,
             entropy_grad=cfg.entropy_coef > 0, **head_args(cfg),
         ))
+        # a rollout correction: the trainer's recomputed old policy and the correction's weights (phases)
+        old = micro["old_logprobs"] if "old_logprobs" in micro.keys() else micro["logprobs"]
+        is_w = {"rollout_is_weights": micro["rollout_is_weights"]} if "rollout_is_weights" in micro.keys() else {}
         pg_loss, ratio = kernel(POLICY_LOSSES[cfg.policy_loss], cfg)(
-            logprobs, micro["logprobs"], micro["advantages"], mask, **agg, **cfg.policy_loss_args
+            logprobs, old, micro["advantages"], mask, **agg, **is_w, **cfg.policy_loss_args
         )
         entropy = aggregate_loss(token_entropy, mask, **agg) if cfg.entropy_coef > 0 else 0.0
         if not cfg.kl_in_reward and state.kl_coef > 0 and "ref_logprobs" in micro.keys():
@@ -338,7 +346,7 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
         trained.insert(0, Trained(state.policy, state.policy_optimizer))
     optimize(
         state, batch, cfg, objective, trained=trained, epochs=cfg.ppo_epochs, num_minibatches=cfg.num_minibatches,
-        shuffle=state.minibatch_generator,
+        shuffle=state.minibatch_generator, mask="loss_mask" if "loss_mask" in batch.keys() else "action_mask",
     )
     return batch
 
@@ -361,7 +369,7 @@ validate = phases.validate_policy
 evaluate_run = phases.evaluate_run
 """``rlbits eval RUN_DIR``: the final policy's test-split reward next to the base model's."""
 
-PHASES = (rollout, score, reference, values, advantages, update, kl_control, validate)
+PHASES = (rollout, score, reference, values, advantages, rollout_correction, update, kl_control, validate)
 """The phases of a step, in order (``validate``: the validation phase), each ``phase(state, batch, cfg) -> batch``."""
 
 
@@ -399,6 +407,9 @@ def train(
                     batch = values(state, batch, cfg)
                 with run.phase("advantages"):  # 5. KL-penalised token rewards, GAE advantages and returns
                     batch = advantages(state, batch, cfg)
+                if cfg.rollout_correction_mode != "none":
+                    with run.phase("rollout_correction"):  # 5b. old logprobs recomputed; IS weights, rejection
+                        batch = rollout_correction(state, batch, cfg)
                 with run.phase("update"):  # 6. PPO epochs x minibatches
                     batch = update(state, batch, cfg)
                 batch = kl_control(state, batch, cfg)  # 7. adaptive KL coefficient
@@ -417,6 +428,7 @@ __all__ = [
     "objective",
     "reference",
     "rollout",
+    "rollout_correction",
     "scale_rewards",
     "score",
     "train",

@@ -273,6 +273,10 @@ def join_rollout(state: State, cfg: ReinforceConfig) -> None:
 reference = phases.reference
 """Phase 3: ``ref_logprobs`` [B, R] under the frozen reference, when a term uses them (``phases.reference``)."""
 
+rollout_correction = phases.rollout_correction
+"""Phase 4b (``rollout_correction`` on): ``old_logprobs`` recomputed by the policy, the correction's
+``rollout_is_weights`` and ``loss_mask`` (``phases.rollout_correction``)."""
+
 
 def greedy_baseline(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
     """Phase 2c (``adv_estimator: remax``): one greedy response to each prompt of ``batch`` by ``state.policy``
@@ -384,13 +388,16 @@ def objective(
     logprobs, entropy = (x.float() for x in policy_logprobs(
         state.policy, micro, temperature=cfg.temperature, return_entropy=True, entropy_grad=False, **head_args(cfg)
     ))
+    # a rollout correction: the trainer's recomputed old policy and the correction's weights (phases)
+    old = micro["old_logprobs"] if "old_logprobs" in micro.keys() else micro["logprobs"]
+    is_w = {"rollout_is_weights": micro["rollout_is_weights"]} if "rollout_is_weights" in micro.keys() else {}
     if cfg.clipped or cfg.policy_loss != "vanilla":
         pg_loss, ratio = kernel(POLICY_LOSSES[cfg.policy_loss], cfg)(
-            logprobs, micro["logprobs"], micro["advantages"], mask, **agg, **cfg.policy_loss_args
+            logprobs, old, micro["advantages"], mask, **agg, **is_w, **cfg.policy_loss_args
         )
     else:  # the ratio is 1: clipfrac 0; approx_kl as ppo_loss's, the k3 estimate of KL(pi_old || pi)
-        pg_loss, _ = kernel(reinforce_loss, cfg)(logprobs, micro["advantages"], mask, **agg)
-        ratio = {"approx_kl": masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)}
+        pg_loss, _ = kernel(reinforce_loss, cfg)(logprobs, micro["advantages"], mask, **agg, **is_w)
+        ratio = {"approx_kl": masked_mean(kl_penalty(old, logprobs.detach(), "k3"), mask)}
     kl = torch.zeros(())
     if cfg.kl_loss_coef > 0:
         token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
@@ -431,7 +438,9 @@ validate = phases.validate_policy
 evaluate_run = phases.evaluate_run
 """``rlbits eval RUN_DIR``: the final policy's test-split reward next to the base model's."""
 
-PHASES = (rollout, score, dynamic_sampling, greedy_baseline, reference, advantages, update, validate)
+PHASES = (
+    rollout, score, dynamic_sampling, greedy_baseline, reference, advantages, rollout_correction, update, validate
+)
 """The phases of a step, in order (``validate``: the validation phase), each ``phase(state, batch, cfg) -> batch``."""
 
 
@@ -472,6 +481,9 @@ def train(
                     batch = reference(state, batch, cfg)
                 with run.phase("advantages"):  # 4. the advantage estimator (group baseline, broadcast over tokens)
                     batch = advantages(state, batch, cfg)
+                if cfg.rollout_correction_mode != "none":
+                    with run.phase("rollout_correction"):  # 4b. old logprobs recomputed; IS weights, rejection
+                        batch = rollout_correction(state, batch, cfg)
                 with run.phase("update"):  # 5. policy-gradient (or clipped) steps
                     batch = update(state, batch, cfg)
                 run.end_step(state, batch)  # 6. log; validate and save when due
@@ -495,6 +507,7 @@ __all__ = [
     "objective",
     "reference",
     "rollout",
+    "rollout_correction",
     "score",
     "train",
     "update",

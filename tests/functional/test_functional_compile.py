@@ -8,6 +8,7 @@ import torch
 from strategies import make_mask
 
 import rlbits
+from rlbits.functional.rollout_correction import ROLLOUT_CORRECTIONS, decoupled_ppo_loss
 
 pytestmark = pytest.mark.slow
 
@@ -54,6 +55,16 @@ def _cases():
             rlbits.ppo_loss,
             ((old + 0.3 * rnd(B, R)).requires_grad_(True), old, rnd(B, R), mask),
             {"clip_eps_high": 0.28, "dual_clip": 3.0, "agg": "seq-mean-token-mean"},
+        ),
+        "ppo_loss_is_weighted": (
+            rlbits.ppo_loss,
+            ((old + 0.3 * rnd(B, R)).requires_grad_(True), old, rnd(B, R), mask),
+            {"rollout_is_weights": rnd(B, R).exp()},
+        ),
+        "decoupled_ppo_loss": (
+            decoupled_ppo_loss,
+            ((old + 0.3 * rnd(B, R)).requires_grad_(True), old, rnd(B, R), mask),
+            {"rollout_logprobs": old + 0.2 * rnd(B, R), "behav_imp_weight_cap": 1.5, "clip_ratio_c": 3.0},
         ),
         "value_loss": (rlbits.value_loss, (rnd(B, R, grad=True), rnd(B, R), rnd(B, R), mask), {"clip_eps": 0.2}),
         "reinforce_loss": (rlbits.reinforce_loss, (rnd(B, R, grad=True), rnd(B, R), mask), {"num_tokens": 50}),
@@ -141,4 +152,19 @@ def test_compiled_advantage_estimator_matches_eager(name):
     fn, args, kwargs = ESTIMATOR_CASES[name]
     compiled = torch.compile(fn, fullgraph=True)
     for e, c in zip(_flatten(fn(*args, **kwargs)), _flatten(compiled(*args, **kwargs)), strict=True):
+        torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", sorted(ROLLOUT_CORRECTIONS))
+def test_compiled_rollout_correction_matches_eager(mode):
+    """The corrections are not differentiable (their outputs are detached): values, masks and metrics."""
+    mask, rnd, _ = _inputs()
+    old = rnd(B, R) - 2.0
+    rollout = old + 0.1 * rnd(B, R)
+    kwargs = {"threshold": 0.01} if mode == "rs" else {}
+    fn = ROLLOUT_CORRECTIONS[mode]
+    eager_out = _flatten(fn(old, rollout, mask, **kwargs))
+    compiled_out = _flatten(torch.compile(fn, fullgraph=True)(old, rollout, mask, **kwargs))
+    assert len(eager_out) == len(compiled_out)
+    for e, c in zip(eager_out, compiled_out, strict=True):
         torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)

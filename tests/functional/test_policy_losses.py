@@ -4,6 +4,7 @@ line by line, in Python loops over rows and tokens on float64 torch scalars: val
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -253,8 +254,9 @@ def ref_dppo_kl(lp, old, adv, mask, clip_eps, clip_eps_high, clip_ratio_c):
     return _ref_dppo(lp, old, adv, clip_ratio_c, keep)
 
 
-def ref_geo_mean(lp, old, adv, mask, clip_eps, clip_eps_high):
-    """verl's value: the mean over all B rows (empty rows contribute 0)."""
+def ref_geo_mean(lp, old, adv, mask, clip_eps, clip_eps_high, weights=None):
+    """verl's value: the mean over all B rows (empty rows contribute 0); ``weights``: verl's
+    ``rollout_is_weights``, aggregated per row by their geometric mean (``log(w + 1e-10)``)."""
     total = torch.zeros((), dtype=torch.float64)
     for i in range(B):
         n = float(mask[i].sum())
@@ -267,7 +269,11 @@ def ref_geo_mean(lp, old, adv, mask, clip_eps, clip_eps_high):
             log_sum = log_sum + d_min * float(mask[i, t])
             adv_sum = adv_sum + adv[i, t] * float(mask[i, t])
         ratio = torch.exp(log_sum / (n + 1e-8))
-        total = total - adv_sum / (n + 1e-8) * ratio
+        row = -adv_sum / (n + 1e-8) * ratio
+        if weights is not None:
+            log_w = sum(math.log(float(weights[i, t]) + 1e-10) * float(mask[i, t]) for t in range(T))
+            row = row * math.exp(log_w / (n + 1e-8))
+        total = total + row
     return total / B
 
 
@@ -285,14 +291,19 @@ TOKEN_REFS = {
 }
 
 
-def _reference(name, new, old, adv, mask, agg, num_tokens=None, num_seqs=None):
+def _reference(name, new, old, adv, mask, agg, num_tokens=None, num_seqs=None, weights=None):
+    """verl's value and gradient; ``weights``: verl's ``rollout_is_weights`` (``pg_losses * weights``)."""
     lp = new.double().requires_grad_(True)
     args = (lp, old.double(), adv.double(), mask)
     if name == "geo_mean":
         nonempty = int((mask.sum(dim=1) > 0).sum())
-        value = ref_geo_mean(*args, **HYPER[name]) * B / (nonempty if num_seqs is None else num_seqs)
+        value = ref_geo_mean(*args, **HYPER[name], weights=weights)
+        value = value * B / (nonempty if num_seqs is None else num_seqs)
     else:
-        value = _agg_ref(TOKEN_REFS[name](*args, **HYPER[name]), mask, agg, num_tokens, num_seqs)
+        mat = TOKEN_REFS[name](*args, **HYPER[name])
+        if weights is not None:
+            mat = [[mat[i][t] * float(weights[i, t]) for t in range(T)] for i in range(B)]
+        value = _agg_ref(mat, mask, agg, num_tokens, num_seqs)
     (grad,) = torch.autograd.grad(value, lp)
     return value.detach(), grad
 
@@ -328,6 +339,27 @@ def test_matches_verl_reference(name, agg, seed):
     assert loss.dtype == torch.float32
     assert all(not v.requires_grad and v.dim() == 0 and torch.isfinite(v) for v in metrics.values())
     assert {"approx_kl", "ratio_mean"} <= set(metrics)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("name", sorted(IMPLEMENTED))
+def test_rollout_is_weights_match_verl(name, agg):
+    """verl 0.9 multiplies each token's loss by ``rollout_is_weights`` before ``agg_loss`` (geo_mean: each
+    row's loss by the row's geometric mean of them); padding weights hold garbage that must not leak."""
+    new, old, adv, mask = _inputs(8)
+    gen = torch.Generator().manual_seed(8)
+    weights = torch.rand(B, T, generator=gen) * 2.0
+    weights[0, 1] = 0.0  # a zeroed token (IcePop)
+    new = new.clone().requires_grad_(True)
+    poisoned = weights.masked_fill(~mask, float("nan"))
+    loss, _ = rlbits.POLICY_LOSSES[name](new, old, adv, mask, agg=agg, rollout_is_weights=poisoned, **HYPER[name])
+    (grad,) = torch.autograd.grad(loss, new)
+    ref_value, ref_grad = _reference(name, new.detach(), old, adv, mask, agg, weights=weights)
+    _close(loss, ref_value)
+    _close(grad, ref_grad)
+    ones, _ = rlbits.POLICY_LOSSES[name](new, old, adv, mask, agg=agg, rollout_is_weights=torch.ones(B, T), **HYPER[name])
+    plain, _ = rlbits.POLICY_LOSSES[name](new, old, adv, mask, agg=agg, **HYPER[name])
+    torch.testing.assert_close(ones, plain, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", sorted(IMPLEMENTED))
@@ -481,3 +513,18 @@ def test_compiled_matches_eager(name):
     (g_e,) = torch.autograd.grad(loss_e, leaf_e)
     (g_c,) = torch.autograd.grad(loss_c, leaf_c)
     torch.testing.assert_close(g_c, g_e, rtol=1e-5, atol=1e-6)
+
+
+# verl v0.9.0 verl/trainer/config/actor/actor.yaml: the values a verl run uses when its config sets nothing
+# (clip_ratio_low/high 0.2; clip_ratio_c 3.0, which DPPO also reads; policy_loss.*; tau_pos/tau_neg; dro_beta).
+VERL_DEFAULTS = {
+    "clip_eps": 0.2, "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05, "dro_beta": None,
+    "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1,
+}
+
+
+@pytest.mark.parametrize("name", sorted(rlbits.POLICY_LOSSES))
+def test_hyperparameter_defaults_are_verls_config_defaults(name):
+    params = inspect.signature(rlbits.POLICY_LOSSES[name]).parameters
+    defaults = {k: p.default for k, p in params.items() if k in VERL_DEFAULTS}
+    assert defaults == {k: VERL_DEFAULTS[k] for k in defaults}
