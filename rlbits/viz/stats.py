@@ -38,6 +38,17 @@ def _rliable():
     return library, metrics
 
 
+def _interval_estimates(library, data, func, reps: int, confidence: float, seed: int):
+    """rliable's stratified bootstrap (percentile intervals), seeded: rliable draws its resamples from NumPy's
+    global generator (not from the ``random_state`` it takes), so that is seeded here and restored after."""
+    state = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        return library.get_interval_estimates(data, func, reps=reps, confidence_interval_size=confidence)
+    finally:
+        np.random.set_state(state)
+
+
 def _runs_by_tasks(name: str, scores: Any) -> np.ndarray:
     """``scores`` as a float array ``[runs, tasks]`` (a 1-D array is one task's runs)."""
     array = np.asarray(scores, dtype=np.float64)
@@ -70,7 +81,7 @@ def iqm_table(
             are resampled separately).
         confidence: the interval's coverage.
         reps: bootstrap resamples.
-        seed: of the resampling (``numpy.random.RandomState``), so a table is reproducible.
+        seed: of the resampling, so that a table is reproducible (NumPy's global generator is left as it was).
 
     Returns: group -> ``(iqm, low, high)``; ``low <= iqm <= high`` whenever the groups' runs are few enough to
     be resampled exhaustively, and in practice otherwise (a percentile interval of the resampled IQMs).
@@ -84,13 +95,8 @@ def iqm_table(
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     data = {name: _runs_by_tasks(name, s) for name, s in scores.items()}
-    points, intervals = library.get_interval_estimates(
-        data,
-        lambda x: np.array([metrics.aggregate_iqm(x)]),
-        reps=reps,
-        confidence_interval_size=confidence,
-        random_state=np.random.RandomState(seed),
-    )
+    func = lambda x: np.array([metrics.aggregate_iqm(x)])  # noqa: E731
+    points, intervals = _interval_estimates(library, data, func, reps, confidence, seed)
     return {
         name: (float(points[name][0]), float(intervals[name][0, 0]), float(intervals[name][1, 0]))
         for name in data
@@ -125,13 +131,7 @@ def iqm_curves(
     def per_point(x: np.ndarray) -> np.ndarray:
         return np.array([metrics.aggregate_iqm(x[..., t]) for t in range(x.shape[-1])])
 
-    points, intervals = library.get_interval_estimates(
-        data,
-        per_point,
-        reps=reps,
-        confidence_interval_size=confidence,
-        random_state=np.random.RandomState(seed),
-    )
+    points, intervals = _interval_estimates(library, data, per_point, reps, confidence, seed)
     return {name: (points[name], intervals[name][0], intervals[name][1]) for name in data}
 
 
