@@ -347,6 +347,9 @@ def _sweep(args: argparse.Namespace) -> int:
         grid, fixed = parse_grid(items)
         out = args.out or f"runs/sweep_{Path(config).stem if config else 'default'}"
         rows = sweep(config, grid, out_dir=out, processes=args.processes, **fixed)
+    except KeyboardInterrupt:
+        print("rlbits sweep: interrupted; run the same command again to go on", file=sys.stderr)
+        return 130
     except (*_user_errors(), ValueError) as e:
         if _debug(args):
             raise

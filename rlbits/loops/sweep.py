@@ -12,11 +12,12 @@ combination written as ``key=value,key=value`` (``policy_loss=gspo,seed=1``). Up
 once. Every run's config is resolved and checked before the first starts (a bad key or value fails the sweep at
 once) and written to ``OUT_DIR/configs/<name>.yaml``; each run's output goes to ``OUT_DIR/logs/<name>.log``.
 
-The summary ``OUT_DIR/summary.jsonl`` (one row per run: the grid values, ``name``, ``run_dir``, ``status``,
-``returncode``, ``seconds``, ``log`` and the last value of every logged metric as ``final/<metric>``) is
-rewritten as each run ends. A second sweep into the same ``OUT_DIR`` skips the runs the summary lists as
-finished with the same config and starts every other run over (``rlbits train --force``): a crashed or killed run does not continue
-from its checkpoint, so its result never depends on where it stopped.
+The summary ``OUT_DIR/summary.jsonl`` (one row per run: the grid values, ``name``, ``run_dir``, ``status``
+(``finished``, ``failed``, ``interrupted``), ``returncode``, ``seconds``, ``log`` and the last value of every
+logged metric as ``final/<metric>``) is rewritten as each run ends. A second sweep into the same ``OUT_DIR``
+skips the runs the summary lists as finished with the same config and starts every other run over (``rlbits
+train --force``): a crashed or interrupted run does not continue from its checkpoint, so no result depends on
+where a run stopped.
 
 Comma rule of the command line: ``key=a,b,c`` is a grid axis of three values; each value is read as YAML, as
 in ``rlbits train key=value``. A comma inside brackets, braces or quotes does not split: ``stop=[a,b]`` is one
@@ -29,6 +30,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -42,7 +44,7 @@ from rlbits.loops.config import ConfigError, RunConfig, parse_overrides, save_co
 from rlbits.loops.logger import read_metrics
 
 SUMMARY = "summary.jsonl"
-FINISHED, FAILED = "finished", "failed"
+FINISHED, FAILED, INTERRUPTED = "finished", "failed", "interrupted"
 
 
 def split_values(raw: str) -> list[str]:
@@ -168,12 +170,9 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _run_one(config_path: Path, log_path: Path, force: bool) -> tuple[int, float]:
+def _start(config_path: Path, log, force: bool) -> subprocess.Popen:
     command = [sys.executable, "-m", "rlbits", "train", str(config_path), *(["--force"] if force else [])]
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env()).returncode
-    return code, time.perf_counter() - start
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
 
 
 def sweep(
@@ -198,12 +197,14 @@ def sweep(
         verbose: print a line as each run starts and ends.
         **overrides: config fields set in every run (``max_num_steps=20``); a grid axis wins over them.
 
-    Each row holds the grid values (as the config holds them: ``learning_rate=1e-3`` is ``0.001``), ``name``, ``run_dir``, ``status`` (``finished``: exit status 0;
-    ``failed``), ``returncode``, ``seconds`` (wall clock), ``log`` and ``final/<metric>`` for every metric the
-    run logged (its last value). A run that the summary of an earlier sweep into ``out_dir`` lists as finished,
-    with the same resolved config and its run directory still there, is not run again; any other run starts
-    over (``rlbits train --force``).
-    A failed run does not stop the others; check ``status`` (``rlbits sweep`` exits 1 if any failed).
+    Each row holds the grid values (as the config holds them: ``learning_rate=1e-3`` is ``0.001``), ``name``,
+    ``run_dir``, ``status``, ``returncode``, ``seconds`` (wall clock), ``log`` and ``final/<metric>`` for every
+    metric the run logged (its last value). ``status``: ``finished`` (exit status 0), ``failed`` (any other;
+    the other runs go on) or ``interrupted`` (stopped by a KeyboardInterrupt of the sweep: Ctrl-C, a notebook's
+    interrupt button, which sends each running run SIGINT, so that it saves and stops, starts no more runs and
+    re-raises). A run that the summary of an earlier sweep into ``out_dir`` lists as finished, with the same
+    resolved config and its run directory still there, is not run again; any other run starts over
+    (``rlbits train --force``).
 
     Raises:
         ConfigError: an empty grid axis, a value twice in an axis, two runs with one folder name, or a config
@@ -251,6 +252,8 @@ def sweep(
         todo.append((point, name, cfg, config_path))
 
     lock = threading.Lock()
+    running: dict[str, subprocess.Popen] = {}
+    interrupted = threading.Event()
 
     def ordered() -> list[dict[str, Any]]:
         return [rows[n] for n in names if n in rows]
@@ -261,8 +264,15 @@ def sweep(
         if verbose:
             print(f"rlbits sweep: {name}: started")
         force = Path(cfg.run_dir).exists()  # left by an earlier, unfinished try: start it over
-        code, seconds = _run_one(config_path, log, force)
-        status = FINISHED if code == 0 else FAILED
+        start = time.perf_counter()
+        with open(log, "w") as log_file, lock:
+            if interrupted.is_set():
+                return
+            running[name] = _start(config_path, log_file, force)
+        code = running[name].wait()
+        seconds = time.perf_counter() - start
+        # a run stopped by the interrupt exits 0 after saving (a requested stop), but it did not finish
+        status = INTERRUPTED if interrupted.is_set() else FINISHED if code == 0 else FAILED
         row = {
             **{k: getattr(cfg, k) for k in point},
             "name": name,
@@ -282,7 +292,16 @@ def sweep(
             )
 
     with ThreadPoolExecutor(max_workers=min(processes, max(1, len(todo)))) as pool:
-        list(pool.map(run, todo))  # a thread waits on each running process
+        try:
+            list(pool.map(run, todo))  # a thread waits on each running process
+        except KeyboardInterrupt:  # Ctrl-C, a notebook's interrupt: stop the runs (each saves), start no more
+            with lock:
+                interrupted.set()
+                for proc in running.values():
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGINT)
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     summary = ordered()
     _write_summary(out_dir, summary)
     return summary

@@ -124,3 +124,34 @@ def test_a_grid_runs_in_parallel_reports_a_failure_and_resumes(tmp_path, monkeyp
     again = sweep(None, {"policy": ["pol"], "seed": [0, 1]}, out_dir="out", processes=2, verbose=False, **TINY)
     assert again == rows[:2] and read_summary("out") == json.loads(json.dumps(again))
     assert stamps == [os.stat(os.path.join(r["run_dir"], "metrics.jsonl")).st_mtime_ns for r in again]
+
+
+def test_an_interrupt_stops_the_running_runs_and_records_them(tmp_path, monkeypatch):
+    """Ctrl-C in the sweep: each running process gets SIGINT, no more start, the rows say ``interrupted``."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    started = []
+
+    def fake_start(config_path, log, force):  # a run that waits to be stopped, in place of `rlbits train`
+        started.append(config_path.stem)
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=log)
+
+    monkeypatch.setattr(sweep_module, "_start", fake_start)
+    main_thread = threading.main_thread().ident
+
+    def ctrl_c_once_two_run():
+        while len(started) < 2:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        signal.pthread_kill(main_thread, signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_once_two_run, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        sweep(None, {"seed": [0, 1, 2]}, out_dir=tmp_path / "out", processes=2, verbose=False, **TINY)
+    rows = read_summary(tmp_path / "out")
+    assert started == ["seed=0", "seed=1"] and [r["name"] for r in rows] == started
+    assert [r["status"] for r in rows] == ["interrupted", "interrupted"]
