@@ -84,7 +84,7 @@ def _point(rollouts: int, length: int, size: str, threads: int) -> dict:
             temperature=1.0,
             microbatch_size=32,
             cpu_threads=threads,
-            baseline="grpo",
+            adv_estimator="grpo",
             progress=False,
             tensorboard=False,
             val_at_start=False,

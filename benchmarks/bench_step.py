@@ -219,7 +219,7 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
             loop="reinforce",
             num_prompts_per_step=args.num_prompts,
             num_generations_per_prompt=4,
-            baseline=algo,
+            adv_estimator=algo,
             loss_agg="token-mean",
             **common,
         )

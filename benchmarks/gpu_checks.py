@@ -251,8 +251,8 @@ def main() -> int:
     folder = W.build_model_folder(folder, layers=2, width=64, heads=2)
     prompts = W.prompts(64, length=8, seed=1)
     for name, extra in (
-        ("grpo", {"loop": "reinforce", "baseline": "grpo"}),
-        ("rloo_kl", {"loop": "reinforce", "baseline": "rloo", "kl_in_reward": True, "kl_coef": 0.05}),
+        ("grpo", {"loop": "reinforce", "adv_estimator": "grpo"}),
+        ("rloo_kl", {"loop": "reinforce", "adv_estimator": "rloo", "kl_in_reward": True, "kl_coef": 0.05}),
         ("ppo", {"loop": "ppo", "kl_in_reward": True, "kl_coef": 0.05, "ppo_epochs": 2}),
         ("grpo_bf16_compiled", {"loop": "reinforce", "precision": "bf16", "compile_generate": True}),
     ):

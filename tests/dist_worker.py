@@ -1,8 +1,9 @@
 """One PPO or RLOO step's advantages and update on a fixed batch, run by tests/distributed/test_dist.py with or without
 torchrun.
 
-``python tests/dist_worker.py {ppo,rloo} OUT`` runs the phases on the whole batch in one process;
-``torchrun --nproc_per_node N tests/dist_worker.py {ppo,rloo} OUT`` shards the models (FSDP2) and gives each
+``python tests/dist_worker.py {ppo,rloo,reinforce_plus_plus} OUT`` (REINFORCE's ``adv_estimator``: rloo, or
+reinforce_plus_plus, whose whitening spans the ranks) runs the phases on the whole batch in one process;
+``torchrun --nproc_per_node N tests/dist_worker.py ALGO OUT`` shards the models (FSDP2) and gives each
 rank its B/N rows. The phases are the loops' own (``phase(state, batch, cfg) -> batch``): PPO's
 ``advantages``, ``update`` and ``kl_control``, REINFORCE's ``advantages`` and ``update``. Rank 0 writes the
 updated weights (full tensors) to OUT with ``torch.save`` and the step's logged metrics
@@ -79,7 +80,7 @@ def main(algo: str, out: str) -> None:
         models = {"policy": policy, "value": value_model}
     else:
         cfg = reinforce.ReinforceConfig(
-            num_generations_per_prompt=K, num_prompts_per_step=2, num_iterations=1, num_minibatches=1,
+            adv_estimator=algo, num_generations_per_prompt=K, num_prompts_per_step=2, num_iterations=1, num_minibatches=1,
             microbatch_size=3, kl_loss_coef=0.05, learning_rate=0.5, max_grad_norm=0.5,
         )
         policy = prepare(policy, cfg, env)

@@ -52,7 +52,7 @@ def main() -> None:
         for seed in (0, 1):
             run_dir = rlbits.train(
                 config=CONFIGS / "rloo_arithmetic.yaml",
-                baseline=baseline,
+                adv_estimator=baseline,
                 seed=seed,
                 run_dir=str(runs / f"{baseline}_s{seed}"),
                 max_num_steps=10,

@@ -8,6 +8,22 @@ from rlbits.functional.advantages import (
     rloo_baseline,
     token_rewards,
 )
+from rlbits.functional.estimators import (
+    ADVANTAGE_ESTIMATORS,
+    dr_grpo_advantage,
+    gae_advantage,
+    gdpo_advantage,
+    gpg_advantage,
+    grpo_advantage,
+    grpo_passk_advantage,
+    no_baseline_advantage,
+    opo_advantage,
+    optimal_token_baseline_advantage,
+    reinforce_plus_plus_advantage,
+    reinforce_plus_plus_baseline_advantage,
+    remax_advantage,
+    rloo_advantage,
+)
 from rlbits.functional.ilql import (
     awac_loss,
     cql_loss,
@@ -37,6 +53,20 @@ from rlbits.functional.policy_losses import (
 from rlbits.functional.reward import bradley_terry_loss, pointwise_reward_loss
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "dr_grpo_advantage",
+    "gae_advantage",
+    "gdpo_advantage",
+    "gpg_advantage",
+    "grpo_advantage",
+    "grpo_passk_advantage",
+    "no_baseline_advantage",
+    "opo_advantage",
+    "optimal_token_baseline_advantage",
+    "reinforce_plus_plus_advantage",
+    "reinforce_plus_plus_baseline_advantage",
+    "remax_advantage",
+    "rloo_advantage",
     "clip_cov_loss",
     "kl_cov_loss",
     "dro_loss",

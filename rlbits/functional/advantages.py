@@ -173,9 +173,9 @@ def gae(
     ``delta_t = r_t + gamma V_t' - V_t`` and ``A_t = delta_t + gamma lam A_t'``; after a row's last action
     token the state is terminal (V = 0, A = 0). ``returns = advantages + values`` on action tokens.
 
-    Differs from trl/OpenRLHF/verl, whose recursion steps through every position of the response, so a
-    tool-output token in the middle of a response breaks the bootstrap chain; on contiguous masks the
-    results agree.
+    verl (0.9, ``compute_gae_advantage_return``) skips masked positions the same way; trl and OpenRLHF step
+    through every position of the response, so a tool-output token in the middle of a response breaks their
+    bootstrap chain; on contiguous masks all agree.
 
     Vectorised over B; the reverse recursion runs as a blocked discounted cumsum (R / 64 Python steps).
 

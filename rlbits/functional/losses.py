@@ -29,6 +29,8 @@ def aggregate_loss(
 
     - ``token-mean``: sum over action tokens / their count (``num_tokens`` if given). Every token weighs
       the same whatever its sequence's length (DAPO, Yu 2025, sec. 3.3).
+    - ``token-sum``: sum over action tokens, no denominator (verl 0.9's ``agg_loss``); the loss and its
+      gradient grow with the number of tokens.
     - ``seq-mean-token-mean``: each row's mean over its action tokens, averaged over rows (the original
       GRPO; long sequences' tokens weigh less).
     - ``seq-mean-token-sum``: each row's sum over its action tokens, averaged over rows.
@@ -64,6 +66,8 @@ def aggregate_loss(
     if agg == "token-mean":
         denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
         return masked.sum() / denom
+    if agg == "token-sum":
+        return masked.sum()
     row_count = mask.sum(dim=1)
     row = masked.sum(dim=1)
     if agg == "seq-mean-token-mean":

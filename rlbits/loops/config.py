@@ -356,13 +356,34 @@ class PolicyGradientConfig(OnlineConfig):
     """Optimizer steps per pass over a rollout batch: the batch is shuffled (whole prompt groups, seeded) and
     dealt into this many minibatches (at most ``num_prompts_per_step``)."""
     clip_eps: float = ranged(0.2, ge=0)
-    """Lower clip range of the importance ratio (and upper, unless ``clip_eps_high``): ratios outside
-    [1 - clip_eps, 1 + clip_eps_high] get no gradient (REINFORCE: when clipping is active)."""
+    """Lower clip range of the importance ratio (and upper, unless ``clip_eps_high``), verl's
+    ``actor.clip_ratio_low``: for ``vanilla``, ratios outside [1 - clip_eps, 1 + clip_eps_high] get no gradient
+    (REINFORCE: when clipping is active). ``dppo_tv`` / ``dppo_kl`` read it as a divergence bound; losses
+    without a clip range (``sapo``, ``gpg``, ``dro``, ``kl_cov``) ignore it."""
     clip_eps_high: float | None = ranged(None, gt=0)
-    """Upper clip range (DAPO clip-higher, e.g. 0.28); None = ``clip_eps``."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses become one number (``rlbits.aggregate_loss``; denominators global over the
-    minibatch): ``token-mean`` (DAPO), ``seq-mean-token-mean`` (GRPO paper), ``seq-mean-token-sum``."""
+    """Upper clip range (DAPO clip-higher, e.g. 0.28), verl's ``actor.clip_ratio_high``; None = ``clip_eps``."""
+    loss_agg: Literal[
+        "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How per-token losses become one number, verl's ``actor.loss_agg_mode`` (``rlbits.aggregate_loss``;
+    denominators global over the minibatch): ``token-mean`` (DAPO), ``token-sum`` (no denominator),
+    ``seq-mean-token-mean`` (GRPO paper), ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (the row sums'
+    mean over ``loss_scale_factor``: Dr. GRPO)."""
+    loss_scale_factor: float | None = ranged(None, gt=0)
+    """verl's ``actor.loss_scale_factor``: the constant divisor of ``loss_agg: seq-mean-token-sum-norm`` (only
+    with that mode). None = verl's default, the width R of the loss tensors: in rlbits the longest response of
+    the step's batch, which varies; verl pads every response to its ``response_length``, so
+    ``max_new_tokens`` here gives verl's constant."""
+    policy_loss: str = "vanilla"
+    """The policy-gradient loss, verl's ``actor.policy_loss.loss_mode``: a key of ``rlbits.POLICY_LOSSES``
+    (``vanilla`` PPO clip, ``gspo``, ``cispo``, ``geo_mean``, ``sapo``, ``gpg``, ``dppo_tv``, ``dppo_kl``,
+    ``dro``, ``clip_cov``, ``kl_cov``), called with ``clip_eps`` / ``clip_eps_high`` where it has a clip range,
+    ``loss_agg`` and ``policy_loss_kwargs``."""
+    policy_loss_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The loss's own hyperparameters by verl's names (``actor.policy_loss.*`` / ``actor.clip_ratio_c``), the
+    keyword-only parameters of its function: e.g. ``{clip_ratio_c: 3.0}`` (``vanilla``'s dual clip; without it
+    the loops run ``vanilla`` with none, where verl's default is 3.0), ``{clip_cov_ratio: 0.0002}``,
+    ``{dro_beta: 0.1}``. The clip range and aggregation are config fields and not set here."""
     kl_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k1"
     """Per-token KL estimator of ``rlbits.kl_penalty`` in the reward (PPO: also in the loss) (k1 = logp -
     ref_logp; ``k1+``/``k3+``: k1/k3's value with k2's gradient, verl's straight-through variants)."""
@@ -381,6 +402,60 @@ class PolicyGradientConfig(OnlineConfig):
                 f"num_minibatches ({self.num_minibatches}) must be <= num_prompts_per_step "
                 f"({self.num_prompts_per_step}): minibatches hold whole prompt groups"
             )
+        if self.loss_scale_factor is not None and self.loss_agg != "seq-mean-token-sum-norm":
+            raise ConfigError(
+                f"loss_scale_factor={self.loss_scale_factor} has no effect with loss_agg={self.loss_agg!r}; it is "
+                "the divisor of loss_agg: seq-mean-token-sum-norm"
+            )
+        self._check_policy_loss()
+
+    def _check_policy_loss(self) -> None:
+        """``policy_loss`` is registered, ``policy_loss_kwargs`` names only its hyperparameters, and the loss
+        accepts their values (it is called once on one token)."""
+        import torch
+
+        losses = _policy_losses()
+        if self.policy_loss not in losses:
+            raise ConfigError(
+                f"policy_loss must be one of {', '.join(losses)} (rlbits.POLICY_LOSSES, verl's loss_mode "
+                f"names); got {show(self.policy_loss)}"
+            )
+        kwargs, name = self.policy_loss_kwargs, self.policy_loss
+        if not all(isinstance(k, str) for k in kwargs):
+            raise ConfigError(
+                f"policy_loss_kwargs must map hyperparameter names to values, got {show(kwargs)}"
+            )
+        accepted = policy_loss_hyperparameters(name)
+        for key in kwargs:
+            if key in LOOP_SET_LOSS_ARGS:
+                raise ConfigError(f"policy_loss_kwargs must not set {key}: {LOOP_SET_LOSS_ARGS[key]}")
+            if key not in accepted:
+                close = difflib.get_close_matches(key, accepted, n=2)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise ConfigError(
+                    f"policy_loss_kwargs: {show(key)} is not a hyperparameter of policy_loss {name!r} "
+                    f"({losses[name].__name__}){hint}; it takes {', '.join(accepted) or 'none'}"
+                )
+        one = torch.zeros(1, 1)
+        params = inspect.signature(losses[name]).parameters
+        rng = {"generator": torch.Generator()} if "generator" in params else {}
+        try:  # a private generator: checking a config draws nothing from the global one
+            losses[name](one, one, one, one > -1, agg=self.loss_agg, **rng, **self.policy_loss_args)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"policy_loss {name!r} with policy_loss_kwargs={show(kwargs)}: {e}") from None
+
+    @property
+    def policy_loss_args(self) -> dict[str, Any]:
+        """The keywords the loops pass to ``rlbits.POLICY_LOSSES[policy_loss]`` besides the aggregation:
+        ``clip_eps`` / ``clip_eps_high`` where the loss has a clip range, ``clip_ratio_c=None`` for ``vanilla``
+        (no dual clip unless asked), then ``policy_loss_kwargs``."""
+        params = inspect.signature(_policy_losses()[self.policy_loss]).parameters
+        args: dict[str, Any] = {}
+        if "clip_eps" in params:
+            args |= {"clip_eps": self.clip_eps, "clip_eps_high": self.clip_eps_high}
+        if self.policy_loss == "vanilla":
+            args["clip_ratio_c"] = None
+        return args | self.policy_loss_kwargs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,6 +496,30 @@ class EnvConfig(OnlineConfig):
             raise ConfigError(
                 "env_options must not set sandbox: use the top-level sandbox field (bwrap or unsafe_local)"
             )
+
+
+LOOP_SET_LOSS_ARGS = {
+    "clip_eps": "it is the config field clip_eps",
+    "clip_eps_high": "it is the config field clip_eps_high",
+    "agg": "the config field loss_agg sets it",
+    "num_tokens": "the loop sets it (the minibatch's token count)",
+    "num_seqs": "the loop sets it (the minibatch's row count)",
+    "generator": "a random generator is no config value (clip_cov draws from torch's global one)",
+}
+"""Keywords of the policy losses that ``policy_loss_kwargs`` may not set, and why."""
+
+
+def _policy_losses() -> dict[str, Any]:
+    from rlbits.functional.policy_losses import POLICY_LOSSES  # torch: imported when a config is checked
+
+    return POLICY_LOSSES
+
+
+def policy_loss_hyperparameters(name: str) -> list[str]:
+    """The keywords ``policy_loss_kwargs`` may set for the policy loss ``name`` (a key of
+    ``rlbits.POLICY_LOSSES``): its function's keyword-only parameters without ``LOOP_SET_LOSS_ARGS``."""
+    params = inspect.signature(_policy_losses()[name]).parameters.values()
+    return [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in LOOP_SET_LOSS_ARGS]
 
 
 GROUPS: tuple[type[RunConfig], ...] = (
@@ -493,6 +592,7 @@ def save_config(cfg: RunConfig, path: str | Path) -> None:
 __all__ = [
     "GROUPS",
     "LOOPS",
+    "LOOP_SET_LOSS_ARGS",
     "MAX_ROWS",
     "MAX_TOKENS",
     "MIN_TEMPERATURE",
@@ -509,6 +609,7 @@ __all__ = [
     "load_config",
     "loop_of",
     "parse_overrides",
+    "policy_loss_hyperparameters",
     "read_yaml",
     "save_config",
 ]

@@ -1,6 +1,7 @@
 """What the loops share: the online phases ``rollout``, ``reference`` and ``validate_policy``, each
 ``phase(state, batch, cfg) -> batch``, and the model-level building blocks beneath them (``generate_rollout``,
-``run_episodes``, ``score_rollout``, ``reference_logprobs``, ``evaluate_policy``, ``add_batch_stats``),
+``run_episodes``, ``score_rollout``, ``reference_logprobs``, ``evaluate_policy``, ``add_batch_stats``,
+``policy_loss_stats``),
 usable in any loop or notebook.
 """
 
@@ -355,6 +356,19 @@ def add_batch_stats(metrics: StepMetrics, batch: TensorDictBase) -> None:
             metrics.mean(f"stop/{reason}", float(reasons.count(reason)), rows)
 
 
+def policy_loss_stats(
+    metrics: dict[str, torch.Tensor], cfg: Any, always: Sequence[str] = ("clipfrac", "approx_kl")
+) -> dict[str, torch.Tensor]:
+    """The metrics of a policy loss (``rlbits.POLICY_LOSSES[cfg.policy_loss]``) a loop logs: ``always``
+    (``clipfrac`` 0 for a loss that reports none) and, for a loss other than ``vanilla``, every other metric it
+    returns; ``vanilla`` adds only ``dual_clipfrac``, when ``policy_loss_kwargs`` sets ``clip_ratio_c``."""
+    out = {"clipfrac": torch.zeros_like(metrics["approx_kl"]), **metrics}
+    if cfg.policy_loss != "vanilla":
+        return out
+    dual = ("dual_clipfrac",) if cfg.policy_loss_kwargs.get("clip_ratio_c") is not None else ()
+    return {k: out[k] for k in (*always, *dual) if k in out}
+
+
 __all__ = [
     "add_batch_stats",
     "bf16_copy",
@@ -365,6 +379,7 @@ __all__ = [
     "generate_rollout",
     "kl_per_sequence",
     "pack_weights",
+    "policy_loss_stats",
     "prompt_batch",
     "prompt_texts",
     "reference",

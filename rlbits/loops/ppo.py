@@ -8,7 +8,8 @@ Algorithm (Schulman 2017; for language models Ziegler 2019 and Ouyang 2022, eq. 
 4. values     the critic's V(s_t) before each response token (``values``);
 5. advantages scaled reward on the last token minus ``kl_coef * KL`` on every token, GAE(gamma, lam)
               advantages (whitened) and GAE(gamma, critic_lam) returns;
-6. update     ``ppo_epochs`` x ``num_minibatches`` steps on the clipped surrogate and the value loss;
+6. update     ``ppo_epochs`` x ``num_minibatches`` steps on the policy loss (``policy_loss``; ``vanilla``: the
+              clipped surrogate) and the value loss;
 7. kl control the adaptive KL controller (Ziegler 2019, sec. 2.2) moves ``kl_coef`` for the next step;
 8. log, validate and save (``rlbits.loops.run.Run``).
 
@@ -31,13 +32,13 @@ from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_sum, masked_var
 from rlbits.distributed.reduce import masked_whiten as whiten
 from rlbits.functional import (
+    POLICY_LOSSES,
     adaptive_kl_coef,
     aggregate_loss,
     gae,
     kl_penalty,
     masked_mean,
     masked_sum,
-    ppo_loss,
     token_rewards,
     value_loss,
 )
@@ -68,8 +69,6 @@ class PPOConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
     """Passes over each rollout batch (trlx ``ppo_epochs``)."""
     num_minibatches: int = ranged(2, ge=1, at_most=MAX_ROWS)
     """Optimizer steps per PPO epoch (``PolicyGradientConfig``)."""
-    dual_clip: float | None = ranged(None, gt=1)
-    """Dual-clip constant c > 1 (Ye 2020): caps the loss of negative-advantage tokens at -c A; None = off."""
     entropy_coef: float = ranged(0.0, ge=0)
     """Entropy bonus: ``- entropy_coef * entropy`` is added to the policy loss (0 = off)."""
 
@@ -280,14 +279,17 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
 def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denominators) -> tuple[torch.Tensor, dict]:
     """PPO's loss on one microbatch, every term aggregated (``loss_agg``) over the minibatch's global counts.
 
-    The clipped surrogate of the whitened advantages (Schulman 2017 eq. 7), the entropy bonus and the
-    critic's squared error (eq. 9; the critic is a separate model, so ``vf_coef`` scales its gradient only),
-    and ``kl_coef * KL(pi || pi_ref)`` when the KL is not in the reward. During the critic warm-up
+    The policy loss of the whitened advantages (``cfg.policy_loss`` of ``rlbits.POLICY_LOSSES`` with
+    ``cfg.policy_loss_args``; ``vanilla``: the clipped surrogate, Schulman 2017 eq. 7), the entropy bonus and
+    the critic's squared error (eq. 9; the critic is a separate model, so ``vf_coef`` scales its gradient
+    only), and ``kl_coef * KL(pi || pi_ref)`` when the KL is not in the reward. During the critic warm-up
     (``policy_training_start_step``) the policy is not run and only the critic's term remains.
-    Stats: ``critic_loss``, ``value_clipfrac``; with the policy ``actor_loss``, ``clipfrac``, ``approx_kl``,
-    ``ratio_mean``, ``entropy`` (+ ``kl_loss``); shares of the minibatch's values (``rlbits.loops.update``).
+    Stats: ``critic_loss``, ``value_clipfrac``; with the policy ``actor_loss``, ``entropy`` (+ ``kl_loss``)
+    and the loss's metrics (``phases.policy_loss_stats``: ``clipfrac``, ``approx_kl``, ``ratio_mean``, and
+    the rest of a loss other than ``vanilla``); shares of the minibatch's values (``rlbits.loops.update``).
     """
-    mask, agg, share = micro["action_mask"], den.agg(cfg.loss_agg), den.share(micro["action_mask"])
+    mask, share = micro["action_mask"], den.share(micro["action_mask"])
+    agg = den.agg(cfg.loss_agg, cfg.loss_scale_factor)
     pg_loss = entropy = kl = 0.0
     stats: dict[str, torch.Tensor] = {}
     if state.step >= cfg.policy_training_start_step:
@@ -295,9 +297,8 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
             state.policy, micro, temperature=cfg.temperature, return_entropy=True,
             entropy_grad=cfg.entropy_coef > 0, **head_args(cfg),
         ))
-        pg_loss, ratio = kernel(ppo_loss, cfg)(
-            logprobs, micro["logprobs"], micro["advantages"], mask,
-            clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, **agg,
+        pg_loss, ratio = kernel(POLICY_LOSSES[cfg.policy_loss], cfg)(
+            logprobs, micro["logprobs"], micro["advantages"], mask, **agg, **cfg.policy_loss_args
         )
         entropy = aggregate_loss(token_entropy, mask, **agg) if cfg.entropy_coef > 0 else 0.0
         if not cfg.kl_in_reward and state.kl_coef > 0 and "ref_logprobs" in micro.keys():
@@ -305,13 +306,14 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
             kl = aggregate_loss(token_kl, mask, **agg)
             stats["kl_loss"] = kl.detach()
         stats |= {"actor_loss": pg_loss.detach(), "entropy": masked_mean(token_entropy.detach(), mask) * share}
-        stats |= {name: ratio[name] * share for name in ("clipfrac", "approx_kl", "ratio_mean")}
+        always = ("clipfrac", "approx_kl", "ratio_mean")
+        stats |= {name: v * share for name, v in phases.policy_loss_stats(ratio, cfg, always).items()}
     values = critic_values(state.value_model, micro).float()
     v_loss, vstats = kernel(value_loss, cfg)(
         values, micro["values"], micro["returns"], mask, clip_eps=cfg.value_clip_eps, **agg
     )
     loss = (
-        pg_loss  # clipped surrogate: -min(r A, clip(r, 1 - eps, 1 + eps_high) A)
+        pg_loss  # policy_loss; vanilla: the clipped surrogate -min(r A, clip(r, 1 - eps, 1 + eps_high) A)
         - cfg.entropy_coef * entropy  # entropy bonus
         + state.kl_coef * kl  # KL to the reference, when it is not in the reward
         + cfg.vf_coef * v_loss  # critic: (clipped) squared error to the GAE returns

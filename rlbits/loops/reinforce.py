@@ -1,17 +1,22 @@
-"""REINFORCE with a group baseline: RLOO, GRPO, Dr. GRPO (and DAPO's dynamic sampling / clip-higher).
+"""REINFORCE with a group baseline: RLOO, GRPO, Dr. GRPO, verl's other critic-free advantage estimators (and DAPO's
+dynamic sampling / clip-higher).
 
 Algorithm (one step)::
 
     1. rollout     K = num_generations_per_prompt responses for each of num_prompts_per_step prompts
     2. score       sequence reward r_i per response (dynamic_sampling: keep informative groups only)
+       greedy      (remax only) one greedy response per prompt, scored: its reward is the baseline
     3. reference   log pi_ref of the sampled tokens (init_policy_kl; the KL terms)
     4. advantages  r'_i = r_i - kl_coef * sum_t KL_t                        (kl_in_reward)
                    A_i  = r'_i - mean_{j != i} r'_j                         (rloo; Kool 2019, Ahmadian 2024)
                         = (r'_i - mean_g r') / (std_g r' + eps)              (grpo; Shao 2024)
                         = r'_i - mean_g r'                                  (dr_grpo; Liu 2025)
                         = r'_i                                              (none; Williams 1992)
-    5. update      loss = pg_loss + kl_loss_coef * agg(KL_t(pi_theta || pi_ref)); pg_loss is -A log pi, or
-                   the clipped PPO loss with num_iterations or num_minibatches > 1 (DAPO clip-higher)
+                   or another of ADV_ESTIMATORS (rlbits.ADVANTAGE_ESTIMATORS, verl's adv_estimator names:
+                   reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk)
+    5. update      loss = pg_loss + kl_loss_coef * agg(KL_t(pi_theta || pi_ref)); pg_loss is policy_loss
+                   (rlbits.POLICY_LOSSES: vanilla = the clipped PPO loss, DAPO clip-higher; gspo, cispo, ...),
+                   and -A log pi for vanilla with one iteration and one minibatch (the ratio is 1)
     6. log, validate and save (rlbits.loops.run.Run)
 
 docs/reinforce.md: the papers, how rlbits departs from them, the metrics and how to launch a run.
@@ -31,17 +36,18 @@ from tensordict import TensorDictBase
 from rlbits.batch import collate
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
-from rlbits.distributed.reduce import all_reduce_max, any_rank
+from rlbits.distributed.reduce import all_reduce_max, all_reduce_sum, any_rank
 from rlbits.functional import (
+    POLICY_LOSSES,
     aggregate_loss,
-    group_normalize,
     kl_penalty,
     masked_mean,
     masked_sum,
-    ppo_loss,
     reinforce_loss,
     rloo_baseline,
+    token_rewards,
 )
+from rlbits.functional.estimators import ADVANTAGE_ESTIMATORS
 from rlbits.loops import phases
 from rlbits.loops.config import ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig
 from rlbits.loops.config_fields import ranged
@@ -53,7 +59,26 @@ from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import policy_logprobs
 
-BASELINES = ("rloo", "grpo", "dr_grpo", "none")
+ADV_ESTIMATORS = (
+    "rloo",
+    "grpo",
+    "dr_grpo",
+    "none",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "gpg",
+    "grpo_passk",
+)
+"""The ``ADVANTAGE_ESTIMATORS`` this loop runs. Not here: ``gae`` (a critic: the PPO loop),
+``optimal_token_baseline`` (needs sum_v pi(v)^2 per token, which the rollout does not record) and ``gdpo``
+(needs several reward components; rlbits' rewards are one score)."""
+GROUPED = ("rloo", "grpo", "dr_grpo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
+"""The estimators that compare a prompt's responses: they need num_generations_per_prompt >= 2."""
+PER_TOKEN_REWARDS = ("reinforce_plus_plus", "remax")
+"""The estimators that use the rewards per token (returns to go): with ``kl_in_reward`` each action token carries
+its KL penalty, as verl's ``token_level_rewards``; the others use only the sequence sum."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +88,21 @@ class ReinforceConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
     loop: str = "reinforce"
     """Which loop runs this config; ``reinforce`` for this one."""
     num_generations_per_prompt: int = 4
-    """K responses per prompt (>= 2 for the rloo/grpo baselines); a prompt's K responses form its group."""
-    baseline: Literal["rloo", "grpo", "dr_grpo", "none"] = "rloo"
-    """``rloo``: r - mean of the other K-1 rewards; ``grpo``: (r - group mean) / (group std + eps); ``dr_grpo``:
-    r - group mean (Dr. GRPO, Liu 2025); ``none``: r itself (plain REINFORCE)."""
+    """K responses per prompt (>= 2 for the estimators of ``GROUPED``); a prompt's K responses form its group."""
+    adv_estimator: Literal[
+        "rloo", "grpo", "dr_grpo", "none", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
+        "gpg", "grpo_passk",
+    ] = "rloo"
+    """The advantage estimator (verl's name; ``rlbits.ADVANTAGE_ESTIMATORS``): ``rloo``: r - mean of the other K-1
+    rewards; ``grpo``: (r - group mean) / (group std + eps); ``dr_grpo``: r - group mean (Dr. GRPO, Liu 2025);
+    ``none``: r itself (plain REINFORCE); ``reinforce_plus_plus``: the discounted return to go, whitened over the
+    batch; ``reinforce_plus_plus_baseline``: r - group mean, whitened; ``remax``: the return to go minus the
+    reward of a greedy response; ``opo``: r - length-weighted group mean; ``gpg``: (r - group mean) * B / (rewards
+    != 0); ``grpo_passk``: only each group's best response, (r_max - r_second) / (std + eps)."""
     grpo_eps: float = ranged(1e-6, ge=0)
-    """Added to the group std by the ``grpo`` baseline."""
+    """Added to the group std by ``grpo`` and ``grpo_passk`` (verl's ``epsilon``)."""
+    gamma: float = ranged(1.0, ge=0, le=1)
+    """Discount per action token of ``reinforce_plus_plus``'s return to go (verl's ``algorithm.gamma``)."""
     kl_in_reward: bool = False
     """Subtract ``kl_coef * sum_t KL_t`` from each sequence reward before the baseline (NeMo-Aligner RLOO)."""
     kl_coef: float = ranged(0.0, ge=0)
@@ -91,10 +125,15 @@ class ReinforceConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
     def check(self) -> None:
         """The groups' checks, then REINFORCE's rules across fields. Raises ConfigError naming the field."""
         super().check()
-        if self.baseline != "none" and self.num_generations_per_prompt < 2:
+        if self.adv_estimator in GROUPED and self.num_generations_per_prompt < 2:
             raise ConfigError(
-                f"num_generations_per_prompt must be >= 2 for baseline={self.baseline!r} (a group needs other "
-                f"samples), got {self.num_generations_per_prompt}"
+                f"num_generations_per_prompt must be >= 2 for adv_estimator={self.adv_estimator!r} (a group needs "
+                f"other samples), got {self.num_generations_per_prompt}"
+            )
+        if self.gamma != 1.0 and self.adv_estimator != "reinforce_plus_plus":
+            raise ConfigError(
+                f"gamma={self.gamma} has no effect with adv_estimator={self.adv_estimator!r}; it discounts "
+                "reinforce_plus_plus's return to go"
             )
         if self.dynamic_sampling and self.num_generations_per_prompt < 2:
             raise ConfigError("dynamic_sampling needs num_generations_per_prompt >= 2 (a reward spread per group)")
@@ -235,34 +274,86 @@ reference = phases.reference
 """Phase 3: ``ref_logprobs`` [B, R] under the frozen reference, when a term uses them (``phases.reference``)."""
 
 
-def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
-    """Phase 4: ``advantages`` [B, R] and ``loss_mask`` [B, R] from ``rewards``, ``logprobs``, ``ref_logprobs``.
+def greedy_baseline(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
+    """Phase 2c (``adv_estimator: remax``): one greedy response to each prompt of ``batch`` by ``state.policy``
+    (through ``phases.decoding``; an episode with ``temperature`` 0 for a multi-turn task), scored by
+    ``state.reward``; writes ``reward_baselines`` [B], each row the greedy reward of its prompt (ReMax, Li 2024).
+    Greedy decoding draws no random numbers, so the sampling stream is that of a run without this phase. Under
+    torchrun each rank decodes its own prompts (the collectives of a rollout: gathering a sharded policy).
+    Without ``remax`` returns ``batch`` unchanged. Adds ``greedy_rewards`` (their mean) to ``state.metrics``."""
+    if cfg.adv_estimator != "remax":
+        return batch
+    k = cfg.num_generations_per_prompt
+    prompts = phases.prompt_texts(batch)[::k]
+    common = dict(temperature=0.0, compile=cfg.compile_generate, pack_weights=phases.pack_weights(cfg))
+    with phases.decoding(state, cfg) as model:
+        if state.make_env is not None:
+            greedy = phases.run_episodes(model, state.tokenizer, prompts, state.make_env, cfg, **common)
+        else:
+            greedy = phases.generate_rollout(
+                model, state.tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, **common
+            )
+    rewards = phases.score_rollout(greedy, state.reward).to(batch["action_mask"].device)
+    batch["reward_baselines"] = einops.repeat(rewards, "g -> (g k)", k=k)
+    state.metrics.mean("greedy_rewards", rewards.sum(), rewards.numel())
+    return batch
 
-    ``r' = r - kl_coef * sum_t KL_t`` (with ``kl_in_reward``), the sequence advantage ``A = r' - baseline``
-    (or the group-normalised ``r'``), broadcast over action tokens; ``loss_mask = action_mask`` without the
-    truncated responses when ``overlong_filtering``. Adds ``rewards``, ``rewards_with_kl``, ``baseline``,
-    ``advantages`` (token mean over the loss mask), ``init_policy_kl``, ``truncated_frac``, ``response_len``,
-    ``loss_tokens`` to ``state.metrics``.
+
+def _baseline(shaped: torch.Tensor, batch: TensorDictBase, cfg: ReinforceConfig) -> torch.Tensor:
+    """[B] the value each reward is compared with, for the ``baseline`` metric: the others' mean (``rloo``), the
+    greedy reward (``remax``), 0 (``none``, ``reinforce_plus_plus``), else the group mean."""
+    k = cfg.num_generations_per_prompt
+    if cfg.adv_estimator == "rloo":
+        return rloo_baseline(shaped, k)
+    if cfg.adv_estimator == "remax":
+        return batch["reward_baselines"]
+    if cfg.adv_estimator in GROUPED:
+        return einops.repeat(einops.reduce(shaped, "(g k) -> g", "mean", k=k), "g -> (g k)", k=k)
+    return torch.zeros_like(shaped)
+
+
+def _estimator_kwargs(cfg: ReinforceConfig) -> dict[str, Any]:
+    """The config's hyperparameters of ``cfg.adv_estimator``, under the estimator's (verl's) names."""
+    if cfg.adv_estimator in ("grpo", "grpo_passk"):
+        return {"epsilon": cfg.grpo_eps}
+    if cfg.adv_estimator == "reinforce_plus_plus":
+        return {"gamma": cfg.gamma}
+    return {}
+
+
+def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
+    """Phase 4: ``advantages`` [B, R] and ``loss_mask`` [B, R] from ``rewards``, ``logprobs``, ``ref_logprobs``
+    (and ``reward_baselines`` for ``remax``) by ``rlbits.ADVANTAGE_ESTIMATORS[cfg.adv_estimator]``.
+
+    ``r' = r - kl_coef * sum_t KL_t`` (with ``kl_in_reward``) on the last action token, or for the per-token
+    estimators (``reinforce_plus_plus``, ``remax``) ``r`` there and ``-kl_coef * KL_t`` on every action token
+    (verl's ``token_level_rewards``); the estimator's advantages (e.g. the sequence advantage ``A = r' -
+    baseline`` broadcast over action tokens); ``loss_mask = action_mask`` without the truncated responses when
+    ``overlong_filtering``. Statistics over the whole batch (whitening, gpg's alpha) are summed over every rank.
+    Adds ``rewards``, ``rewards_with_kl``, ``baseline`` (see ``_baseline``), ``advantages`` (token mean over
+    the loss mask), ``init_policy_kl``, ``truncated_frac``, ``response_len``, ``loss_tokens`` to
+    ``state.metrics``.
     """
     action_mask, m = batch["action_mask"], state.metrics
     rewards = batch["rewards"].float()
     k, rows = cfg.num_generations_per_prompt, batch.batch_size[0]
-    shaped = rewards
+    shaped, kl = rewards, None
     if cfg.kl_in_reward:
         kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
         shaped = rewards - cfg.kl_coef * torch.where(action_mask, kl, 0.0).sum(-1)
-    if cfg.baseline == "rloo":
-        baseline = rloo_baseline(shaped, k)
-        seq_adv = shaped - baseline
-    elif cfg.baseline in ("grpo", "dr_grpo"):
-        baseline = einops.repeat(einops.reduce(shaped, "(g k) -> g", "mean", k=k), "g -> (g k)", k=k)
-        seq_adv = group_normalize(shaped, k, scale=cfg.baseline == "grpo", eps=cfg.grpo_eps)
-    else:
-        baseline = torch.zeros_like(shaped)
-        seq_adv = shaped
+    if kl is not None and cfg.adv_estimator in PER_TOKEN_REWARDS:
+        token_level = token_rewards(rewards, action_mask, kl, cfg.kl_coef)
+    else:  # the outcome estimators use the row sum only: r' on the last action token
+        token_level = token_rewards(shaped, action_mask)
+    inputs = {"reward_baselines": batch["reward_baselines"]} if cfg.adv_estimator == "remax" else {}
+    adv, _ = ADVANTAGE_ESTIMATORS[cfg.adv_estimator](
+        token_level, action_mask, group_size=k, global_sum=lambda t: all_reduce_sum(t, state.env),
+        **inputs, **_estimator_kwargs(cfg),
+    )
+    baseline = _baseline(shaped, batch, cfg)
     truncated = batch["truncated"] if "truncated" in batch.keys() else torch.zeros_like(rewards, dtype=torch.bool)
     loss_mask = action_mask & ~truncated[:, None] if cfg.overlong_filtering else action_mask
-    batch["advantages"] = torch.where(action_mask, seq_adv[:, None], 0.0)
+    batch["advantages"] = adv
     batch["loss_mask"] = loss_mask
     phases.add_batch_stats(m, batch)
     m.mean("rewards_with_kl", shaped.sum(), rows)
@@ -277,35 +368,39 @@ def objective(
     state: State, micro: TensorDictBase, cfg: ReinforceConfig, den: Denominators
 ) -> tuple[torch.Tensor, dict]:
     """REINFORCE's loss on one microbatch, aggregated (``loss_agg``) over the minibatch's global counts of
-    ``loss_mask``: the policy gradient of the group-baselined advantages, ``-A log pi`` (Williams 1992), or
-    PPO's clipped surrogate when ``cfg.clipped``, plus ``kl_loss_coef * KL(pi || pi_ref)`` (GRPO).
+    ``loss_mask``: the policy gradient of the group-baselined advantages, plus ``kl_loss_coef * KL(pi ||
+    pi_ref)`` (GRPO). The policy gradient is ``cfg.policy_loss`` (``rlbits.POLICY_LOSSES``, called with
+    ``cfg.policy_loss_args``); for ``vanilla`` (PPO's clipped surrogate) only when ``cfg.clipped``, and
+    ``-A log pi`` (Williams 1992; the same gradient at ratio 1) otherwise. Any other loss runs on every pass:
+    on the first pass over on-policy data its ratio is 1, so it moves off 1 only with ``num_iterations`` or
+    ``num_minibatches`` > 1.
 
     Stats: ``actor_loss``, ``kl_loss`` (shares of the minibatch's values) and the loss-token means over the
-    step of ``clipfrac`` (0 unclipped), ``approx_kl`` (k3 of KL(pi_old || pi) on the sampled tokens, as
-    ``ppo_loss``) and ``entropy``.
+    step of ``entropy`` and the loss's metrics (``phases.policy_loss_stats``): ``clipfrac`` (0 unclipped),
+    ``approx_kl`` (k3 of KL(pi_old || pi) on the sampled tokens), and with a loss other than ``vanilla``
+    the rest of its metrics (``ratio_mean``, ...).
     """
-    mask, agg = micro["loss_mask"], den.agg(cfg.loss_agg)
+    mask, agg = micro["loss_mask"], den.agg(cfg.loss_agg, cfg.loss_scale_factor)
     logprobs, entropy = (x.float() for x in policy_logprobs(
         state.policy, micro, temperature=cfg.temperature, return_entropy=True, entropy_grad=False, **head_args(cfg)
     ))
-    if cfg.clipped:
-        pg_loss, ratio = kernel(ppo_loss, cfg)(
-            logprobs, micro["logprobs"], micro["advantages"], mask, cfg.clip_eps, cfg.clip_eps_high, **agg
+    if cfg.clipped or cfg.policy_loss != "vanilla":
+        pg_loss, ratio = kernel(POLICY_LOSSES[cfg.policy_loss], cfg)(
+            logprobs, micro["logprobs"], micro["advantages"], mask, **agg, **cfg.policy_loss_args
         )
     else:  # the ratio is 1: clipfrac 0; approx_kl as ppo_loss's, the k3 estimate of KL(pi_old || pi)
         pg_loss, _ = kernel(reinforce_loss, cfg)(logprobs, micro["advantages"], mask, **agg)
-        approx_kl = masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)
-        ratio = {"clipfrac": torch.zeros(()), "approx_kl": approx_kl}
+        ratio = {"approx_kl": masked_mean(kl_penalty(micro["logprobs"], logprobs.detach(), "k3"), mask)}
     kl = torch.zeros(())
     if cfg.kl_loss_coef > 0:
         token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
         kl = aggregate_loss(token_kl, mask, **agg)
     loss = (
-        pg_loss  # policy gradient: -A log pi, or -min(r A, clip(r) A) when clipped
+        pg_loss  # policy_loss; vanilla: -A log pi, or -min(r A, clip(r) A) when clipped
         + cfg.kl_loss_coef * kl  # KL to the reference policy
     )
     w = mask.sum()
-    means = {"clipfrac": ratio["clipfrac"], "approx_kl": ratio["approx_kl"], "entropy": masked_mean(entropy, mask)}
+    means = {**phases.policy_loss_stats(ratio, cfg), "entropy": masked_mean(entropy, mask)}
     return loss, {"actor_loss": pg_loss.detach(), "kl_loss": kl.detach(), **{k: (v * w, w) for k, v in means.items()}}
 
 
@@ -336,7 +431,7 @@ validate = phases.validate_policy
 evaluate_run = phases.evaluate_run
 """``rlbits eval RUN_DIR``: the final policy's test-split reward next to the base model's."""
 
-PHASES = (rollout, score, dynamic_sampling, reference, advantages, update, validate)
+PHASES = (rollout, score, dynamic_sampling, greedy_baseline, reference, advantages, update, validate)
 """The phases of a step, in order (``validate``: the validation phase), each ``phase(state, batch, cfg) -> batch``."""
 
 
@@ -370,9 +465,12 @@ def train(
                     batch = score(state, batch, cfg)
                 with run.phase("rollout"):  # 2b. dynamic sampling: informative groups only, more batches
                     batch = dynamic_sampling(state, batch, cfg)
+                if cfg.adv_estimator == "remax":
+                    with run.phase("greedy"):  # 2c. ReMax: a greedy response per prompt, its reward the baseline
+                        batch = greedy_baseline(state, batch, cfg)
                 with run.phase("reference"):  # 3. reference logprobs
                     batch = reference(state, batch, cfg)
-                with run.phase("advantages"):  # 4. group baseline, broadcast over tokens
+                with run.phase("advantages"):  # 4. the advantage estimator (group baseline, broadcast over tokens)
                     batch = advantages(state, batch, cfg)
                 with run.phase("update"):  # 5. policy-gradient (or clipped) steps
                     batch = update(state, batch, cfg)
@@ -381,13 +479,16 @@ def train(
 
 
 __all__ = [
-    "BASELINES",
+    "ADV_ESTIMATORS",
+    "GROUPED",
+    "PER_TOKEN_REWARDS",
     "PHASES",
     "ReinforceConfig",
     "State",
     "advantages",
     "dynamic_sampling",
     "evaluate_run",
+    "greedy_baseline",
     "informative_groups",
     "init_state",
     "join_rollout",

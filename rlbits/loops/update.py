@@ -54,8 +54,15 @@ class Denominators:
     num_seqs: torch.Tensor
     num_rows: torch.Tensor
 
-    def agg(self, loss_agg: str) -> dict[str, Any]:
-        """The keywords of ``rlbits.aggregate_loss`` (and the losses built on it) for ``loss_agg``."""
+    def agg(self, loss_agg: str, loss_scale_factor: float | None = None) -> dict[str, Any]:
+        """The keywords of ``rlbits.aggregate_loss`` (and the losses built on it) for ``loss_agg``.
+
+        ``seq-mean-token-sum-norm`` with a ``loss_scale_factor`` is passed as ``seq-mean-token-sum`` over
+        ``num_seqs * loss_scale_factor`` rows (the same value: the losses take no factor of their own);
+        without one, each loss divides by its tensors' width R (verl's default)."""
+        if loss_agg == "seq-mean-token-sum-norm" and loss_scale_factor is not None:
+            num_seqs = self.num_seqs * loss_scale_factor
+            return {"agg": "seq-mean-token-sum", "num_tokens": self.num_tokens, "num_seqs": num_seqs}
         return {"agg": loss_agg, "num_tokens": self.num_tokens, "num_seqs": self.num_seqs}
 
     def share(self, mask: torch.Tensor) -> torch.Tensor:

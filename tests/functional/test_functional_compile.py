@@ -105,3 +105,40 @@ def test_compiled_kernel_matches_eager(name):
     g_compiled = torch.autograd.grad(sum((compiled_out[i] * weights[i]).sum() for i in differentiable), leaves)
     for e, c in zip(g_eager, g_compiled, strict=False):
         torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)
+
+
+def _estimator_cases():
+    """Every ``ADVANTAGE_ESTIMATORS`` entry on groups of 2 (one with equal rewards), with its extra inputs. The
+    estimators detach their inputs (advantages are constants of the update): values only."""
+    mask, rnd, _ = _inputs()
+    rewards = torch.where(mask, rnd(B, R), 0.0)
+    rewards[2:] = 0.0  # group 1: all rewards 0
+    extra = {
+        "gae": {"values": rnd(B, R), "gamma": 0.99, "lam": 0.95},
+        "reinforce_plus_plus": {"gamma": 0.9},
+        "remax": {"reward_baselines": rnd(B)},
+        "gpg": {"f_norm": 2.0},
+        "optimal_token_baseline": {"old_logprobs": -rnd(B, R).abs(), "sum_pi_squared": rnd(B, R).abs() * 0.1},
+        "gdpo": {"reward_components": rnd(B, 2), "gdpo_reward_weights": [1.0, 0.5]},
+    }
+    cases = {
+        name: (fn, (rewards, mask), {"group_size": 2, **extra.get(name, {})})
+        for name, fn in rlbits.ADVANTAGE_ESTIMATORS.items()
+    }
+    cases["gae_global_sum"] = (
+        rlbits.gae_advantage,
+        (rewards, mask),
+        {"global_sum": lambda t: 2 * t, **extra["gae"]},
+    )
+    return cases
+
+
+ESTIMATOR_CASES = _estimator_cases()
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATOR_CASES))
+def test_compiled_advantage_estimator_matches_eager(name):
+    fn, args, kwargs = ESTIMATOR_CASES[name]
+    compiled = torch.compile(fn, fullgraph=True)
+    for e, c in zip(_flatten(fn(*args, **kwargs)), _flatten(compiled(*args, **kwargs)), strict=True):
+        torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)

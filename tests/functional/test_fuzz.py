@@ -150,7 +150,7 @@ def test_impossible_sizes_are_config_errors(loop):
     if "num_minibatches" in _fields(cls):
         cases.append(({"num_prompts_per_step": 2, "num_minibatches": 3}, "num_minibatches"))
     if loop == "reinforce":
-        cases.append(({"num_generations_per_prompt": 1, "baseline": "rloo"}, "num_generations_per_prompt"))
+        cases.append(({"num_generations_per_prompt": 1, "adv_estimator": "rloo"}, "num_generations_per_prompt"))
     for values, field in cases:
         with pytest.raises(ConfigError, match=field):
             config_from_dict(cls, {"loop": loop, **values})

@@ -13,7 +13,7 @@ import rlbits
 from rlbits.functional import policy_losses
 
 B, T = 6, 7
-AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 IMPLEMENTED = {
     "vanilla",
     "gspo",
@@ -79,6 +79,12 @@ def _agg_ref(mat, mask, mode, num_tokens=None, num_seqs=None):
                 total = total + mat[i][t] * float(mask[i, t])
                 count += int(mask[i, t])
         return total / (count if num_tokens is None else num_tokens)
+    if mode == "token-sum":
+        total = zero
+        for i in range(B):
+            for t in range(T):
+                total = total + mat[i][t] * float(mask[i, t])
+        return total
     total, rows = zero, 0
     for i in range(B):
         n = int(mask[i].sum())
@@ -427,6 +433,14 @@ def test_seq_mean_token_sum_norm_aggregation():
     torch.testing.assert_close(out, (x * mask).sum() / 2 / 5)
     out = rlbits.aggregate_loss(x, mask, "seq-mean-token-sum-norm", num_seqs=4, loss_scale_factor=128)
     torch.testing.assert_close(out, (x * mask).sum() / 4 / 128)
+
+
+def test_token_sum_aggregation():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, generator=gen)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 0, 1, 1, 1]], dtype=torch.bool)
+    for kwargs in ({}, {"num_tokens": 50, "num_seqs": 9}):  # no denominator: the counts are ignored
+        torch.testing.assert_close(rlbits.aggregate_loss(x, mask, "token-sum", **kwargs), (x * mask).sum())
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from rlbits.loops.config import (
 from rlbits.loops.config_fields import Range, field_docs, field_ranges
 from rlbits.loops.ilql import ILQLConfig
 from rlbits.loops.ppo import PPOConfig
-from rlbits.loops.reinforce import BASELINES, ReinforceConfig
+from rlbits.loops.reinforce import ADV_ESTIMATORS, ReinforceConfig
 from rlbits.loops.reward_model import RewardModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,8 +82,8 @@ def test_every_config_field_has_a_docstring_and_no_long_line():
         assert not long, f"{path.name}: lines {long} are over 120 characters"
 
 
-def test_the_baseline_literal_is_BASELINES():
-    assert typing.get_args(typing.get_type_hints(ReinforceConfig)["baseline"]) == BASELINES
+def test_the_adv_estimator_literal_is_ADV_ESTIMATORS():
+    assert typing.get_args(typing.get_type_hints(ReinforceConfig)["adv_estimator"]) == ADV_ESTIMATORS
 
 
 # --- checked at construction -----------------------------------------------------------------------------
@@ -168,8 +168,8 @@ def test_resolve_reward_prefers_one_source(tmp_path):
 def test_removed_names_are_gone():
     assert not hasattr(RunConfig, "validate") and not hasattr(OnlineConfig, "rollout_batch_size")
     assert not hasattr(ReinforceConfig, "ppo_epochs") and not hasattr(ReinforceConfig, "RENAMED")
-    with pytest.raises(ConfigError, match="baseline must be one of"):
-        ReinforceConfig(baseline="grpo_unscaled")
+    with pytest.raises(ConfigError, match="adv_estimator must be one of"):
+        ReinforceConfig(adv_estimator="grpo_unscaled")
 
 
 # --- YAML files and overrides ----------------------------------------------------------------------------
@@ -219,6 +219,64 @@ def test_config_from_yaml_and_overrides(tmp_path):
 def test_bad_config_values_are_rejected_with_the_field_named(cls, values, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict(cls, values)
+
+
+# --- the policy loss ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [PPOConfig, ReinforceConfig])
+def test_policy_loss_from_yaml_and_overrides(cls, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("policy_loss: clip_cov\npolicy_loss_kwargs:\n  clip_cov_ratio: 0.001\n")
+    cfg = load_config(cls, path)
+    assert (cfg.policy_loss, cfg.policy_loss_kwargs) == ("clip_cov", {"clip_cov_ratio": 0.001})
+    cfg = load_config(cls, path, ["policy_loss=vanilla", "policy_loss_kwargs={clip_ratio_c: 3.0}"])
+    assert cfg.policy_loss_args == {"clip_eps": 0.2, "clip_eps_high": None, "clip_ratio_c": 3.0}
+    assert cls().policy_loss_args["clip_ratio_c"] is None  # vanilla runs without dual clip unless asked
+    cfg = load_config(cls, None, ["policy_loss=sapo", "loss_agg=seq-mean-token-sum-norm", "loss_scale_factor=24"])
+    assert cfg.policy_loss_args == {} and cfg.loss_scale_factor == 24.0  # sapo has no clip range
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert load_config(cls, tmp_path / "saved.yaml") == cfg
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"policy_loss": "gspo2"}, "policy_loss must be one of vanilla, gspo, cispo, .*got 'gspo2'"),
+        (
+            {"policy_loss": "gspo", "policy_loss_kwargs": {"clip_ratio_c": 3.0}},
+            r"'clip_ratio_c' is not a hyperparameter of policy_loss 'gspo' \(gspo_loss\); it takes none",
+        ),
+        (
+            {"policy_loss": "clip_cov", "policy_loss_kwargs": {"clip_cov_rate": 0.1}},
+            "'clip_cov_rate' is not a hyperparameter of policy_loss 'clip_cov'.*did you mean clip_cov_ratio"
+            ".*it takes clip_cov_ratio, clip_cov_lb, clip_cov_ub",
+        ),
+        ({"policy_loss_kwargs": {"clip_eps": 0.1}}, "policy_loss_kwargs must not set clip_eps: it is the config"),
+        ({"policy_loss_kwargs": {"agg": "token-mean"}}, "must not set agg: the config field loss_agg sets it"),
+        ({"policy_loss_kwargs": {"num_tokens": 3}}, "must not set num_tokens: the loop sets it"),
+        ({"policy_loss": "dro"}, "policy_loss 'dro' with policy_loss_kwargs={}: dro_loss needs dro_beta > 0"),
+        ({"policy_loss": "sapo", "policy_loss_kwargs": {"tau_pos": 0.0}}, "policy_loss 'sapo' .*tau_pos"),
+        ({"policy_loss_kwargs": {1: 2}}, "policy_loss_kwargs must map hyperparameter names to values"),
+        ({"policy_loss_kwargs": [1]}, "policy_loss_kwargs must be dict"),
+        ({"loss_agg": "token-sum-norm"}, "loss_agg must be one of 'token-mean', 'token-sum', "),
+        ({"loss_scale_factor": 24.0}, "loss_scale_factor=24.0 has no effect with loss_agg='token-mean'"),
+        ({"loss_agg": "seq-mean-token-sum-norm", "loss_scale_factor": 0.0}, "loss_scale_factor must be > 0"),
+    ],
+)
+@pytest.mark.parametrize("cls", [PPOConfig, ReinforceConfig])
+def test_policy_loss_errors_name_the_problem(cls, values, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(cls, values)
+
+
+def test_every_policy_loss_has_a_valid_config():
+    from rlbits.functional import POLICY_LOSSES
+
+    for name in POLICY_LOSSES:
+        kwargs = {"dro_beta": 0.1} if name == "dro" else {}
+        cfg = ReinforceConfig(policy_loss=name, policy_loss_kwargs=kwargs)
+        assert not set(cfg.policy_loss_args) & {"agg", "num_tokens", "num_seqs", "generator"}
 
 
 def test_bad_overrides_and_files(tmp_path):

@@ -115,7 +115,7 @@ LOOPS = {
     ),
     "reinforce": dict(
         loop="reinforce",
-        baseline="grpo",
+        adv_estimator="grpo",
         num_prompts_per_step=2,
         num_generations_per_prompt=4,
         microbatch_size=4,

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlbits.distributed.env import DistEnv
-from rlbits.functional import kl_penalty, token_rewards
+from rlbits.functional import POLICY_LOSSES, kl_penalty, token_rewards
 from rlbits.loops.config import ConfigError, config_from_dict, load_config
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.optim import make_optimizer
@@ -23,6 +23,7 @@ from rlbits.loops.ppo import (
     advantages,
     init_state,
     kl_control,
+    objective,
     reference,
     rollout,
     scale_rewards,
@@ -32,7 +33,9 @@ from rlbits.loops.ppo import (
     values,
 )
 from rlbits.loops.run import NonFiniteError, read_metrics, total_steps
-from rlbits.loops.runtime import setup
+from rlbits.loops.runtime import head_args, setup
+from rlbits.loops.update import Denominators
+from rlbits.models.forward import policy_logprobs
 from rlbits.models.load import save_pretrained
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
@@ -209,6 +212,69 @@ def test_non_finite_loss_names_step_and_phase(policy_dir, tmp_path):
     assert torch.equal(before, flat_weights(state.policy))
 
 
+LOSS_KWARGS = {"dro": {"dro_beta": 0.1}, "clip_cov": {"clip_cov_ratio": 0.2}, "kl_cov": {"kl_cov_ratio": 0.2}}
+
+
+@pytest.fixture(scope="module")
+def ppo_batch(policy_dir, tmp_path_factory):
+    """The state and one batch through the phases before the update, shared by the policy-loss tests."""
+    cfg = make_cfg(policy_dir, tmp_path_factory.mktemp("losses") / "run")
+    env, state, batch = phase_batch(cfg)
+    for phase in (score, reference, values, advantages):
+        batch = phase(state, batch, cfg)
+    return state, batch
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_every_policy_loss_trains_and_logs_its_metrics(name, policy_dir, tmp_path, ppo_batch):
+    """2 epochs x 2 minibatches (ratios off 1 after the first step): finite losses, the policy moves, the
+    loss's metrics are logged."""
+    state, batch = ppo_batch
+    cfg = make_cfg(policy_dir, tmp_path / "run", policy_loss=name, policy_loss_kwargs=LOSS_KWARGS.get(name, {}))
+    before = flat_weights(state.policy)
+    policy, _, logged = fresh_update(state, batch, cfg)
+    m = batch["action_mask"]
+    _, own = POLICY_LOSSES[name](batch["logprobs"], batch["logprobs"], batch["advantages"], m, **cfg.policy_loss_args)
+    names = {"actor_loss", "critic_loss", "clipfrac", "approx_kl", "ratio_mean", "entropy", "grad_norm"}
+    names |= set(own) if name != "vanilla" else set()
+    assert names <= set(logged)
+    assert all(math.isfinite(logged[k]) for k in names)
+    assert logged["approx_kl"] > 0  # later minibatches ran off-policy
+    assert not torch.equal(before, policy)
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo"])
+def test_the_objective_calls_the_registered_loss(name, policy_dir, tmp_path, ppo_batch):
+    """The objective's policy term is ``POLICY_LOSSES[name]`` on the same microbatch: value and gradient."""
+    state, batch = ppo_batch
+    cfg = make_cfg(
+        policy_dir, tmp_path / "run", policy_loss=name, clip_eps=0.05, clip_eps_high=0.08,
+        loss_agg="seq-mean-token-sum",
+    )
+    micro = batch.clone()
+    noise = 0.1 * torch.randn(micro["logprobs"].shape, generator=torch.Generator().manual_seed(0))
+    micro["logprobs"] = micro["logprobs"] + noise  # an old policy off the current one: ratios != 1
+    mask = micro["action_mask"]
+    den = Denominators(num_tokens=mask.sum().float() + 5, num_seqs=torch.tensor(11.0), num_rows=torch.tensor(11.0))
+    params = [p for p in state.policy.parameters() if p.requires_grad]
+
+    loss, stats = objective(state, micro, cfg, den)
+    got = torch.autograd.grad(loss, params)  # the critic's term has no gradient in the policy
+    logprobs = policy_logprobs(state.policy, micro, temperature=cfg.temperature, **head_args(cfg)).float()
+    want, metrics = POLICY_LOSSES[name](
+        logprobs, micro["logprobs"], micro["advantages"], mask, agg="seq-mean-token-sum",
+        num_tokens=den.num_tokens, num_seqs=den.num_seqs, clip_eps=0.05, clip_eps_high=0.08,
+    )
+    expected = torch.autograd.grad(want, params)
+    torch.testing.assert_close(stats["actor_loss"], want.detach(), rtol=1e-6, atol=1e-7)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+    assert metrics["clipfrac"] > 0  # the clip range acts on this batch
+    share = den.share(mask)
+    for key in ("clipfrac", "approx_kl", "ratio_mean"):
+        torch.testing.assert_close(stats[key], metrics[key] * share)
+
+
 def test_reward_scaling_order():
     cfg = PPOConfig(reward_subtract_reference=True, reward_whiten=True, reward_clip=1.5)
     from tensordict import TensorDict
@@ -383,7 +449,7 @@ def test_reward_subtract_reference_run(policy_dir, tmp_path):
             "num_minibatches .* must be <= num_prompts_per_step",
         ),
         ({"clip_eps": -0.1}, "clip_eps must be >= 0"),
-        ({"dual_clip": 1.0}, "dual_clip must be > 1"),
+        ({"policy_loss_kwargs": {"clip_ratio_c": 1.0}}, "policy_loss 'vanilla' .*clip_ratio_c.*must be > 1"),
         ({"lam": 1.5}, r"lam must be in \[0, 1\]"),
         ({"critic_lam": -1.0}, r"critic_lam must be in \[0, 1\]"),
         ({"reward_clip": 0.0}, "reward_clip must be > 0 or null"),
@@ -397,6 +463,8 @@ def test_reward_subtract_reference_run(policy_dir, tmp_path):
         ({"ppo_epoch": 2}, "unknown config key 'ppo_epoch'.*did you mean ppo_epochs"),
         ({"kl_coef": "big"}, "kl_coef must be float"),
         ({"policy_training_start_step": -1}, "policy_training_start_step must be >= 0"),
+        ({"policy_loss": "grpo"}, "policy_loss must be one of vanilla, gspo"),
+        ({"policy_loss_kwargs": {"clip_eps_high": 0.3}}, "must not set clip_eps_high: it is the config field"),
     ],
 )
 def test_config_errors(values, match):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,9 @@ import torch
 from metrics_compare import untimed_by_step
 from tensordict import TensorDict
 
+import rlbits
 from rlbits.distributed.env import DistEnv
+from rlbits.functional import POLICY_LOSSES
 from rlbits.loops import reinforce
 from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops.metrics import StepMetrics
@@ -24,7 +27,9 @@ from rlbits.loops.reinforce import (
     update,
 )
 from rlbits.loops.run import read_metrics
+from rlbits.loops.runtime import head_args
 from rlbits.loops.update import Denominators
+from rlbits.models.forward import policy_logprobs
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
 V = 32
@@ -68,7 +73,7 @@ def make_cfg(tiny_path, tmp_path, **overrides):
 
 def advantages(batch, cfg):
     """The advantages phase on a hand-made batch; returns the metrics it logged."""
-    state = SimpleNamespace(metrics=StepMetrics())
+    state = SimpleNamespace(metrics=StepMetrics(), env=DistEnv())
     reinforce.advantages(state, batch, cfg)
     return {k: torch.tensor(v) for k, v in state.metrics.reduce(DistEnv()).items()}
 
@@ -110,13 +115,13 @@ def test_rloo_advantages_broadcast_over_action_tokens():
 
 def test_grpo_and_dr_grpo_advantages():
     batch = hand_batch([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0], [1] * 8)
-    cfg = ReinforceConfig(num_generations_per_prompt=4, num_prompts_per_step=2, baseline="grpo")
+    cfg = ReinforceConfig(num_generations_per_prompt=4, num_prompts_per_step=2, adv_estimator="grpo")
     advantages(batch, cfg)
     std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std()
     expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-6)
     torch.testing.assert_close(batch["advantages"][:4, 0], expected)
     assert torch.equal(batch["advantages"][4:], torch.zeros(4, 1))  # zero spread -> zero advantage
-    advantages(batch, dataclasses.replace(cfg, baseline="dr_grpo"))  # Dr. GRPO: no division by the std
+    advantages(batch, dataclasses.replace(cfg, adv_estimator="dr_grpo"))  # Dr. GRPO: no division by the std
     torch.testing.assert_close(batch["advantages"][:4, 0], torch.tensor([0.75, -0.25, -0.25, -0.25]))
 
 
@@ -134,6 +139,34 @@ def test_kl_in_reward_is_subtracted_before_the_baseline():
     # the config's clamp reaches the kernel: KL 0.5 per token clamped to 0.2 -> sequence KL 0.4 and 0.8
     m = advantages(batch, dataclasses.replace(cfg, kl_clamp=0.2))
     assert m["rewards_with_kl"].item() == pytest.approx((1.0 - 0.04 + 1.0 - 0.08) / 2)
+
+
+def test_loop_advantages_are_the_registry_estimators():
+    """The advantages phase is ``ADVANTAGE_ESTIMATORS[adv_estimator]`` on the batch's token rewards: the
+    per-token estimators see each token's KL penalty (verl's token_level_rewards), the others the sequence's."""
+    batch = hand_batch([1.0, 0.0, 2.0, 2.0], [2, 4, 3, 1], kl=0.5)
+    kl = torch.where(batch["action_mask"], 0.5, 0.0)
+    base = dict(num_generations_per_prompt=2, num_prompts_per_step=2, kl_in_reward=True, kl_coef=0.1)
+    cfg = ReinforceConfig(adv_estimator="reinforce_plus_plus", gamma=0.9, **base)
+    advantages(batch, cfg)
+    token_level = rlbits.token_rewards(batch["rewards"], batch["action_mask"], kl, 0.1)
+    want, _ = rlbits.reinforce_plus_plus_advantage(token_level, batch["action_mask"], gamma=0.9)
+    torch.testing.assert_close(batch["advantages"], want)
+    m = advantages(batch, dataclasses.replace(cfg, adv_estimator="opo", gamma=1.0))
+    shaped = batch["rewards"] - 0.1 * kl.sum(-1)
+    want, _ = rlbits.opo_advantage(rlbits.token_rewards(shaped, batch["action_mask"]), batch["action_mask"], group_size=2)
+    torch.testing.assert_close(batch["advantages"], want)
+    assert m["baseline"].item() == pytest.approx(shaped.mean().item())  # the group means' mean
+
+
+def test_remax_advantages_subtract_the_greedy_reward():
+    batch = hand_batch([1.0, 0.0, 2.0, 2.0], [2, 3, 1, 2])
+    batch["reward_baselines"] = torch.tensor([0.5, 0.5, 3.0, 3.0])
+    cfg = ReinforceConfig(num_generations_per_prompt=2, num_prompts_per_step=2, adv_estimator="remax")
+    m = advantages(batch, cfg)
+    expected = torch.tensor([0.5, -0.5, -1.0, -1.0])
+    assert torch.equal(batch["advantages"], torch.where(batch["action_mask"], expected[:, None], 0.0))
+    assert m["baseline"].item() == pytest.approx(1.75)
 
 
 def test_overlong_filtering_masks_truncated_rows_out_of_the_loss():
@@ -223,6 +256,75 @@ def test_non_finite_loss_names_step_and_phase(tiny_path, tmp_path):
         update(state, batch, cfg)
 
 
+# --- the policy losses (rlbits.POLICY_LOSSES) ------------------------------------------------------------
+
+LOSS_KWARGS = {"dro": {"dro_beta": 0.1}, "clip_cov": {"clip_cov_ratio": 0.2}, "kl_cov": {"kl_cov_ratio": 0.2}}
+
+
+@pytest.fixture(scope="module")
+def scored_batch(tiny_path, tmp_path_factory):
+    """One rollout of the tiny policy with its GRPO advantages (16 rows), shared by the policy-loss tests."""
+    cfg = make_cfg(tiny_path, tmp_path_factory.mktemp("losses"), adv_estimator="grpo")
+    batch, _ = sample_batch(init_state(cfg, DistEnv()), cfg, length_reward)
+    advantages(batch, cfg)
+    return batch
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_every_policy_loss_trains_and_logs_its_metrics(name, tiny_path, tmp_path, scored_batch):
+    """Two passes (the second one's ratios are off 1): a finite loss, the weights move, the loss's metrics are
+    logged as step means."""
+    cfg = make_cfg(
+        tiny_path, tmp_path, adv_estimator="grpo", num_iterations=2, policy_loss=name,
+        policy_loss_kwargs=LOSS_KWARGS.get(name, {}),
+    )
+    state = init_state(cfg, DistEnv())
+    before = torch.cat([p.detach().flatten() for p in state.policy.parameters()])
+    update(state, scored_batch.clone(), cfg)
+    logged = state.metrics.reduce(DistEnv())
+    b = scored_batch
+    _, own = POLICY_LOSSES[name](b["logprobs"], b["logprobs"], b["advantages"], b["loss_mask"], **cfg.policy_loss_args)
+    names = {"actor_loss", "clipfrac", "approx_kl", "entropy", "grad_norm"} | (set(own) if name != "vanilla" else set())
+    assert names <= set(logged)
+    assert all(math.isfinite(logged[k]) for k in names)
+    assert logged["approx_kl"] > 0  # the second pass ran off-policy
+    assert not torch.equal(before, torch.cat([p.detach().flatten() for p in state.policy.parameters()]))
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo"])
+def test_the_objective_calls_the_registered_loss(name, tiny_path, tmp_path, scored_batch):
+    """The objective's policy term is ``POLICY_LOSSES[name]`` on the same microbatch: value and gradient."""
+    cfg = make_cfg(
+        tiny_path, tmp_path, adv_estimator="grpo", policy_loss=name, clip_eps=0.05, clip_eps_high=0.08,
+        loss_agg="seq-mean-token-mean",
+    )
+    state = init_state(cfg, DistEnv())
+    micro = scored_batch.clone()
+    noise = 0.1 * torch.randn(micro["logprobs"].shape, generator=torch.Generator().manual_seed(0))
+    micro["logprobs"] = micro["logprobs"] + noise  # an old policy off the current one: ratios != 1
+    mask = micro["loss_mask"]
+    den = Denominators(num_tokens=mask.sum().float() + 5, num_seqs=torch.tensor(19.0), num_rows=torch.tensor(19.0))
+    params = [p for p in state.policy.parameters() if p.requires_grad]
+
+    loss, stats = objective(state, micro, cfg, den)
+    got = torch.autograd.grad(loss, params, allow_unused=True)
+    logprobs = policy_logprobs(state.policy, micro, temperature=cfg.temperature, **head_args(cfg)).float()
+    want, metrics = POLICY_LOSSES[name](
+        logprobs, micro["logprobs"], micro["advantages"], mask, agg="seq-mean-token-mean",
+        num_tokens=den.num_tokens, num_seqs=den.num_seqs, clip_eps=0.05, clip_eps_high=0.08,
+    )
+    expected = torch.autograd.grad(want, params, allow_unused=True)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
+    for g, e in zip(got, expected, strict=True):
+        assert (g is None) == (e is None)
+        if g is not None:
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+    assert metrics["clipfrac"] > 0  # the clip range acts on this batch
+    for key in ("clipfrac", "approx_kl", "ratio_mean"):
+        total, count = stats[key]
+        torch.testing.assert_close(total / count, metrics[key])
+
+
 # --- the whole loop ------------------------------------------------------------------------------------
 
 
@@ -230,7 +332,7 @@ def test_non_finite_loss_names_step_and_phase(tiny_path, tmp_path):
 def test_two_step_smoke_run(tiny_path, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    cfg = make_cfg(tiny_path, tmp_path, baseline="grpo", kl_loss_coef=0.05, tensorboard=True)
+    cfg = make_cfg(tiny_path, tmp_path, adv_estimator="grpo", kl_loss_coef=0.05, tensorboard=True)
     run_dir = train(cfg, reward=length_reward)
     assert {"config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "final"} <= {
         p.name for p in run_dir.iterdir()
@@ -273,6 +375,22 @@ def test_two_step_smoke_run(tiny_path, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("estimator", reinforce.ADV_ESTIMATORS)
+def test_every_estimator_runs(tiny_path, tmp_path, estimator):
+    """One step of each estimator on the tiny setup, with the KL in the reward (per token for the per-token
+    estimators); remax adds its greedy phase."""
+    cfg = make_cfg(
+        tiny_path, tmp_path, adv_estimator=estimator, max_num_steps=1, num_prompts_per_step=2, kl_in_reward=True,
+        kl_coef=0.05, val_at_start=False, val_at_end=False, save_period=0, log_samples=0,
+        gamma=0.9 if estimator == "reinforce_plus_plus" else 1.0,
+    )
+    (row,) = read_metrics(train(cfg, reward=length_reward))
+    assert all(v == v for v in row.values() if isinstance(v, float)), row  # no NaN
+    assert ("greedy_rewards" in row) == ("time/greedy" in row) == (estimator == "remax")
+    assert row["loss_tokens"] > 0
+
+
+@pytest.mark.slow
 def test_exact_resume(tiny_path, tmp_path):
     # every piece of state in play: clipping with minibatch shuffles, dynamic sampling, KL in reward and loss
     opts = dict(
@@ -309,8 +427,12 @@ def test_resume_without_checkpoint_is_an_error(tiny_path, tmp_path):
 @pytest.mark.parametrize(
     "values, match",
     [
-        ({"baseline": "ppo"}, "baseline must be one of"),
+        ({"adv_estimator": "ppo"}, "adv_estimator must be one of"),
         ({"num_generations_per_prompt": 1}, "num_generations_per_prompt must be >= 2"),
+        ({"num_generations_per_prompt": 1, "adv_estimator": "opo"}, "adv_estimator='opo'"),
+        ({"gamma": 0.9}, "gamma=0.9 has no effect with adv_estimator='rloo'"),
+        ({"gamma": 1.5, "adv_estimator": "reinforce_plus_plus"}, "gamma"),
+        ({"adv_estimator": "gae"}, "adv_estimator must be one of"),
         ({"kl_coef": 0.1}, "kl_in_reward"),
         ({"kl_in_reward": True}, "kl_coef > 0"),
         ({"kl_estimator": "k4"}, "kl_estimator must be one of"),
@@ -321,6 +443,8 @@ def test_resume_without_checkpoint_is_an_error(tiny_path, tmp_path):
         ({"loop": "ppo"}, "loop must be 'reinforce'"),
         ({"num_generation_per_prompt": 4}, "did you mean num_generations_per_prompt"),
         ({"dynamic_sampling": "yes"}, "dynamic_sampling must be bool"),
+        ({"policy_loss": "ppo"}, "policy_loss must be one of vanilla, gspo"),
+        ({"policy_loss": "cispo", "policy_loss_kwargs": {"tau_pos": 1.0}}, "not a hyperparameter of policy_loss"),
     ],
 )
 def test_config_errors(values, match):
@@ -329,13 +453,18 @@ def test_config_errors(values, match):
 
 
 def test_config_defaults_and_plain_reinforce():
-    cfg = config_from_dict(ReinforceConfig, {"baseline": "none", "num_generations_per_prompt": 1})
+    cfg = config_from_dict(ReinforceConfig, {"adv_estimator": "none", "num_generations_per_prompt": 1})
     assert cfg.loop == "reinforce" and not cfg.clipped
+    for name in ("reinforce_plus_plus", "remax"):  # no groups: one response per prompt is enough
+        config_from_dict(ReinforceConfig, {"adv_estimator": name, "num_generations_per_prompt": 1})
+    assert set(reinforce.ADV_ESTIMATORS) <= set(rlbits.ADVANTAGE_ESTIMATORS)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.kl_coef = 1.0  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("name", ["rloo_arithmetic.yaml", "grpo_arithmetic.yaml"])
+@pytest.mark.parametrize(
+    "name", ["rloo_arithmetic.yaml", "grpo_arithmetic.yaml", "gspo_arithmetic.yaml", "cispo_arithmetic.yaml"]
+)
 def test_shipped_configs_load(name):
     from pathlib import Path
 
@@ -369,9 +498,9 @@ def test_stop_request_ends_after_the_step_with_a_checkpoint(tiny_path, tmp_path)
 def test_reference_skipped_when_no_term_uses_it(tiny_path, tmp_path):
     """GRPO without KL terms (TRL's beta = 0): no reference model, no init_policy_kl, the same training as
     with the reference kept for monitoring."""
-    base = dict(baseline="grpo", kl_loss_coef=0.0)
+    base = dict(adv_estimator="grpo", kl_loss_coef=0.0)
     assert not make_cfg(tiny_path, tmp_path / "x", **base).uses_ref_logprobs
-    assert make_cfg(tiny_path, tmp_path / "x", baseline="grpo", kl_loss_coef=0.05).uses_ref_logprobs
+    assert make_cfg(tiny_path, tmp_path / "x", adv_estimator="grpo", kl_loss_coef=0.05).uses_ref_logprobs
     assert make_cfg(tiny_path, tmp_path / "x", kl_in_reward=True, kl_coef=0.1).uses_ref_logprobs
     state = reinforce.init_state(make_cfg(tiny_path, tmp_path / "x", **base), DistEnv(), reward=length_reward)
     assert state.reference is None

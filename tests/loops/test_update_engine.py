@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 from rlbits.batch import split_minibatches
 from rlbits.distributed.env import DistEnv
-from rlbits.functional import masked_sum
+from rlbits.functional import POLICY_LOSSES, aggregate_loss, masked_sum
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.run import NonFiniteError
 from rlbits.loops.update import Denominators, Trained, denominators, optimize
@@ -209,6 +209,24 @@ def test_denominators_count_tokens_sequences_and_rows():
         "num_tokens": den.num_tokens,
         "num_seqs": den.num_seqs,
     }
+
+
+@pytest.mark.parametrize("factor", [None, 24.0])
+def test_a_loss_scale_factor_reaches_every_loss(factor):
+    """``seq-mean-token-sum-norm`` with verl's ``loss_scale_factor`` through ``Denominators.agg``: the value of
+    ``aggregate_loss`` with that factor, also for the policy losses (which take no factor of their own)."""
+    gen = torch.Generator().manual_seed(0)
+    x, old, adv = (torch.randn(4, 6, generator=gen) for _ in range(3))
+    mask = torch.rand(4, 6, generator=gen) > 0.3
+    den = Denominators(num_tokens=torch.tensor(30.0), num_seqs=torch.tensor(7.0), num_rows=torch.tensor(7.0))
+    agg = den.agg("seq-mean-token-sum-norm", factor)
+    want = aggregate_loss(x, mask, "seq-mean-token-sum-norm", num_seqs=7.0, loss_scale_factor=factor)
+    torch.testing.assert_close(aggregate_loss(x, mask, **agg), want)
+    seq = torch.exp(((x - old) * mask).sum(1) / mask.sum(1).clamp(min=1))[:, None]
+    want = aggregate_loss(-adv * seq, mask, "seq-mean-token-sum-norm", num_seqs=7.0, loss_scale_factor=factor)
+    # gspo with clip ranges too wide to act: -A s, s the sequence ratio
+    loss, _ = POLICY_LOSSES["gspo"](x, old, adv, mask, clip_eps=100.0, clip_eps_high=100.0, **agg)
+    torch.testing.assert_close(loss, want)
 
 
 def test_several_minibatches_need_a_shuffle_generator():

@@ -587,7 +587,7 @@ def test_one_step_on_a_multi_turn_task(toy_task, tmp_path, loop):
         run_dir = ppo.train(cfg, prompts=["ab", "cd", "ef"], val_prompts=["gh", "ij"])
     else:
         cfg = _loop_cfg(
-            reinforce.ReinforceConfig, toy_task, tmp_path / "run", loop="reinforce", baseline="grpo"
+            reinforce.ReinforceConfig, toy_task, tmp_path / "run", loop="reinforce", adv_estimator="grpo"
         )
         run_dir = reinforce.train(cfg, prompts=["ab", "cd", "ef"], val_prompts=["gh", "ij"])
     rows = read_metrics(run_dir)
@@ -623,7 +623,7 @@ def test_resume_on_a_multi_turn_task_reproduces_the_run(toy_task, tmp_path):
 
     def cfg(run_dir, steps):
         return _loop_cfg(
-            reinforce.ReinforceConfig, toy_task, run_dir, loop="reinforce", baseline="grpo", max_num_steps=steps,
+            reinforce.ReinforceConfig, toy_task, run_dir, loop="reinforce", adv_estimator="grpo", max_num_steps=steps,
             val_at_start=False,
         )
 
@@ -653,7 +653,7 @@ def test_dynamic_sampling_on_a_multi_turn_task(toy_task, tmp_path, monkeypatch):
     monkeypatch.setattr(reinforce, "collate", lambda bs, **kw: joined.append(bs) or rb.collate(bs, **kw))
     prompts = ["ab", "cd", "gh", "ef"]  # the seeded stream draws "cd", "ef", then "ab", "gh"
     cfg = _loop_cfg(
-        reinforce.ReinforceConfig, toy_task, tmp_path / "run", loop="reinforce", baseline="grpo",
+        reinforce.ReinforceConfig, toy_task, tmp_path / "run", loop="reinforce", adv_estimator="grpo",
         dynamic_sampling=True, dynamic_sampling_max_gen_batches=6, env_options={"env": "spread"},
         num_prompts_per_step=2, num_generations_per_prompt=4, max_episode_tokens=48,
     )
