@@ -163,7 +163,10 @@ def _child_env() -> dict[str, str]:
     """The environment of a run: this one, with the folder this ``rlbits`` is imported from first on
     PYTHONPATH, so that the child trains with the same code (a checkout run from elsewhere, a notebook)."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
+    folder = Path(__file__).resolve().parents[2]
+    if folder.name in ("site-packages", "dist-packages"):  # an installed rlbits: the child finds it there too
+        return env
+    root = str(folder)
     paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
     if root not in paths:
         env["PYTHONPATH"] = os.pathsep.join([root, *paths])

@@ -59,6 +59,12 @@ def test_grid_points_and_names():
             grid_points(bad)
 
 
+def test_a_run_imports_this_rlbits(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(sweep_module.__file__)))
+    assert sweep_module._child_env()["PYTHONPATH"].split(os.pathsep) == [os.path.dirname(root), "/elsewhere"]
+
+
 def test_a_bad_grid_fails_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match="clip_epz"):
         sweep(None, {"clip_epz": [0.1, 0.2]}, out_dir=tmp_path / "out", **TINY)
