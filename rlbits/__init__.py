@@ -66,6 +66,7 @@ _LAZY = {
     # loops
     "train": "rlbits.loops.api",
     "evaluate": "rlbits.loops.evaluate",
+    "sweep": "rlbits.loops.sweep",
 }
 # The subpackages are attributes too, each imported on first use: ``rlbits.viz.Dashboard()`` works after
 # ``import rlbits`` while ``import rlbits`` stays free of matplotlib.

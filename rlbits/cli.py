@@ -5,6 +5,7 @@
     rlbits train --resume RUN_DIR [key=value]  continue a run from its latest checkpoint
     rlbits train --force ...                    reuse a folder that is not new, empty or a run (or restart a run)
     rlbits train --help-config [LOOP]           every config field (type, default, meaning); policy=DIR: your model
+    rlbits sweep CONFIG key=a,b seed=0,1 [k=v]  a grid of runs, one process each (--processes N, --out DIR)
     rlbits eval RUN_DIR                         test-split reward of the final policy vs the base model
     rlbits plot RUN_DIR [RUN_DIR ...]           PNG of reward, KL, losses, entropy, throughput
     rlbits pretrain TASK                        build a task's base model
@@ -334,6 +335,52 @@ def _run_train(args: argparse.Namespace) -> Path:
 
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from rlbits.loops.sweep import parse_grid, sweep
+
+    items = list(args.overrides)
+    config = args.config
+    if config is not None and "=" in config and not _is_config_path(config):
+        items.insert(0, config)  # `rlbits sweep key=a,b` with no CONFIG
+        config = None
+    try:
+        grid, fixed = parse_grid(items)
+        out = args.out or f"runs/sweep_{Path(config).stem if config else 'default'}"
+        rows = sweep(config, grid, out_dir=out, processes=args.processes, **fixed)
+    except KeyboardInterrupt:
+        print("rlbits sweep: interrupted; run the same command again to go on", file=sys.stderr)
+        return 130
+    except (*_user_errors(), ValueError) as e:
+        if _debug(args):
+            raise
+        print(f"rlbits sweep: {e}", file=sys.stderr)
+        return 2
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        metrics = "  ".join(
+            f"{k}={r[f'final/{k}']:.4f}" for k in ("val_reward", "rewards") if isinstance(r.get(f"final/{k}"), (int, float))
+        )
+        print(f"{r['name'].ljust(width)}  {r['status']:8s}  {metrics}")
+    failed = [r for r in rows if r["status"] != "finished"]
+    if failed:
+        print(f"rlbits sweep: {len(failed)} of {len(rows)} runs failed (logs: {Path(out) / 'logs'})", file=sys.stderr)
+    print(Path(out) / "summary.jsonl")  # last line: the summary, for scripts
+    return 1 if failed else 0
+
+
+SWEEP_HELP = """Train every combination of the grid's values, each run in its own process, and write a summary.
+
+  rlbits sweep configs/rloo_arithmetic.yaml policy_loss=vanilla,gspo,cispo seed=0,1,2 max_num_steps=20
+                                  9 runs under runs/sweep_rloo_arithmetic/policy_loss=gspo,seed=1 etc.
+
+key=a,b,c is a grid axis; key=value (no comma) is set in every run. Each value is YAML, as in rlbits train;
+a comma inside brackets, braces or quotes does not split: stop=[a,b] is one list, stop=[a,b],[c] an axis of
+two lists, name="a,b" one string. OUT/summary.jsonl has a row per run (grid values, status, final metrics);
+run again, a sweep skips the runs that finished with the same config and starts the others over. Exit
+status 1 if any run failed (its output: OUT/logs/NAME.log), 2 for a bad grid or config.
+"""
+
+
 def _eval(args: argparse.Namespace) -> int:
     from rlbits.loops.evaluate import evaluate_run
 
@@ -424,6 +471,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--debug", action="store_true", help="show the traceback of an error (also RLBITS_DEBUG=1)")
     train.set_defaults(func=_train)
+    sweep = sub.add_parser(
+        "sweep", help="a grid of training runs, one process each, with a summary (docs/sweep.md)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=SWEEP_HELP,
+    )
+    sweep.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config (default configs/ppo_sentiment.yaml)")
+    sweep.add_argument("overrides", nargs="*", metavar="key=a,b", help="grid axes (a comma) and fixed overrides")
+    sweep.add_argument("--processes", type=int, default=None, metavar="N",
+                       help="runs at once (default: CPU count // cpu_threads)")
+    sweep.add_argument("--out", metavar="DIR", help="the sweep's folder (default runs/sweep_<config name>)")
+    sweep.add_argument("--debug", action="store_true", help="show the traceback of an error (also RLBITS_DEBUG=1)")
+    sweep.set_defaults(func=_sweep)
     evaluate = sub.add_parser("eval", help="test-split reward of RUN_DIR/final vs the base model")
     evaluate.add_argument("run_dir", metavar="RUN_DIR")
     evaluate.add_argument("--max-val-samples", type=int, default=None, help="test prompts (default: the run's)")

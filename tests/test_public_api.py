@@ -35,6 +35,7 @@ CONTRACT = {
     "score": ["batch", "reward"],
     "generate_episodes": ["policy", "tokenizer", "envs", "prompts", "temperature", "generator", "max_episode_tokens", "reward_placement", "max_env_workers", "env_timeout_s", "compile", "logits_processor"],
     "evaluate": ["policy", "tokenizer", "task_or_prompts", "reward", "config", "env"],
+    "sweep": ["config", "grid", "out_dir", "processes", "verbose"],
 }
 DEFAULTS = {
     ("masked_whiten", "shift_mean"): True,
@@ -60,6 +61,7 @@ DEFAULTS = {
     ("generate_episodes", "env_timeout_s"): 60.0,
     ("evaluate", "reward"): None,
     ("evaluate", "config"): None,
+    ("sweep", "processes"): None,
 }
 
 

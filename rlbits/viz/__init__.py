@@ -3,6 +3,8 @@
 - ``plot_run(run_dirs)``, ``plot_compare(groups, metric)``: matplotlib figures of logged metrics.
 - ``plot_tokens(batch, key, row)``: one response's tokens coloured by advantage, KL, logprob, ...
 - ``Dashboard``: live curves, latest samples and a Stop button, as a ``rlbits.train`` callback.
+- ``iqm_table``, ``iqm_curves``, ``plot_iqm_curves``: interquartile means over seeds with bootstrap confidence
+  intervals (rliable, the ``stats`` extra), e.g. of an ``rlbits.sweep``.
 - ``RolloutBrowser``: page through ``samples.jsonl`` or a batch; multi-turn episodes turn by turn
   (``episode_html``, ``turns_html``).
 
@@ -32,6 +34,13 @@ _LAZY = {
     "DEFAULT_PANELS": "rlbits.viz.dashboard",
     "Dashboard": "rlbits.viz.dashboard",
     "samples_table": "rlbits.viz.dashboard",
+    # stats
+    "iqm": "rlbits.viz.stats",
+    "iqm_curves": "rlbits.viz.stats",
+    "iqm_table": "rlbits.viz.stats",
+    "plot_iqm_curves": "rlbits.viz.stats",
+    "sweep_curves": "rlbits.viz.stats",
+    "sweep_scores": "rlbits.viz.stats",
     # browser
     "RolloutBrowser": "rlbits.viz.browser",
     "batch_rows": "rlbits.viz.browser",
