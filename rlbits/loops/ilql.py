@@ -58,7 +58,7 @@ from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, MIN_TEMPERATURE, ConfigError, LoRAConfig
 from rlbits.loops.config_fields import field_docs, ranged
 from rlbits.loops.ilql_eval import evaluate_betas, evaluate_run, load_final, steered_validate
-from rlbits.loops.optim import make_optimizer
+from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.run import Run
 from rlbits.loops.runtime import (
     Setup,
@@ -285,7 +285,8 @@ def update(state: State, batch: TensorDictBase, cfg: ILQLConfig) -> TensorDictBa
     Raises:
         NonFiniteError: a non-finite loss or gradient, naming the step and phase; no update is applied.
     """
-    optimize(state, batch, cfg, objective, trained=[Trained(state.model, state.optimizer)])
+    lr = scheduled(cfg, cfg.learning_rate, state.step, 1, run_length(state, cfg))
+    optimize(state, batch, cfg, objective, trained=[Trained(state.model, state.optimizer, lr=lr)])
     phases.add_batch_stats(state.metrics, batch)
     return batch
 
