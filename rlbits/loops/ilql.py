@@ -279,8 +279,9 @@ def objective(state: State, micro: TensorDictBase, cfg: ILQLConfig, den: Denomin
 def update(state: State, batch: TensorDictBase, cfg: ILQLConfig) -> TensorDictBase:
     """Phase 2: one optimizer step on ``objective`` over microbatches of ``batch``
     (``rlbits.loops.update.optimize``; denominators counted over ``action_mask`` on every rank, so N ranks take
-    the step one process takes on the whole batch). Adds ``objective``'s stats, ``grad_norm``, ``rewards`` and
-    ``response_len`` to ``state.metrics``.
+    the step one process takes on the whole batch), at the ``lr_scheduler`` rate of this step
+    (``rlbits.loops.optim.scheduled``). Adds ``objective``'s stats, ``grad_norm`` (and ``lr`` under a
+    schedule), ``rewards`` and ``response_len`` to ``state.metrics``.
 
     Raises:
         NonFiniteError: a non-finite loss or gradient, naming the step and phase; no update is applied.

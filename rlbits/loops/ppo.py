@@ -341,8 +341,12 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
     ``state.minibatch_generator``, ``microbatch_size``-row microbatches, denominators counted over
     ``action_mask``). During the critic warm-up (``policy_training_start_step``) only the critic trains.
 
+    Learning rates follow ``lr_scheduler`` (``rlbits.loops.optim.scheduled``): the critic's from
+    ``critic_learning_rate`` over the run's ``ppo_epochs * num_minibatches`` optimizer steps per step, the
+    policy's from ``learning_rate`` counted from ``policy_training_start_step``.
+
     Adds to ``state.metrics`` (means over the optimizer steps) ``objective``'s stats, ``grad_norm`` and
-    ``critic_grad_norm``. Returns ``batch``.
+    ``critic_grad_norm`` (and ``lr`` / ``critic_lr`` under a schedule). Returns ``batch``.
 
     Raises:
         NonFiniteError: a non-finite loss or gradient norm, on every rank together; neither model steps.

@@ -416,7 +416,9 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorD
     (``rlbits.loops.update.optimize``: whole groups shuffled with ``state.minibatch_generator``,
     ``microbatch_size``-row microbatches, denominators counted over ``loss_mask``). A batch with fewer
     groups than ``num_minibatches`` (dynamic sampling) has one minibatch per group; the count is agreed over
-    ranks. Adds ``objective``'s stats and ``grad_norm`` (mean over optimizer steps) to ``state.metrics``.
+    ranks. The learning rate follows ``lr_scheduler`` over ``num_iterations * num_minibatches`` optimizer
+    steps per step (``rlbits.loops.optim.scheduled``). Adds ``objective``'s stats and ``grad_norm`` (and ``lr``
+    under a schedule; means over optimizer steps) to ``state.metrics``.
 
     Raises:
         NonFiniteError: a loss or gradient is not finite (on every rank; the policy is left untouched).
