@@ -273,7 +273,8 @@ class PolicyConfig(RunConfig):
     """``cosine`` and ``cosine_annealing``: optimizer steps the schedule spans (NeMo-Aligner
     ``optim.sched.max_steps``, trlx ``T_max``); None = the run's own: its training steps times the optimizer
     steps per training step (PPO ``ppo_epochs * num_minibatches``, REINFORCE ``num_iterations *
-    num_minibatches``, ILQL 1; the policy's from ``policy_training_start_step`` on)."""
+    num_minibatches``, ILQL 1; the policy's from ``policy_training_start_step`` on), so resuming a run with
+    another ``max_num_steps`` stretches the schedule from the start; set this to keep it."""
 
     def check(self) -> None:
         super().check()

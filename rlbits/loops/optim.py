@@ -133,7 +133,8 @@ def scheduled(cfg: Any, lr: float, step: int, per_step: int, steps: int) -> Call
     starts training): the rate of its ``u``-th optimizer step there is ``lr_schedule(cfg, lr)`` at optimizer
     step ``step * per_step + u``, over ``steps * per_step`` (``steps``: its training steps in the run). A
     pure function of the step counter, so a resumed run follows the uninterrupted run's rates exactly; a step
-    with fewer optimizer steps (REINFORCE's dynamic sampling) leaves the rest of its share unused. None for
+    with fewer optimizer steps (REINFORCE's dynamic sampling) leaves the rest of its share unused, and a
+    skipped one (``on_nonfinite: skip``) all of it. None for
     ``constant``: the optimizer keeps ``lr`` and no rate is logged."""
     if cfg.lr_scheduler == "constant":
         return None

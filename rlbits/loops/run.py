@@ -396,6 +396,8 @@ class Run:
             with self._collectives(0, "validate"):
                 val_batch = self._validate(state, None, self.cfg) if self.cfg.val_at_start else None
                 values = state.metrics.reduce(self.env)
+            if self.cfg.val_at_start and self.cfg.keep_top_k is not None:
+                self._metric(values)  # a metric validation does not log fails before the first step
             if values:
                 state.val_reward = values.get("val_reward", state.val_reward)
                 self.logger.log(0, values)
@@ -480,16 +482,24 @@ class Run:
         cfg = self.cfg
         if cfg.keep_top_k is None:
             return False
-        if cfg.metric_name not in val:
-            raise ValueError(
-                f"metric_name {cfg.metric_name!r} (keep_top_k) was not logged by validation; it logged "
-                f"{', '.join(sorted(val)) or 'nothing'}"
-            )
-        value = val[cfg.metric_name]
+        value = self._metric(val)
         if value is None or not math.isfinite(value):  # a NaN ranks nowhere
             return False
         self.best = rank_best(self.best, step, value, cfg.keep_top_k, cfg.higher_is_better)
         return any(e["step"] == step for e in self.best)
+
+    def _metric(self, val: dict[str, float]) -> float | None:
+        """``metric_name``'s value in a validation's logged values.
+
+        Raises:
+            ValueError: the validation did not log it (naming what it logged).
+        """
+        if self.cfg.metric_name not in val:
+            raise ValueError(
+                f"metric_name {self.cfg.metric_name!r} (keep_top_k) was not logged by validation; it logged "
+                f"{', '.join(sorted(val)) or 'nothing'}"
+            )
+        return val[self.cfg.metric_name]
 
     def save(self, state: LoopState) -> Path:
         """Checkpoint ``state`` as a whole to ``RUN_DIR/checkpoints/step_N`` (every rank calls it), keeping the

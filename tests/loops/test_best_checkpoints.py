@@ -115,11 +115,12 @@ def test_without_keep_top_k_only_the_newest_are_kept(tiny_path, tmp_path):
 
 @pytest.mark.slow
 def test_a_metric_validation_does_not_log_is_an_error(tiny_path, tmp_path):
-    with pytest.raises(ValueError, match="metric_name 'val_accuracy'.*val_reward"):
+    with pytest.raises(ValueError, match="metric_name .val_accuracy.*val_reward"):
         reinforce.train(
             make_cfg(tiny_path, tmp_path / "run", metric_name="val_accuracy", max_num_steps=1),
             reward=length_reward,
         )
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused at the validation before the first step
 
 
 @pytest.mark.slow
