@@ -18,7 +18,9 @@ from rlbits.distributed.parallelize import is_dtensor
 from rlbits.loops.run import total_steps
 
 
-def make_optimizer(params: Iterator[torch.nn.Parameter] | Sequence, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def make_optimizer(
+    params: Iterator[torch.nn.Parameter] | Sequence, lr: float, weight_decay: float
+) -> torch.optim.AdamW:
     """AdamW over the parameters that require grad.
 
     PyTorch's fused kernel (``fused=True``) where every parameter is a plain floating-point tensor on the CPU
@@ -47,7 +49,13 @@ def linear_warmup_lr(step: int, *, lr: float, warmup_steps: int, start_factor: f
 
 
 def warmup_cosine_lr(
-    step: int, *, lr: float, max_steps: int, warmup_steps: int = 0, constant_steps: int = 0, min_lr: float = 0.0
+    step: int,
+    *,
+    lr: float,
+    max_steps: int,
+    warmup_steps: int = 0,
+    constant_steps: int = 0,
+    min_lr: float = 0.0,
 ) -> float:
     """NeMo's ``CosineAnnealing`` (``nemo/core/optim/lr_scheduler.py``), NeMo-Aligner's actor and critic
     ``optim.sched`` (``gpt_ppo_actor.yaml``: ``warmup_steps``, ``constant_steps``, ``min_lr``, ``max_steps``).
@@ -76,7 +84,9 @@ def warmup_cosine_lr(
             return lr * (step + 1) / (warmup_steps + 1)
         if step > max_steps:
             return min_lr
-        return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (step - warmup_steps) / (max_steps - warmup_steps)))
+        return min_lr + (lr - min_lr) * 0.5 * (
+            1 + math.cos(math.pi * (step - warmup_steps) / (max_steps - warmup_steps))
+        )
     if warmup_steps > 0 and step <= warmup_steps:
         return lr * step / warmup_steps
     if step > warmup_steps + decay:
@@ -119,8 +129,12 @@ def lr_schedule(cfg: Any, lr: float, *, length: int) -> Callable[[int], float]:
         warm = dict(warmup_steps=cfg.lr_warmup_steps, start_factor=cfg.lr_warmup_start_factor)
         return lambda step: linear_warmup_lr(step, lr=lr, **warm)
     if name == "cosine":
-        args = dict(max_steps=total, warmup_steps=cfg.lr_warmup_steps, constant_steps=cfg.lr_constant_steps,
-                    min_lr=cfg.min_lr)
+        args = dict(
+            max_steps=total,
+            warmup_steps=cfg.lr_warmup_steps,
+            constant_steps=cfg.lr_constant_steps,
+            min_lr=cfg.min_lr,
+        )
         warmup_cosine_lr(0, lr=lr, **args)  # raises on arguments it cannot follow, before the first step
         return lambda step: warmup_cosine_lr(step, lr=lr, **args)
     if name == "cosine_annealing":
