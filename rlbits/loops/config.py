@@ -95,7 +95,21 @@ class RunConfig:
     save_period: int = ranged(50, ge=0)
     """Write a checkpoint every this many steps (0: only at the end)."""
     keep_checkpoints: int = ranged(2, ge=1)
-    """How many step checkpoints to keep on disk (older ones are deleted)."""
+    """How many step checkpoints to keep on disk (older ones are deleted, except the best: ``keep_top_k``)."""
+    keep_top_k: int | None = ranged(None, ge=1)
+    """Also keep the this-many best checkpoints by ``metric_name`` (NeMo-RL ``checkpointing.keep_top_k``,
+    ``nemo_rl/utils/checkpoint.py``; NeMo-Aligner ``checkpoint_callback_params.save_top_k`` on ``val_rewards``;
+    trlx ``train.save_best``, one ``best_checkpoint`` by mean reward): a validation whose metric enters the top
+    k saves a checkpoint at its step, and a checkpoint stays while it is in the top k, besides the newest
+    ``keep_checkpoints`` that resume uses. ``RUN_DIR/checkpoints/best.json`` lists them, best first
+    (``rlbits.loops.run.BEST_FILE``). None: no best checkpoints are kept."""
+    metric_name: str = "val_reward"
+    """With ``keep_top_k``: the metric logged at validation that ranks the checkpoints (NeMo-RL
+    ``checkpointing.metric_name``, there ``val:NAME``), e.g. ``val_reward``, or the reward_model loop's
+    ``val_accuracy``."""
+    higher_is_better: bool = True
+    """With ``keep_top_k``: whether a larger ``metric_name`` is better (NeMo-RL
+    ``checkpointing.higher_is_better``); of equal values the later checkpoint ranks first, as in NeMo-RL."""
     log_samples: int = ranged(4, ge=0, at_most=MAX_ROWS)
     """Decoded samples written to samples.jsonl per step (loops that generate text)."""
     tensorboard: bool = True
@@ -233,13 +247,59 @@ class PolicyConfig(RunConfig):
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of storing them: less memory, one
     more forward pass of each block."""
+    lr_scheduler: Literal["constant", "linear_warmup", "cosine", "cosine_annealing"] = "constant"
+    """Learning-rate schedule over the run's optimizer steps (PPO: the policy's and the critic's, each from its
+    own rate; ``rlbits.loops.optim``), the rate set before each optimizer step and logged as ``lr`` (PPO: and
+    ``critic_lr``) when not ``constant``: ``constant`` (``learning_rate`` throughout); ``linear_warmup``
+    (NeMo-RL ``policy.scheduler``, ``LinearLR`` then ``ConstantLR`` at milestone ``lr_warmup_steps``:
+    from ``lr_warmup_start_factor * learning_rate`` up to ``learning_rate``); ``cosine`` (NeMo-Aligner
+    ``optim.sched.name: CosineAnnealing``: warm-up over ``lr_warmup_steps``, cosine decay to ``min_lr``, held
+    for the last ``lr_constant_steps``); ``cosine_annealing`` (trlx ``scheduler.name: cosine_annealing``, torch
+    ``CosineAnnealingLR(T_max=lr_max_steps, eta_min=min_lr)``, no warm-up)."""
+    lr_warmup_steps: int = ranged(0, ge=0)
+    """``linear_warmup`` and ``cosine``: optimizer steps of warm-up (NeMo-Aligner ``optim.sched.warmup_steps``;
+    NeMo-RL ``LinearLR``'s ``total_iters`` and the milestone)."""
+    lr_warmup_start_factor: float = ranged(0.1, ge=0, le=1)
+    """``linear_warmup``: the first step's rate as a fraction of ``learning_rate`` (NeMo-RL ``LinearLR``'s
+    ``start_factor``; its example configs use 0.1)."""
+    lr_constant_steps: int = ranged(0, ge=0)
+    """``cosine``: the last this-many optimizer steps hold ``min_lr`` (NeMo-Aligner
+    ``optim.sched.constant_steps``; > 0 also switches the warm-up to Megatron's ``lr * step / warmup``, as
+    NeMo's ``CosineAnnealing`` does)."""
+    min_lr: float = ranged(0.0, ge=0)
+    """``cosine`` and ``cosine_annealing``: the rate the cosine decays to (NeMo-Aligner ``optim.sched.min_lr``,
+    trlx ``scheduler.kwargs.eta_min``), at most ``learning_rate`` (and PPO's ``critic_learning_rate``)."""
+    lr_max_steps: int | None = ranged(None, ge=1)
+    """``cosine`` and ``cosine_annealing``: optimizer steps the schedule spans (NeMo-Aligner
+    ``optim.sched.max_steps``, trlx ``T_max``); None = the run's own: its training steps times the optimizer
+    steps per training step (PPO ``ppo_epochs * num_minibatches``, REINFORCE ``num_iterations *
+    num_minibatches``, ILQL 1; the policy's from ``policy_training_start_step`` on), so resuming a run with
+    another ``max_num_steps`` stretches the schedule from the start; set this to keep it."""
 
     def check(self) -> None:
         super().check()
+        self._check_lr_scheduler()
         if self.reward_model is not None and not Path(self.reward_model).expanduser().is_dir():
             raise ConfigError(
                 f"reward_model must be a folder holding an HF sequence-classification model, got "
                 f"{show(self.reward_model)} ({field_docs(type(self))['reward_model']})"
+            )
+
+    def _check_lr_scheduler(self) -> None:
+        """``min_lr`` is at most the rate a cosine schedule decays from; a ``cosine`` schedule of
+        ``lr_max_steps`` leaves steps to decay over after its warm-up and hold."""
+        if self.lr_scheduler not in ("cosine", "cosine_annealing"):
+            return
+        if self.min_lr > self.learning_rate:
+            raise ConfigError(
+                f"min_lr ({self.min_lr}) must be <= learning_rate ({self.learning_rate}): the {self.lr_scheduler} "
+                "schedule decays from it to min_lr"
+            )
+        steps = self.lr_warmup_steps + self.lr_constant_steps
+        if self.lr_scheduler == "cosine" and self.lr_max_steps is not None and self.lr_max_steps <= steps:
+            raise ConfigError(
+                f"lr_max_steps ({self.lr_max_steps}) must be > lr_warmup_steps + lr_constant_steps ({steps}): "
+                "the cosine schedule needs steps to decay over"
             )
 
     def resolve_reward(self, reward: Any) -> Any:

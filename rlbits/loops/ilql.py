@@ -58,7 +58,7 @@ from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, MIN_TEMPERATURE, ConfigError, LoRAConfig
 from rlbits.loops.config_fields import field_docs, ranged
 from rlbits.loops.ilql_eval import evaluate_betas, evaluate_run, load_final, steered_validate
-from rlbits.loops.optim import make_optimizer
+from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.run import Run
 from rlbits.loops.runtime import (
     Setup,
@@ -279,13 +279,15 @@ def objective(state: State, micro: TensorDictBase, cfg: ILQLConfig, den: Denomin
 def update(state: State, batch: TensorDictBase, cfg: ILQLConfig) -> TensorDictBase:
     """Phase 2: one optimizer step on ``objective`` over microbatches of ``batch``
     (``rlbits.loops.update.optimize``; denominators counted over ``action_mask`` on every rank, so N ranks take
-    the step one process takes on the whole batch). Adds ``objective``'s stats, ``grad_norm``, ``rewards`` and
-    ``response_len`` to ``state.metrics``.
+    the step one process takes on the whole batch), at the ``lr_scheduler`` rate of this step
+    (``rlbits.loops.optim.scheduled``). Adds ``objective``'s stats, ``grad_norm`` (and ``lr`` under a
+    schedule), ``rewards`` and ``response_len`` to ``state.metrics``.
 
     Raises:
         NonFiniteError: a non-finite loss or gradient, naming the step and phase; no update is applied.
     """
-    optimize(state, batch, cfg, objective, trained=[Trained(state.model, state.optimizer)])
+    lr = scheduled(cfg, cfg.learning_rate, state.step, 1, run_length(state, cfg))
+    optimize(state, batch, cfg, objective, trained=[Trained(state.model, state.optimizer, lr=lr)])
     phases.add_batch_stats(state.metrics, batch)
     return batch
 

@@ -46,7 +46,7 @@ from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig
 from rlbits.loops.config_fields import ranged
 from rlbits.loops.online import initial_policy, online_fields, online_run
-from rlbits.loops.optim import make_optimizer
+from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.runtime import Setup, autocast, head_args, kernel, load_critic, prepare, with_lora
 from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
@@ -132,6 +132,12 @@ class PPOConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
             )
         if not self.critic_init:
             raise ConfigError("critic_init must be 'policy' or a folder, got an empty string")
+        critic_lr = self.critic_learning_rate
+        if self.lr_scheduler in ("cosine", "cosine_annealing") and critic_lr is not None and self.min_lr > critic_lr:
+            raise ConfigError(
+                f"min_lr ({self.min_lr}) must be <= critic_learning_rate ({critic_lr}): the critic's "
+                f"{self.lr_scheduler} schedule decays from it to min_lr"
+            )
 
     @property
     def uses_ref_logprobs(self) -> bool:
@@ -335,15 +341,26 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
     ``state.minibatch_generator``, ``microbatch_size``-row microbatches, denominators counted over
     ``action_mask``). During the critic warm-up (``policy_training_start_step``) only the critic trains.
 
+    Learning rates follow ``lr_scheduler`` (``rlbits.loops.optim.scheduled``): the critic's from
+    ``critic_learning_rate`` over the run's ``ppo_epochs * num_minibatches`` optimizer steps per step, the
+    policy's from ``learning_rate`` counted from ``policy_training_start_step``.
+
     Adds to ``state.metrics`` (means over the optimizer steps) ``objective``'s stats, ``grad_norm`` and
-    ``critic_grad_norm``. Returns ``batch``.
+    ``critic_grad_norm`` (and ``lr`` / ``critic_lr`` under a schedule). Returns ``batch``.
 
     Raises:
         NonFiniteError: a non-finite loss or gradient norm, on every rank together; neither model steps.
     """
-    trained = [Trained(state.value_model, state.value_optimizer, grad_norm="critic_grad_norm")]
-    if state.step >= cfg.policy_training_start_step:
-        trained.insert(0, Trained(state.policy, state.policy_optimizer))
+    per_step, total = cfg.ppo_epochs * cfg.num_minibatches, run_length(state, cfg)
+    critic_lr = cfg.critic_learning_rate if cfg.critic_learning_rate is not None else cfg.learning_rate
+    trained = [Trained(
+        state.value_model, state.value_optimizer, grad_norm="critic_grad_norm", lr_metric="critic_lr",
+        lr=scheduled(cfg, critic_lr, state.step, per_step, total),
+    )]
+    start = cfg.policy_training_start_step
+    if state.step >= start:  # the policy's schedule starts with its training
+        lr = scheduled(cfg, cfg.learning_rate, state.step - start, per_step, total - start)
+        trained.insert(0, Trained(state.policy, state.policy_optimizer, lr=lr))
     optimize(
         state, batch, cfg, objective, trained=trained, epochs=cfg.ppo_epochs, num_minibatches=cfg.num_minibatches,
         shuffle=state.minibatch_generator, mask="loss_mask" if "loss_mask" in batch.keys() else "action_mask",

@@ -52,7 +52,7 @@ from rlbits.loops import phases
 from rlbits.loops.config import ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig
 from rlbits.loops.config_fields import ranged
 from rlbits.loops.online import initial_policy, online_fields, online_run
-from rlbits.loops.optim import make_optimizer
+from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.run import agreed, in_phase
 from rlbits.loops.runtime import Setup, head_args, kernel, prepare, with_lora
 from rlbits.loops.state import OnlineState, optimizer_of
@@ -416,7 +416,9 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorD
     (``rlbits.loops.update.optimize``: whole groups shuffled with ``state.minibatch_generator``,
     ``microbatch_size``-row microbatches, denominators counted over ``loss_mask``). A batch with fewer
     groups than ``num_minibatches`` (dynamic sampling) has one minibatch per group; the count is agreed over
-    ranks. Adds ``objective``'s stats and ``grad_norm`` (mean over optimizer steps) to ``state.metrics``.
+    ranks. The learning rate follows ``lr_scheduler`` over ``num_iterations * num_minibatches`` optimizer
+    steps per step (``rlbits.loops.optim.scheduled``). Adds ``objective``'s stats and ``grad_norm`` (and ``lr``
+    under a schedule; means over optimizer steps) to ``state.metrics``.
 
     Raises:
         NonFiniteError: a loss or gradient is not finite (on every rank; the policy is left untouched).
@@ -425,8 +427,10 @@ def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorD
     state.policy.train()
     num_mb = min(cfg.num_minibatches, int(batch.batch_size[0]) // cfg.num_generations_per_prompt or 1)
     num_mb = -int(all_reduce_max(torch.tensor(-num_mb, device=env.device), env).item())  # the same on every rank
+    per_step = cfg.num_iterations * cfg.num_minibatches
+    lr = scheduled(cfg, cfg.learning_rate, state.step, per_step, run_length(state, cfg))
     optimize(
-        state, batch, cfg, objective, trained=[Trained(state.policy, state.optimizer)], mask="loss_mask",
+        state, batch, cfg, objective, trained=[Trained(state.policy, state.optimizer, lr=lr)], mask="loss_mask",
         epochs=cfg.num_iterations, num_minibatches=num_mb, shuffle=state.minibatch_generator,
     )
     return batch

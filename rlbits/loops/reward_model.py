@@ -251,16 +251,13 @@ def update(state: State, batch: TensorDict, cfg: RewardModelConfig) -> TensorDic
         NonFiniteError: a non-finite loss or gradient (the model is left untouched).
     """
     lr = learning_rate(state.step, total_steps(cfg, state.num_samples, state.samples_per_step(cfg)), cfg)
-    for group in state.optimizer.param_groups:
-        group["lr"] = lr
     state.model.train()
     with torch.random.fork_rng(devices=[state.env.device] if state.env.device.type == "cuda" else []):
         torch.manual_seed(derive_seed(cfg.seed, state.env.rank, f"dropout/{state.step}"))
-        trained = [Trained(state.model, state.optimizer)]
+        trained = [Trained(state.model, state.optimizer, lr=lambda update: lr)]  # one optimizer step
         rewards = optimize(state, batch, cfg, objective, trained=trained, mask=None)["rewards"]
     state.metrics.same("reward_mean", rewards.mean())
     state.metrics.same("reward_std", rewards.std() if rewards.numel() > 1 else torch.zeros(()))
-    state.metrics.same("lr", lr)
     return batch
 
 

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -246,6 +248,9 @@ class Run:
         self.provenance: dict[str, Any] | None = None
         """What the run is started with (``record_provenance``); ``start`` writes it to
         ``RUN_DIR/provenance.json`` on a fresh run (rank 0)."""
+        self.best: list[dict[str, Any]] = []
+        """With ``keep_top_k``: the best checkpoints, ``{"step", "value"}`` best first (``rank_best``); saved in
+        every checkpoint's ``state.json`` (``best_checkpoints``) and restored with it."""
 
     # --- set-up -------------------------------------------------------------------------------------
 
@@ -333,9 +338,11 @@ class Run:
         if self.checkpoint is not None:  # the newest that loads; each one that does not is skipped, warned
             self.checkpoint, saved = restore_checkpoint(
                 self.cfg.run_dir, newest=self.checkpoint, models=state.models, optimizers=state.optimizers,
-                generators=state.generators, env=self.env, check_state=state.check_counters,
+                generators=state.generators, env=self.env, check_state=functools.partial(_check_saved, state),
             )
             state.load_counters(saved)
+            if self.cfg.keep_top_k is not None:
+                self.best = check_best(saved.get("best_checkpoints", []), state.step)[: self.cfg.keep_top_k]
             self._saved_step = state.step
         self.logger = RunLogger(
             self.cfg, self.env, callbacks=self.callbacks, resume=self.resume, total_steps=self.total,
@@ -389,6 +396,8 @@ class Run:
             with self._collectives(0, "validate"):
                 val_batch = self._validate(state, None, self.cfg) if self.cfg.val_at_start else None
                 values = state.metrics.reduce(self.env)
+            if self.cfg.val_at_start and self.cfg.keep_top_k is not None:
+                self._metric(values)  # a metric validation does not log fails before the first step
             if values:
                 state.val_reward = values.get("val_reward", state.val_reward)
                 self.logger.log(0, values)
@@ -436,7 +445,7 @@ class Run:
                 state.metrics.same("epoch", float(state.epoch))
             logged = state.metrics.reduce(self.env)
             last = self.done(state) or self.should_stop  # a stop asked during the step: validate at the end
-        val_batch = None
+        val_batch, best = None, False
         if (self.cfg.val_period and state.step % self.cfg.val_period == 0) or (self.cfg.val_at_end and last):
             state.metrics = StepMetrics()
             with self._section("validate"):
@@ -444,6 +453,7 @@ class Run:
                 val = state.metrics.reduce(self.env)
             state.val_reward = val.get("val_reward", state.val_reward)
             logged.update(val)
+            best = self._rank(state.step, val)
         logged.update(self.timer.metrics())
         logged["tokens_per_s"] = num_tokens / max(logged["time/step"], 1e-9)
         self.logger.log(state.step, logged)
@@ -455,20 +465,56 @@ class Run:
         )
         with self._collectives(state.step, "save"):
             self._stopped = self.should_stop  # a stop asked while logging (a dashboard's button) saves too
-            if (self.cfg.save_period and state.step % self.cfg.save_period == 0) or last or self._stopped:
+            due = self.cfg.save_period and state.step % self.cfg.save_period == 0
+            if due or last or self._stopped or best:  # a checkpoint in the top k is saved at its step
                 self.save(state)
         return logged
 
     # --- checkpoints and export -------------------------------------------------------------------------
 
+    def _rank(self, step: int, val: dict[str, float]) -> bool:
+        """With ``keep_top_k``: rank this step's validation by ``metric_name`` among the best checkpoints
+        (``self.best``, ``rank_best``); whether it entered the top k (its checkpoint is then saved).
+
+        Raises:
+            ValueError: the validation did not log ``metric_name`` (naming what it logged).
+        """
+        cfg = self.cfg
+        if cfg.keep_top_k is None:
+            return False
+        value = self._metric(val)
+        if value is None or not math.isfinite(value):  # a NaN ranks nowhere
+            return False
+        self.best = rank_best(self.best, step, value, cfg.keep_top_k, cfg.higher_is_better)
+        return any(e["step"] == step for e in self.best)
+
+    def _metric(self, val: dict[str, float]) -> float | None:
+        """``metric_name``'s value in a validation's logged values.
+
+        Raises:
+            ValueError: the validation did not log it (naming what it logged).
+        """
+        if self.cfg.metric_name not in val:
+            raise ValueError(
+                f"metric_name {self.cfg.metric_name!r} (keep_top_k) was not logged by validation; it logged "
+                f"{', '.join(sorted(val)) or 'nothing'}"
+            )
+        return val[self.cfg.metric_name]
+
     def save(self, state: LoopState) -> Path:
-        """Checkpoint ``state`` as a whole to ``RUN_DIR/checkpoints/step_N`` (every rank calls it)."""
+        """Checkpoint ``state`` as a whole to ``RUN_DIR/checkpoints/step_N`` (every rank calls it), keeping the
+        newest ``keep_checkpoints`` and the best (``self.best``); with ``keep_top_k`` the main process then
+        writes ``RUN_DIR/checkpoints/best.json`` (``BEST_FILE``)."""
+        extra = {"best_checkpoints": self.best} if self.cfg.keep_top_k is not None else {}
         path = save_checkpoint(
             self.cfg.run_dir, state.step, models=state.models, optimizers=state.optimizers,
-            state={**state.counters(), "total_steps": self.total}, generators=state.generators,
+            state={**state.counters(), "total_steps": self.total, **extra}, generators=state.generators,
             tokenizer=state.tokenizer, keep=self.cfg.keep_checkpoints, env=self.env,
             checksums=self.cfg.checkpoint_checksums, hf_folders=self.cfg.checkpoint_hf_folders,
+            protect=[e["step"] for e in self.best],
         )
+        if extra and self.env.is_main:
+            write_best(self.dir, self.best, self.cfg)
         self._saved_step = state.step
         return path
 
@@ -510,6 +556,61 @@ class Run:
             raise disk_full_error(self.dir, full) from exc
 
 
+BEST_FILE = "checkpoints/best.json"
+"""Under the run directory, with ``keep_top_k``: ``{"metric_name", "higher_is_better", "keep_top_k",
+"best": [{"step", "value", "checkpoint"}]}``, the best checkpoints best first (``checkpoint``: the folder,
+relative to the run directory), rewritten at every save."""
+
+
+def rank_best(
+    best: list[dict[str, Any]], step: int, value: float, k: int, higher_is_better: bool
+) -> list[dict[str, Any]]:
+    """``best`` (``{"step", "value"}`` entries, best first) with ``step``'s ``value`` added, sorted and cut to
+    the top ``k``, as NeMo-RL's ``CheckpointManager.remove_old_checkpoints`` ranks them: by value (larger first
+    when ``higher_is_better``), equal values by step, the later first. A new entry for a step already listed
+    (a redone step) replaces it."""
+    entries = [e for e in best if e["step"] != step] + [{"step": step, "value": value}]
+    sign = -1.0 if higher_is_better else 1.0
+    return sorted(entries, key=lambda e: (sign * e["value"], -e["step"]))[:k]
+
+
+def check_best(saved: Any, step: int) -> list[dict[str, Any]]:
+    """The ``best_checkpoints`` of a restored checkpoint of ``step``: a list of ``{"step": int <= step,
+    "value": finite float}``.
+
+    Raises:
+        ValueError: another shape (naming what it is).
+    """
+    ok = isinstance(saved, list) and all(
+        isinstance(e, dict) and set(e) == {"step", "value"} and type(e["step"]) is int and 0 < e["step"] <= step
+        and isinstance(e["value"], (int, float)) and not isinstance(e["value"], bool) and math.isfinite(e["value"])
+        for e in saved
+    )
+    if not ok:
+        raise ValueError(f"best_checkpoints must be a list of {{step, value}} up to step {step}, got {saved!r:.200}")
+    return [{"step": e["step"], "value": float(e["value"])} for e in saved]
+
+
+def _check_saved(state: LoopState, saved: dict[str, Any]) -> None:
+    """What ``restore_checkpoint`` checks of a ``state.json`` before loading it: the state's counters and the
+    best checkpoints (a checkpoint failing either is skipped for the previous one)."""
+    state.check_counters(saved)
+    check_best(saved.get("best_checkpoints", []), saved.get("step", 0))
+
+
+def write_best(run_dir: Path, best: list[dict[str, Any]], cfg: RunConfig) -> None:
+    """Write ``BEST_FILE`` (atomically: a temporary file renamed into place)."""
+    path = run_dir / BEST_FILE
+    rows = [{**e, "checkpoint": f"checkpoints/step_{e['step']}"} for e in best]
+    text = json.dumps({
+        "metric_name": cfg.metric_name, "higher_is_better": cfg.higher_is_better, "keep_top_k": cfg.keep_top_k,
+        "best": rows,
+    }, indent=1)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(path)
+
+
 def sample_rows(
     batch: TensorDictBase | None, n: int, split: str | None = None, tokenizer: Any = None
 ) -> list[dict[str, Any]]:
@@ -538,6 +639,7 @@ def sample_rows(
 
 
 __all__ = [
+    "BEST_FILE",
     "SKIPPABLE",
     "CollectiveError",
     "NonFiniteError",
@@ -545,10 +647,13 @@ __all__ = [
     "Run",
     "RunLogger",
     "agreed",
+    "check_best",
     "collective_errors",
     "elastic_restart",
     "in_phase",
+    "rank_best",
     "read_metrics",
     "sample_rows",
     "total_steps",
+    "write_best",
 ]

@@ -13,7 +13,7 @@ of its models on one microbatch and the loss, one expression over the global ``D
                 a non-finite loss on any rank -> NonFiniteError on every rank
                 loss.backward()
             clip each model's gradient norm (cfg.max_grad_norm); a non-finite norm -> NonFiniteError
-            step every optimizer
+            step every optimizer (at its Trained.lr rate, when it has a schedule)
 
 A loss divided by the global denominators makes the microbatches' gradients add up to the minibatch's, on
 one rank or N. On a ``NonFiniteError`` (its message names the step, the phase and the values) every
@@ -72,12 +72,17 @@ class Denominators:
 
 @dataclasses.dataclass(frozen=True)
 class Trained:
-    """A model the update trains: its optimizer, and the metric its gradient norm (before clipping) is
-    logged as."""
+    """A model the update trains: its optimizer, the metric its gradient norm (before clipping) is logged as,
+    and its learning-rate schedule."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     grad_norm: str = "grad_norm"
+    lr: Callable[[int], float] | None = None
+    """``lr(u)``: the rate of this training step's ``u``-th optimizer step (0-based), set on every parameter
+    group just before it (``rlbits.loops.optim.lr_schedule``) and logged as ``lr_metric`` (mean over the step's
+    optimizer steps); None leaves the optimizer's rate as it is and logs nothing."""
+    lr_metric: str = "lr"
 
 
 Objective = Callable[[Any, TensorDictBase, Any, Denominators], tuple[torch.Tensor, dict[str, Any]]]
@@ -151,10 +156,12 @@ def _zero_grads(trained: Sequence[Trained]) -> None:
 
 
 def step_optimizers(
-    trained: Sequence[Trained], max_grad_norm: float, metrics: StepMetrics, num_updates: int, where: str
+    trained: Sequence[Trained], max_grad_norm: float, metrics: StepMetrics, num_updates: int, where: str,
+    update: int = 0,
 ) -> None:
     """Clip each model's gradient to ``max_grad_norm`` (if > 0; the norm is over all ranks' shards) and, if
-    every norm is finite, step every optimizer and zero the gradients. Logs each norm (before clipping)
+    every norm is finite, step every optimizer (at its ``Trained.lr`` of ``update``, the index of this
+    optimizer step in the training step) and zero the gradients. Logs each norm (before clipping) and rate
     divided by ``num_updates`` (``same``: a mean over the step's optimizer steps).
 
     Raises:
@@ -170,6 +177,11 @@ def step_optimizers(
         values = ", ".join(f"{t.grad_norm}={float(n):.6g}" for t, n in zip(trained, norms, strict=True))
         raise NonFiniteError(f"{where}: non-finite gradient norm ({values}); no optimizer stepped")
     for t, norm in zip(trained, norms, strict=True):
+        if t.lr is not None:
+            lr = t.lr(update)
+            for group in t.optimizer.param_groups:
+                group["lr"] = lr
+            metrics.same(t.lr_metric, lr / num_updates)
         t.optimizer.step()
         t.optimizer.zero_grad(set_to_none=True)
         metrics.same(t.grad_norm, norm.detach() / num_updates)
@@ -237,7 +249,9 @@ def optimize(
                     )
                 loss.backward()
                 log_stats(metrics, stats, num_updates, rows)
-            step_optimizers(trained, cfg.max_grad_norm, metrics, num_updates, where)
+            step_optimizers(
+                trained, cfg.max_grad_norm, metrics, num_updates, where, update=epoch * num_minibatches + index
+            )
     return {name: torch.cat(values) for name, values in rows.items()}
 
 

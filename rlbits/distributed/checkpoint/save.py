@@ -7,7 +7,7 @@ import json
 import random
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from rlbits.distributed.checkpoint.manifest import (
     MANIFEST,
     is_rlbits_checkpoint,
     list_checkpoints,
+    step_of,
     write_manifest,
 )
 from rlbits.distributed.env import DistEnv, barrier
@@ -87,11 +88,13 @@ def save_checkpoint(
     generators: Mapping[str, torch.Generator] | None = None,
     tokenizer: Any = None,
     keep: int = 2,
+    protect: Collection[int] = (),
     env: DistEnv | None = None,
     checksums: str = "all",
     hf_folders: bool = False,
 ) -> Path:
-    """Write ``RUN_DIR/checkpoints/step_{step}`` atomically and delete all but the newest ``keep``.
+    """Write ``RUN_DIR/checkpoints/step_{step}`` atomically and delete all but the newest ``keep`` and those
+    of the steps in ``protect``.
 
     Every rank must call it (at world size > 1 it is collective: DCP writes each rank's shards).
 
@@ -104,6 +107,7 @@ def save_checkpoint(
         generators: name -> ``torch.Generator`` whose state must resume exactly (sampling, data order).
         tokenizer: saved with the policy (or in ``tokenizer/``).
         keep: how many step checkpoints to keep.
+        protect: steps whose checkpoints are kept besides the newest ``keep`` (the best ones: ``keep_top_k``).
         env: the ``DistEnv`` (None: world size 1).
         checksums: ``"all"`` (sha256 of every file, the weights in 16 MiB chunks hashed in parallel: a
             flipped byte anywhere is caught on resume) or ``"small"`` (sha256 of files under 1 MiB, sizes of
@@ -172,7 +176,8 @@ def save_checkpoint(
     if env.is_main:
         ours = [p for p in list_checkpoints(run_dir) if is_rlbits_checkpoint(p)]
         for old in ours[:-keep] if keep > 0 else []:
-            _discard(old)
+            if step_of(old) not in protect:
+                _discard(old)
     barrier(env)
     return final
 
