@@ -154,7 +154,9 @@ class PPOConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig
         if self.scale_reward is not None and self.reward_whiten:
             raise ConfigError("scale_reward (trlx) and reward_whiten both divide the rewards by a std; set one")
         if self.reward_ref_std is not None and self.scale_reward != "ref":
-            raise ConfigError(f"reward_ref_std is the divisor of scale_reward: ref; scale_reward is {self.scale_reward}")
+            raise ConfigError(
+                f"reward_ref_std is the divisor of scale_reward: ref; scale_reward is {self.scale_reward}"
+            )
         if not self.critic_init:
             raise ConfigError("critic_init must be 'policy' or a folder, got an empty string")
         critic_lr = self.critic_learning_rate
@@ -425,7 +427,8 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
     """Phase 6: ``ppo_epochs`` x ``num_minibatches`` steps of the policy's and the critic's optimizers on
     ``objective`` (``rlbits.loops.update.optimize``: whole prompt groups shuffled with
     ``state.minibatch_generator``, ``microbatch_size``-row microbatches, denominators counted over
-    ``loss_mask`` when the batch has one (``overlong_filtering``, a rollout correction), else ``action_mask``). During the critic warm-up (``policy_training_start_step``) only the critic trains.
+    ``loss_mask`` when the batch has one (``overlong_filtering``, a rollout correction), else ``action_mask``).
+    During the critic warm-up (``policy_training_start_step``) only the critic trains.
 
     Learning rates follow ``lr_scheduler`` (``rlbits.loops.optim.scheduled``): the critic's from
     ``critic_learning_rate`` over the run's ``ppo_epochs * num_minibatches`` optimizer steps per step, the

@@ -333,11 +333,12 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
 
     ``r`` is the reward after ``RewardShapingConfig``'s transforms (``shape_rewards``: NeMo-Aligner's
     standardisation, NeMo-RL's linear scaling, then its stop-properly or DAPO overlong shaping; all off by
-    default); ``r' = r - kl_coef * sum_t KL_t`` (with ``kl_in_reward``) on the last action token, or for the per-token
-    estimators (``reinforce_plus_plus``, ``remax``) ``r`` there and ``-kl_coef * KL_t`` on every action token
-    (verl's ``token_level_rewards``); the estimator's advantages (e.g. the sequence advantage ``A = r' -
-    baseline`` broadcast over action tokens); ``loss_mask = action_mask`` without the truncated responses when
-    ``overlong_filtering`` (NeMo-RL's ``loss_multiplier = 0``). Statistics over the whole batch (whitening, gpg's alpha) are summed over every rank.
+    default); ``r' = r - kl_coef * sum_t KL_t`` (with ``kl_in_reward``) on the last action token, or for the
+    per-token estimators (``reinforce_plus_plus``, ``remax``) ``r`` there and ``-kl_coef * KL_t`` on every
+    action token (verl's ``token_level_rewards``); the estimator's advantages (e.g. the sequence advantage ``A
+    = r' - baseline`` broadcast over action tokens); ``loss_mask = action_mask`` without the truncated responses
+    when ``overlong_filtering`` (NeMo-RL's ``loss_multiplier = 0``). Statistics over the whole batch
+    (whitening, gpg's alpha) are summed over every rank.
     Adds ``rewards``, ``rewards_with_kl``, ``baseline`` (see ``_baseline``), ``advantages`` (token mean over
     the loss mask), ``init_policy_kl``, ``truncated_frac``, ``response_len``, ``loss_tokens`` (and
     ``rewards_scaled``, the mean of ``r``, when a transform is on) to ``state.metrics``.
