@@ -291,3 +291,29 @@ def test_resume_continues_the_running_reward_statistics(policy_dir, tmp_path):
     assert a[2] == b[2]
     assert a[2]["reward_running_std"] != a[0]["reward_running_std"]
     assert a[0]["rewards_scaled"] != a[0]["rewards"]
+
+
+@pytest.mark.slow
+def test_reinforce_run_logs_the_standardised_rewards(policy_dir, tmp_path):
+    values = dict(
+        policy=policy_dir,
+        run_dir=str(tmp_path),
+        max_num_steps=2,
+        num_prompts_per_step=2,
+        num_generations_per_prompt=2,
+        max_new_tokens=4,
+        microbatch_size=4,
+        learning_rate=1e-3,
+        val_at_start=False,
+        val_at_end=False,
+        save_period=0,
+        log_samples=0,
+        progress=False,
+        tensorboard=False,
+        reward_standardization_mean=0.25,
+        reward_standardization_std=0.5,
+        overlong_filtering=True,
+    )
+    reinforce.train(config_from_dict(ReinforceConfig, values), reward=reward, prompts=PROMPTS)
+    for row in read_metrics(tmp_path):
+        assert row["rewards_scaled"] == pytest.approx((row["rewards"] - 0.25) / 0.5)
