@@ -34,6 +34,7 @@ from rlbits.functional.policy_losses import (
     sapo_loss,
     vanilla_loss,
 )
+from rlbits.functional.preference import DPO_LOSS_TYPES, dpo_loss, sequence_logprobs
 from rlbits.functional.reward import bradley_terry_loss, pointwise_reward_loss
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "dppo_tv_loss",
     "dppo_kl_loss",
     "cispo_loss",
+    "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "adaptive_kl_coef",
@@ -55,6 +57,7 @@ __all__ = [
     "awac_loss",
     "bradley_terry_loss",
     "cql_loss",
+    "dpo_loss",
     "entropy_from_logits",
     "expectile_loss",
     "gae",
@@ -73,6 +76,7 @@ __all__ = [
     "q_loss",
     "reinforce_loss",
     "rloo_baseline",
+    "sequence_logprobs",
     "token_rewards",
     "value_loss",
 ]
