@@ -55,7 +55,15 @@ from rlbits.loops.state import OnlineState, optimizer_of, runtime
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import policy_logprobs
 
-PAIR_KEYS = ("prompts", "prompt_mask", "responses", "action_mask", "response_mask", "input_ids", "attention_mask")
+PAIR_KEYS = (
+    "prompts",
+    "prompt_mask",
+    "responses",
+    "action_mask",
+    "response_mask",
+    "input_ids",
+    "attention_mask",
+)
 """The keys of a pair batch [n, 2] (index 0 the chosen response, 1 the rejected one), as ``docs/batch.md``."""
 
 
@@ -110,9 +118,13 @@ class PreferenceConfig(LoRAConfig, OnlineConfig):
                 f"got {self.num_generations_per_prompt}"
             )
         if self.online and self.dataset is not None:
-            raise ConfigError("online: true trains on the policy's own samples; remove dataset (or set online: false)")
+            raise ConfigError(
+                "online: true trains on the policy's own samples; remove dataset (or set online: false)"
+            )
         if self.val_dataset is not None and self.dataset is None:
-            raise ConfigError("val_dataset needs a dataset file (pairs built from the task validate on its test split)")
+            raise ConfigError(
+                "val_dataset needs a dataset file (pairs built from the task validate on its test split)"
+            )
         for name in ("dataset", "val_dataset"):
             value = getattr(self, name)
             if value is not None and Path(value).suffix not in (".jsonl", ".csv"):
@@ -133,7 +145,9 @@ class PreferenceConfig(LoRAConfig, OnlineConfig):
 # --- pairs -------------------------------------------------------------------------------------------------
 
 
-def pair_rows(batch: TensorDictBase, rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_rows(
+    batch: TensorDictBase, rewards: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(chosen, rejected)`` row indices [m] of a scored rollout of contiguous groups of ``group_size``: per
     group the first best and the first worst response; groups whose rewards are all equal give none."""
     groups = rewards.view(-1, group_size)
@@ -170,7 +184,11 @@ def tensorize_pairs(rows: Sequence[dict[str, Any]], tokenizer: Any) -> TensorDic
 
 
 def sample_pairs(
-    policy: torch.nn.Module, tokenizer: Any, prompts: Sequence[str], reward: Any, cfg: PreferenceConfig,
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    reward: Any,
+    cfg: PreferenceConfig,
     gen: torch.Generator,
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Offline pairs from the task: ``num_generations_per_prompt`` samples of ``policy`` per prompt at
@@ -181,8 +199,14 @@ def sample_pairs(
     for start in range(0, len(prompts), cfg.pair_batch_size):
         chunk = list(prompts[start : start + cfg.pair_batch_size])
         batch = phases.generate_rollout(
-            policy, tokenizer, chunk, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            num_samples=k, generator=gen, pack_weights=phases.pack_weights(cfg),
+            policy,
+            tokenizer,
+            chunk,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            num_samples=k,
+            generator=gen,
+            pack_weights=phases.pack_weights(cfg),
         )
         rewards = phases.score_rollout(batch, reward).float().cpu()
         total += rewards.sum().item()
@@ -191,16 +215,21 @@ def sample_pairs(
         p_ids, p_mask = batch["prompts"].tolist(), batch["prompt_mask"].tolist()
         r_ids, a_mask = batch["responses"].tolist(), batch["action_mask"].tolist()
         for c, r in zip(chosen.tolist(), rejected.tolist(), strict=True):
-            rows.append({
-                "prompt": batch["prompt_text"][c], "chosen": batch["response_text"][c],
-                "rejected": batch["response_text"][r], "chosen_reward": float(rewards[c]),
-                "rejected_reward": float(rewards[r]),
-                "prompt_ids": [t for t, m in zip(p_ids[c], p_mask[c], strict=True) if m],
-                "chosen_ids": [t for t, m in zip(r_ids[c], a_mask[c], strict=True) if m],
-                "rejected_ids": [t for t, m in zip(r_ids[r], a_mask[r], strict=True) if m],
-            })
+            rows.append(
+                {
+                    "prompt": batch["prompt_text"][c],
+                    "chosen": batch["response_text"][c],
+                    "rejected": batch["response_text"][r],
+                    "chosen_reward": float(rewards[c]),
+                    "rejected_reward": float(rewards[r]),
+                    "prompt_ids": [t for t, m in zip(p_ids[c], p_mask[c], strict=True) if m],
+                    "chosen_ids": [t for t, m in zip(r_ids[c], a_mask[c], strict=True) if m],
+                    "rejected_ids": [t for t, m in zip(r_ids[r], a_mask[r], strict=True) if m],
+                }
+            )
     stats = {
-        "dataset/pairs": float(len(rows)), "dataset/tie_frac": ties / max(len(prompts), 1),
+        "dataset/pairs": float(len(rows)),
+        "dataset/tie_frac": ties / max(len(prompts), 1),
         "dataset/sample_reward": total / max(len(prompts) * k, 1),
     }
     return rows, stats
@@ -215,14 +244,19 @@ def load_pairs(cfg: PreferenceConfig) -> tuple[list[dict[str, Any]], list[dict[s
     """
     try:
         train, val = load_reward_data(
-            cfg.dataset, val_dataset=cfg.val_dataset, max_val_samples=cfg.max_val_samples, val_prefix_words=0,
+            cfg.dataset,
+            val_dataset=cfg.val_dataset,
+            max_val_samples=cfg.max_val_samples,
+            val_prefix_words=0,
             seed=cfg.seed,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not isinstance(train[0], Pair):
-        raise ConfigError(f"dataset {cfg.dataset!r} holds labelled texts; the preference loop needs pairs "
-                          "(prompt, chosen, rejected)")
+        raise ConfigError(
+            f"dataset {cfg.dataset!r} holds labelled texts; the preference loop needs pairs "
+            "(prompt, chosen, rejected)"
+        )
     as_dict = [dataclasses.asdict(p) for p in train], [dataclasses.asdict(p) for p in val["val"]]
     return as_dict
 
@@ -250,8 +284,13 @@ class State(OnlineState):
 
 
 def init_state(
-    cfg: PreferenceConfig, env: DistEnv, *, setup: Setup | None = None, reward: Any = None,
-    prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
+    cfg: PreferenceConfig,
+    env: DistEnv,
+    *,
+    setup: Setup | None = None,
+    reward: Any = None,
+    prompts: Sequence[str] | None = None,
+    val_prompts: Sequence[str] | None = None,
 ) -> State:
     """Load the policy and (unless ``simpo``) a frozen reference (with LoRA: the adapters disabled), the
     optimizer and the generators; offline, the pairs (read from ``dataset`` or sampled from the initial
@@ -260,7 +299,9 @@ def init_state(
     setup = setup if setup is not None else Setup.of(cfg)
     init_path, policy, tokenizer, reference = initial_policy(cfg, env, setup, reference=cfg.uses_reference)
     policy = prepare(with_lora(policy, cfg).train(), cfg, env)
-    fields = online_fields(cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts)
+    fields = online_fields(
+        cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts
+    )
     extra: dict[str, Any] = {}
     if not cfg.online:
         if cfg.dataset is not None:
@@ -271,20 +312,31 @@ def init_state(
                 min(cfg.num_pair_prompts, len(fields["stream"]))
             )  # a seeded subset of the train prompts
             with torch.no_grad(), autocast(policy, cfg):
-                rows, extra["pair_stats"] = sample_pairs(policy, tokenizer, train_prompts, fields["reward"], cfg, gen)
+                rows, extra["pair_stats"] = sample_pairs(
+                    policy, tokenizer, train_prompts, fields["reward"], cfg, gen
+                )
                 val_rows, _ = sample_pairs(
-                    policy, tokenizer, fields["val_prompts"][: cfg.max_val_samples], fields["reward"], cfg, gen
+                    policy,
+                    tokenizer,
+                    fields["val_prompts"][: cfg.max_val_samples],
+                    fields["reward"],
+                    cfg,
+                    gen,
                 )
         if not rows:
             raise ConfigError("no preference pairs: every prompt's samples got the same reward (all ties)")
         extra.update(
-            pair_rows=rows, pairs=tensorize_pairs(rows, tokenizer).to(env.device),
+            pair_rows=rows,
+            pairs=tensorize_pairs(rows, tokenizer).to(env.device),
             val_pairs=tensorize_pairs(val_rows, tokenizer).to(env.device) if val_rows else None,
         )
         fields["stream"] = PromptStream(list(range(len(rows))), cfg.seed)
     return State(
-        policy=policy, reference=reference,
-        optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay), **fields, **extra,
+        policy=policy,
+        reference=reference,
+        optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
+        **fields,
+        **extra,
     )
 
 
@@ -323,11 +375,15 @@ def pairs(state: State, batch: TensorDictBase, cfg: PreferenceConfig) -> TensorD
     return stack_pairs(batch, chosen, rejected)
 
 
-def _sequence_logps(model: torch.nn.Module, pair_batch: TensorDictBase, cfg: PreferenceConfig) -> torch.Tensor:
+def _sequence_logps(
+    model: torch.nn.Module, pair_batch: TensorDictBase, cfg: PreferenceConfig
+) -> torch.Tensor:
     """[n, 2]: the summed (``simpo``: averaged) log-probabilities of both responses of each pair under ``model``
     at temperature 1, float32."""
     flat = pair_batch.reshape(-1)
-    logprobs = policy_logprobs(model, flat, temperature=1.0, microbatch_size=cfg.microbatch_size, **head_args(cfg))
+    logprobs = policy_logprobs(
+        model, flat, temperature=1.0, microbatch_size=cfg.microbatch_size, **head_args(cfg)
+    )
     seq = sequence_logprobs(logprobs.float(), flat["action_mask"], average=not cfg.uses_reference)
     return seq.view(-1, 2)
 
@@ -351,8 +407,14 @@ def loss_of(
     h = logps - batch["ref_logps"] if cfg.uses_reference else logps
     lengths = batch["action_mask"].sum(-1)
     loss, metrics = dpo_loss(
-        h[:, 0], h[:, 1], cfg.beta, cfg.loss_type, label_smoothing=cfg.label_smoothing,
-        chosen_lengths=lengths[:, 0], rejected_lengths=lengths[:, 1], simpo_gamma=cfg.simpo_gamma,
+        h[:, 0],
+        h[:, 1],
+        cfg.beta,
+        cfg.loss_type,
+        label_smoothing=cfg.label_smoothing,
+        chosen_lengths=lengths[:, 0],
+        rejected_lengths=lengths[:, 1],
+        simpo_gamma=cfg.simpo_gamma,
         num_pairs=num_pairs,
     )
     detached = logps.detach()
@@ -422,8 +484,14 @@ evaluate_run = phases.evaluate_run
 
 
 def train(
-    cfg: PreferenceConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False,
-    reward: Callable | Any = None, prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
+    cfg: PreferenceConfig,
+    *,
+    callbacks: Sequence[Any] = (),
+    resume: bool = False,
+    force: bool = False,
+    reward: Callable | Any = None,
+    prompts: Sequence[str] | None = None,
+    val_prompts: Sequence[str] | None = None,
 ) -> Path:
     """Run offline or online preference optimisation for ``cfg.max_num_steps`` steps (or ``max_num_epochs``
     passes over the offline pairs) and return the run directory (``RUN_DIR/final/``: the policy;
@@ -458,7 +526,9 @@ def train(
             with run.step(state):
                 if cfg.online:
                     with run.phase("rollout"):  # 1. K responses per prompt from the current policy
-                        batch = rollout(state, state.stream.next_batch(cfg.num_prompts_per_step, run.env), cfg)
+                        batch = rollout(
+                            state, state.stream.next_batch(cfg.num_prompts_per_step, run.env), cfg
+                        )
                     with run.phase("score"):  # 2. their rewards
                         batch = score(state, batch, cfg)
                     with run.phase("pairs"):  # 3. best vs worst per prompt
