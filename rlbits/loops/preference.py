@@ -536,7 +536,8 @@ def train(
                 else:
                     with run.phase("data"):  # 1. the next offline pairs
                         batch = data(state, None, cfg)
-                    state.metrics.update(state.pair_stats if state.step == 0 else {})
+                    if state.step == 0:  # what the pairs were built from, logged once
+                        state.metrics.update(state.pair_stats)
                 with run.phase("reference"):  # 4. the reference's sequence log-probabilities
                     batch = reference(state, batch, cfg)
                 with run.phase("update"):  # 5. one DPO step
