@@ -1,7 +1,8 @@
 """``rlbits.sequence_logprobs`` and ``rlbits.dpo_loss`` against references written from TRL's code: every
 ``DPO_LOSS_TYPES`` entry follows TRL v1.9.0 (commit 35def3e of huggingface/trl) ``DPOTrainer._compute_loss``
 line by line (``simpo``: ``CPOTrainer.cpo_loss``; ``sigmoid`` with label smoothing: TRL v0.28.0's
-``dpo_loss``), in float64 from per-token logprobs through masked sums: values and gradients."""
+``dpo_loss``), in float64 from per-token logprobs through masked sums: values and gradients. DPO and IPO are
+also checked against OpenRLHF v0.11.0's ``DPOLoss``."""
 
 from __future__ import annotations
 
@@ -266,3 +267,37 @@ def test_bad_shapes():
         rlbits.dpo_loss(torch.zeros(3, 1), torch.zeros(3, 1), 0.1)
     with pytest.raises(ValueError, match="floating"):
         rlbits.sequence_logprobs(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))
+
+
+def _openrlhf_dpo(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, label_smoothing, ipo):
+    """OpenRLHF v0.11.0 (commit 3c3be62) ``openrlhf/models/loss.py`` ``DPOLoss.forward`` on summed logps."""
+    pi_logratios = policy_chosen - policy_rejected
+    ref_logratios = ref_chosen - ref_rejected
+    logits = pi_logratios - ref_logratios
+    if ipo:
+        losses = (logits - 1 / (2 * beta)) ** 2
+    else:
+        losses = (
+            -F.logsigmoid(beta * logits) * (1 - label_smoothing)
+            - F.logsigmoid(-beta * logits) * label_smoothing
+        )
+    chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
+    rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
+    return losses.mean(), chosen_rewards, rejected_rewards
+
+
+@pytest.mark.parametrize(("loss_type", "label_smoothing"), [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)])
+def test_dpo_and_ipo_equal_openrlhf(loss_type, label_smoothing):
+    """OpenRLHF's DPO (cDPO with label smoothing) and IPO; its IPO is on summed log-ratios: no lengths given."""
+    policy, ref, mask = _tokens(6)
+    logps, ref_logps = rlbits.sequence_logprobs(policy, mask), rlbits.sequence_logprobs(ref, mask)
+    (p_c, p_r), (r_c, r_r) = logps.chunk(2), ref_logps.chunk(2)
+    want, want_c, want_r = _openrlhf_dpo(p_c, p_r, r_c, r_r, BETA, label_smoothing, loss_type == "ipo")
+    got, m = rlbits.dpo_loss(p_c - r_c, p_r - r_r, BETA, loss_type, label_smoothing=label_smoothing)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(m["rewards/chosen"], want_c.mean())
+    torch.testing.assert_close(m["rewards/rejected"], want_r.mean())
+    g_got, g_want = (torch.autograd.grad(x, policy, retain_graph=True)[0] for x in (got, want))
+    torch.testing.assert_close(
+        torch.where(mask, g_got, 0.0), torch.where(mask, g_want, 0.0), rtol=1e-5, atol=1e-9
+    )
