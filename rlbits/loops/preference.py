@@ -145,11 +145,10 @@ class PreferenceConfig(LoRAConfig, OnlineConfig):
 # --- pairs -------------------------------------------------------------------------------------------------
 
 
-def pair_rows(
-    batch: TensorDictBase, rewards: torch.Tensor, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(chosen, rejected)`` row indices [m] of a scored rollout of contiguous groups of ``group_size``: per
-    group the first best and the first worst response; groups whose rewards are all equal give none."""
+def pair_rows(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chosen, rejected)`` row indices [m] of a rollout's ``rewards`` [B] in contiguous groups of
+    ``group_size``: per group the first best and the first worst response; groups whose rewards are all equal
+    give none."""
     groups = rewards.view(-1, group_size)
     keep = (groups.amax(1) > groups.amin(1)).nonzero().flatten()
     base = keep * group_size
@@ -210,7 +209,7 @@ def sample_pairs(
         )
         rewards = phases.score_rollout(batch, reward).float().cpu()
         total += rewards.sum().item()
-        chosen, rejected = pair_rows(batch, rewards, k)
+        chosen, rejected = pair_rows(rewards, k)
         ties += len(chunk) - len(chosen)
         p_ids, p_mask = batch["prompts"].tolist(), batch["prompt_mask"].tolist()
         r_ids, a_mask = batch["responses"].tolist(), batch["action_mask"].tolist()
@@ -257,8 +256,7 @@ def load_pairs(cfg: PreferenceConfig) -> tuple[list[dict[str, Any]], list[dict[s
             f"dataset {cfg.dataset!r} holds labelled texts; the preference loop needs pairs "
             "(prompt, chosen, rejected)"
         )
-    as_dict = [dataclasses.asdict(p) for p in train], [dataclasses.asdict(p) for p in val["val"]]
-    return as_dict
+    return [dataclasses.asdict(p) for p in train], [dataclasses.asdict(p) for p in val["val"]]
 
 
 # --- state -------------------------------------------------------------------------------------------------
@@ -368,7 +366,7 @@ def pairs(state: State, batch: TensorDictBase, cfg: PreferenceConfig) -> TensorD
     and its worst (rejected); prompts whose responses all scored the same give none. Adds ``pairs`` (m) and
     ``tie_frac``."""
     k = cfg.num_generations_per_prompt
-    chosen, rejected = pair_rows(batch, batch["rewards"], k)
+    chosen, rejected = pair_rows(batch["rewards"], k)
     groups = batch.batch_size[0] // k
     state.metrics.sum("pairs", float(len(chosen)))
     state.metrics.mean("tie_frac", float(groups - len(chosen)), groups)

@@ -61,7 +61,7 @@ def make_cfg(tiny_path, tmp_path, **overrides):
 
 def test_pair_rows_best_vs_worst_and_ties_skipped():
     rewards = torch.tensor([0.0, 1.0, 0.5, 2.0, 2.0, 2.0, 1.0, 0.0, 1.0])
-    chosen, rejected = pair_rows(None, rewards, 3)
+    chosen, rejected = pair_rows(rewards, 3)
     assert chosen.tolist() == [1, 6] and rejected.tolist() == [0, 7]  # group 1 is a tie; first best / worst
 
 
