@@ -50,6 +50,7 @@ from rlbits.functional.policy_losses import (
     sapo_loss,
     vanilla_loss,
 )
+from rlbits.functional.preference import DPO_LOSS_TYPES, dpo_loss, sequence_logprobs
 from rlbits.functional.reward import bradley_terry_loss, pointwise_reward_loss
 from rlbits.functional.rollout_correction import (
     ROLLOUT_CORRECTIONS,
@@ -90,6 +91,7 @@ __all__ = [
     "dppo_tv_loss",
     "dppo_kl_loss",
     "cispo_loss",
+    "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "ROLLOUT_CORRECTIONS",
@@ -107,6 +109,7 @@ __all__ = [
     "awac_loss",
     "bradley_terry_loss",
     "cql_loss",
+    "dpo_loss",
     "entropy_from_logits",
     "expectile_loss",
     "gae",
@@ -125,6 +128,7 @@ __all__ = [
     "q_loss",
     "reinforce_loss",
     "rloo_baseline",
+    "sequence_logprobs",
     "token_rewards",
     "value_loss",
 ]

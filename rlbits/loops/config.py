@@ -34,6 +34,7 @@ LOOPS: dict[str, tuple[str, str]] = {
     "reinforce": ("rlbits.loops.reinforce", "ReinforceConfig"),
     "ilql": ("rlbits.loops.ilql", "ILQLConfig"),
     "reward_model": ("rlbits.loops.reward_model", "RewardModelConfig"),
+    "preference": ("rlbits.loops.preference", "PreferenceConfig"),
 }
 """Every loop: its name (a config's ``loop``) -> (its module, its config class). ``rlbits.loops.api`` imports
 a loop's module from here."""

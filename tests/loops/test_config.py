@@ -30,16 +30,18 @@ from rlbits.loops.config import (
 from rlbits.loops.config_fields import Range, field_docs, field_ranges
 from rlbits.loops.ilql import ILQLConfig
 from rlbits.loops.ppo import PPOConfig
+from rlbits.loops.preference import PreferenceConfig
 from rlbits.loops.reinforce import ADV_ESTIMATORS, ReinforceConfig
 from rlbits.loops.reward_model import RewardModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = [RunConfig, *GROUPS[1:], PPOConfig, ReinforceConfig, ILQLConfig, RewardModelConfig]
+CONFIGS = [RunConfig, *GROUPS[1:], PPOConfig, ReinforceConfig, ILQLConfig, RewardModelConfig, PreferenceConfig]
 LOOP_CONFIGS = {
     "ppo": PPOConfig,
     "reinforce": ReinforceConfig,
     "ilql": ILQLConfig,
     "reward_model": RewardModelConfig,
+    "preference": PreferenceConfig,
 }
 
 # --- groups and the loop registry ------------------------------------------------------------------------
@@ -54,6 +56,7 @@ def test_each_loop_has_the_groups_it_reads():
         "reinforce": online,
         "ilql": {"RunConfig", "PolicyConfig", "LoRAConfig"},
         "reward_model": {"RunConfig"},
+        "preference": {"RunConfig", "PolicyConfig", "OnlineConfig", "LoRAConfig"},
     }
     names = {f.name for f in dataclasses.fields(RewardModelConfig)}
     assert not {"lora_rank", "compile", "activation_checkpointing", "policy", "task", "temperature"} & names
@@ -66,7 +69,7 @@ def test_the_loop_registry_is_the_one_list_of_loops():
     from rlbits.cli import config_help
     from rlbits.loops import api
 
-    assert api.LOOPS is LOOPS and list(LOOPS) == ["ppo", "reinforce", "ilql", "reward_model"]
+    assert api.LOOPS is LOOPS and list(LOOPS) == ["ppo", "reinforce", "ilql", "reward_model", "preference"]
     for name, (module, class_name) in LOOPS.items():
         cls = getattr(importlib.import_module(module), class_name)
         assert cls is LOOP_CONFIGS[name] and loop_of(cls) == name and cls().loop == name

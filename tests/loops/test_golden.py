@@ -15,12 +15,14 @@ The setups (``LOOPS`` and ``REWARD_MODEL`` below; each runs in about a second):
 - ``reinforce``: GRPO, groups of 4, k3 KL in the loss, clipped with 2 iterations x 2 minibatches, validation;
 - ``ilql``: an offline set of 16 sampled and scored responses, Q/V/CQL/AWAC losses with microbatch
   accumulation, a target-head sync at step 2, an epoch boundary at step 3, steered validation;
+- ``preference``: online DPO, groups of 3 ranked best vs worst (ties dropped), microbatches of 3 pairs
+  with a remainder, validation;
 - ``reward_model``: a tiny GPT-2 with dropout 0.1 and a new score head on 40 preference pairs written by the
   test (some with a margin), Bradley-Terry with reward centering, uneven microbatches (3 + 3 + 2 rows),
   texts cut by ``truncate_prob`` and by ``max_length``, the warm-up/decay learning rate, validation on the
   held-out tenth.
 
-The three online loops share ``COMMON``; the reward model takes its dataset file and backbone folder at call
+The loops but the reward model share ``COMMON``; the reward model takes its dataset file and backbone folder at call
 time (their paths are not part of the pinned config). All run on CPU in float32 with one intra-op thread
 (``cpu_threads=1`` in the config and ``torch.set_num_threads(1)`` here), so a plain run and an xdist worker
 compute the same numbers.
@@ -80,7 +82,7 @@ def reward(prompts, responses, **_):
     return [(sum(map(ord, r)) % 7) / 6 for r in responses]
 
 
-# Shared by the four setups: 3 steps on CPU, one thread, no wall-clock-dependent behaviour, validation after
+# Shared by the setups: 3 steps on CPU, one thread, no wall-clock-dependent behaviour, validation after
 # the last step only, nothing written but metrics, the final checkpoint and final/.
 BASE = dict(
     seed=0,
@@ -97,7 +99,7 @@ BASE = dict(
     progress=False,
     tensorboard=False,
 )
-COMMON = dict(BASE, max_new_tokens=6, temperature=1.0, log_samples=0)  # the three online loops
+COMMON = dict(BASE, max_new_tokens=6, temperature=1.0, log_samples=0)  # every loop but the reward model
 LOOPS = {
     "ppo": dict(
         loop="ppo",
@@ -132,6 +134,14 @@ LOOPS = {
         dataset_batch_size=8,
         alpha=0.3,
         steps_for_target_q_sync=2,
+    ),
+    "preference": dict(
+        loop="preference",
+        online=True,
+        num_prompts_per_step=4,
+        num_generations_per_prompt=3,
+        microbatch_size=3,
+        beta=0.2,
     ),
 }
 REWARD_MODEL = dict(
