@@ -246,33 +246,35 @@ class PolicyConfig(RunConfig):
     it."""
     top_k: int | None = ranged(None, ge=1)
     """Sample among the k most likely tokens only (``generate(top_k=...)``; HF/trlx ``gen_kwargs.top_k``,
-    NeMo-RL ``generation.top_k``, NeMo-Aligner ``sampling_params.top_k``); None: off (their 0 / null). Changes
-    which tokens are sampled, not the behaviour logprobs (docs/ppo.md, "Generation options")."""
+    NeMo-RL ``policy.generation.top_k``, NeMo-Aligner ``model.ppo.sampling_params.top_k``); None: off (their 0 /
+    null). Changes which tokens are sampled, not the behaviour logprobs (docs/generation.md)."""
     top_p: float = ranged(1.0, gt=0, le=1)
     """Nucleus sampling as HF's ``TopPLogitsWarper`` (``generate(top_p=...)``; trlx ``gen_kwargs.top_p``,
-    NeMo-RL ``generation.top_p``, NeMo-Aligner ``sampling_params.top_p``); 1: off."""
+    NeMo-RL ``policy.generation.top_p``, NeMo-Aligner ``model.ppo.sampling_params.top_p``); 1: off."""
     repetition_penalty: float = ranged(1.0, gt=0)
     """HF's ``RepetitionPenaltyLogitsProcessor`` over the prompt and response so far (trlx
     ``gen_kwargs.repetition_penalty``; trlx's NeMo PPO trainer fixes 1.2 in ``modeling_nemo_ppo.py``,
-    NeMo-Aligner ``sampling_params.repetition_penalty``); 1: off."""
+    NeMo-Aligner ``model.ppo.sampling_params.repetition_penalty``); 1: off."""
     min_new_tokens: int = ranged(0, ge=0, at_most=MAX_TOKENS)
     """EOS (and every stop token) cannot be sampled, and ``stop_strings`` do not end a response, before this
     many response tokens (HF ``MinNewTokensLengthLogitsProcessor``; trlx ``gen_kwargs.min_new_tokens``,
-    NeMo-Aligner ``length_params.min_length``); 0: off. At most ``max_new_tokens``."""
+    NeMo-Aligner ``model.ppo.length_params.min_length``); 0: off. At most ``max_new_tokens``."""
     stop_strings: list[str] = dataclasses.field(default_factory=list)
     """A response ends after the token that completes one of these strings in its decoded text; that token
-    is its last action, the string stays in ``response_text`` (NeMo-RL ``generation.stop_strings``, as vLLM
-    keeps the tokens; trlx ``stop_sequences`` cuts the text before the string instead). Empty: off. Costs one
-    host sync per decode step."""
+    is its last action, the string stays in ``response_text`` (NeMo-RL ``policy.generation.stop_strings``,
+    NeMo-Aligner ``model.ppo.sampling_params.end_strings``; trlx ``stop_sequences`` cuts the text before the
+    string and re-tokenizes instead). Empty: off. Costs one host sync per decode step."""
     val_generation: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Overrides of the generation fields for validation only: any of ``max_new_tokens``, ``temperature``,
     ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``, ``stop_strings`` (e.g. ``{top_p: 0.9}``).
-    The top-level fields are the rollouts': trlx's ``method.gen_kwargs`` are validation's (and the rollouts'
-    unless ``method.gen_experience_kwargs`` overrides them), so trlx's ``gen_experience_kwargs`` map to the
-    top-level fields and its ``gen_kwargs`` to these. ``val_greedy`` still decodes greedily."""
+    The top-level fields are the rollouts', as NeMo-RL's ``policy.generation`` with its ``val_temperature``,
+    ``val_top_p``, ``val_top_k`` (here ``val_generation: {temperature, top_p, top_k}``). trlx's
+    ``method.gen_kwargs`` are validation's (and the rollouts' unless ``method.gen_experience_kwargs`` overrides
+    them), so trlx's ``gen_experience_kwargs`` map to the top-level fields and its ``gen_kwargs`` to these.
+    ``val_greedy`` still decodes greedily."""
     val_batch_size: int | None = ranged(None, ge=1, at_most=MAX_ROWS)
     """Validation prompts per ``generate`` call (NeMo-RL ``grpo.val_batch_size``, NeMo-Aligner
-    ``rollout_micro_batch_size`` at validation); None: all of this rank's validation prompts in one call.
+    ``model.ppo.val_rollout_micro_batch_size``); None: all of this rank's validation prompts in one call.
     Each call draws its own noise, so a set value changes the validation samples."""
     compile: bool = False
     """``torch.compile`` the loss and advantage kernels (dynamic shapes: one compilation per kernel, not one
@@ -389,7 +391,7 @@ class OnlineConfig(PolicyConfig):
     """Responses per prompt; groups of one prompt are contiguous (RLOO/GRPO need >= 2)."""
     chunk_size: int | None = ranged(None, ge=1, at_most=MAX_ROWS)
     """Prompts per ``generate`` call of a rollout (trlx ``method.chunk_size``; NeMo-Aligner
-    ``rollout_micro_batch_size``): the step's prompts are generated this many at a time, bounding the KV
+    ``model.ppo.rollout_micro_batch_size``): the step's prompts are generated this many at a time, bounding the KV
     cache's memory. None: all in one call. Each call draws its own noise, so a set value changes the samples
     (not their distribution)."""
     compile_generate: bool = False

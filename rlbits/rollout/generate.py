@@ -18,9 +18,11 @@ shapes at 50-73 GFLOP/s and oneDNN on packed weights at 68-151 (2 AVX-512 cores,
 The ``logprobs`` returned are the log-probabilities of the sampled tokens under
 ``softmax(raw_logits / temperature)``: the untruncated policy distribution, which is what a
 teacher-forced training forward at the same temperature computes (``rlbits.models.forward.policy_logprobs``).
-``top_k``, ``top_p`` and ``logits_processor`` change which tokens are *sampled* but not these logprobs,
-so with them the samples come from a different distribution than the logprobs describe (as in TRL,
-OpenRLHF and verl). Greedy decoding (``temperature=0``) reports logprobs at temperature 1.
+``top_k``, ``top_p``, ``repetition_penalty``, the ``min_new_tokens`` ban and ``logits_processor`` change which
+tokens are *sampled* but not these logprobs, so with them the samples come from a different distribution than
+the logprobs describe (as in TRL, OpenRLHF and verl, and as the seeds' trainers, which recompute the old
+logprobs with an unfiltered forward; docs/generation.md). Greedy decoding (``temperature=0``) reports
+logprobs at temperature 1.
 """
 
 from __future__ import annotations
@@ -266,8 +268,6 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    min_new_tokens: int = 0,
     eos_token_id: int | None,
     pad_token_id: int,
     num_samples: int = 1,
@@ -278,6 +278,8 @@ def generate(
     return_entropy: bool = False,
     compile: bool = False,
     pack_weights: bool | None = None,
+    repetition_penalty: float = 1.0,
+    min_new_tokens: int = 0,
 ) -> TensorDict:
     """Sample ``num_samples`` responses per prompt with a KV cache.
 
@@ -301,12 +303,6 @@ def generate(
         top_k: sample among the k most likely tokens only (ties at the k-th are kept).
         top_p: nucleus sampling as HF's ``TopPLogitsWarper``: the smallest set of most likely tokens with
             cumulative probability >= top_p, always at least one.
-        repetition_penalty: HF's ``RepetitionPenaltyLogitsProcessor`` over the real tokens so far (prompt
-            and response; padding is not penalised): a present id's logit divided by it if positive,
-            multiplied if negative (``rlbits.rollout.sampling.repetition_penalty_filter``). 1: off.
-        min_new_tokens: for the first this-many tokens of each response ``eos_token_id`` and
-            ``stop_token_ids`` get -inf (HF's ``MinNewTokensLengthLogitsProcessor``) and ``stopping`` is not
-            called (vLLM's ``min_tokens`` holds stop strings back too). 0: off.
         eos_token_id: ends a response (kept as its last action token); None never stops early.
         pad_token_id: fills responses after their end.
         num_samples: K responses per prompt; rows ``i*K .. i*K+K-1`` belong to prompt i (``group`` = i).
@@ -333,6 +329,12 @@ def generate(
             the call. None (default): on for a CPU policy without ``compile`` or autocast, for at least 4
             new tokens; False: never; True: wherever it applies (CPU, float32 or bfloat16 weights, no
             ``compile``).
+        repetition_penalty: HF's ``RepetitionPenaltyLogitsProcessor`` over the real tokens so far (prompt
+            and response; padding is not penalised): a present id's logit divided by it if positive,
+            multiplied if negative (``rlbits.rollout.sampling.repetition_penalty_filter``). 1: off.
+        min_new_tokens: for the first this-many tokens of each response ``eos_token_id`` and
+            ``stop_token_ids`` get -inf (HF's ``MinNewTokensLengthLogitsProcessor``) and ``stopping`` is not
+            called (vLLM's ``min_tokens`` holds stop strings back too). 0: off.
 
     Returns:
         TensorDict with batch size [B * K]:
