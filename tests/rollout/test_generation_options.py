@@ -299,3 +299,38 @@ def test_config_generation_fields_and_val_overrides(tmp_path):
     ):
         with pytest.raises(ConfigError, match=match):
             PPOConfig(run_dir=str(tmp_path / "r"), **bad)
+
+
+def test_multi_turn_refuses_single_turn_options(tmp_path):
+    from rlbits.loops.phases import _check_single_turn
+
+    _check_single_turn(PPOConfig(run_dir=str(tmp_path / "r")))
+    with pytest.raises(ValueError, match="stop_strings, top_k apply"):
+        _check_single_turn(PPOConfig(run_dir=str(tmp_path / "r"), top_k=3, stop_strings=["x"]))
+    with pytest.raises(ValueError, match="chunk_size"):
+        _check_single_turn(PPOConfig(run_dir=str(tmp_path / "r"), chunk_size=2))
+
+
+@pytest.mark.slow
+def test_reinforce_loop_with_every_option(tmp_path):
+    """Two REINFORCE steps (ReMax: its greedy phase too) with every generation option set: the trainer's
+    logprobs equal the sampler's (approx_kl 0 on the first pass), validation uses its overrides."""
+    from rlbits.loops.reinforce import ReinforceConfig, train
+    from rlbits.loops.run import read_metrics
+
+    path = tmp_path / "tiny"
+    tiny_causal_lm("gpt2", V, seed=0).save_pretrained(path)
+    tiny_tokenizer(V).save_pretrained(path)
+    cfg = ReinforceConfig(
+        task="arithmetic", policy=str(path), run_dir=str(tmp_path / "run"), max_num_steps=2, num_prompts_per_step=4,
+        num_generations_per_prompt=2, max_new_tokens=6, microbatch_size=8, learning_rate=1e-3, max_val_samples=5,
+        progress=False, tensorboard=False, log_samples=0, save_period=0, adv_estimator="remax",
+        top_k=8, top_p=0.95, repetition_penalty=1.1, min_new_tokens=2, stop_strings=["1"], chunk_size=3,
+        val_batch_size=2, val_generation={"top_k": None, "max_new_tokens": 3},
+    )
+    rows = read_metrics(train(cfg, reward=lambda prompts, responses: [float(len(r) % 3) for r in responses]))
+    train_rows = [r for r in rows if "approx_kl" in r]
+    assert train_rows and all(abs(r["approx_kl"]) < 1e-5 for r in train_rows)
+    assert all(2 <= r["response_len"] <= 6 for r in train_rows)
+    val = [r["val_response_len"] for r in rows if "val_response_len" in r]
+    assert val and all(v <= 3 for v in val)
