@@ -246,7 +246,9 @@ def sample(state: Any, batch: TensorDictBase, cfg: RunConfig, policy: torch.nn.M
     )
     if state.make_env is not None:
         _check_single_turn(cfg)
-        return run_episodes(policy, state.tokenizer, prompt_texts(batch), state.make_env, cfg, **common)
+        return run_episodes(
+            policy, state.tokenizer, prompt_texts(batch), state.make_env, cfg, temperature=cfg.temperature, **common
+        )
     return generate_rollout(
         policy, state.tokenizer, prompt_texts(batch), chunk_size=cfg.chunk_size, **generation_options(cfg), **common
     )
