@@ -56,8 +56,16 @@ StoppingFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _check_args(
-    prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id,
-    repetition_penalty=1.0, min_new_tokens=0,
+    prompts_td,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    num_samples,
+    eos_token_id,
+    pad_token_id,
+    repetition_penalty=1.0,
+    min_new_tokens=0,
 ):
     for key in ("prompts", "prompt_mask"):
         if key not in prompts_td.keys():
@@ -207,7 +215,11 @@ def decode_n_tokens(
     for t in range(max_new_tokens):
         banned = stop if t < min_new_tokens and stop.numel() else None
         tokens, lp = next_token(
-            logits, out.input_ids[:, : P + t], input_mask=out.attention_mask[:, : P + t], banned=banned, **sampling
+            logits,
+            out.input_ids[:, : P + t],
+            input_mask=out.attention_mask[:, : P + t],
+            banned=banned,
+            **sampling,
         )
         alive = ~out.finished
         out.input_ids[:, P + t] = torch.where(alive, tokens, pad_token_id)
@@ -354,8 +366,16 @@ def generate(
             ``logits / temperature`` overflows): checked once after decoding, the message names the row.
     """
     _check_args(
-        prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id,
-        repetition_penalty, min_new_tokens,
+        prompts_td,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        num_samples,
+        eos_token_id,
+        pad_token_id,
+        repetition_penalty,
+        min_new_tokens,
     )
     prompts = prompts_td["prompts"].long()
     prompt_mask = prompts_td["prompt_mask"].bool()
@@ -439,7 +459,12 @@ def _pad_columns(batch: TensorDictBase, length: int, pad_token_id: int) -> dict[
     ``pad_token_id``, the masks with False, ``logprobs``/``entropy`` with 0."""
     pad = length - batch["responses"].shape[1]
     out = {}
-    for key, value in (("responses", pad_token_id), ("action_mask", False), ("logprobs", 0.0), ("entropy", 0.0)):
+    for key, value in (
+        ("responses", pad_token_id),
+        ("action_mask", False),
+        ("logprobs", 0.0),
+        ("entropy", 0.0),
+    ):
         if key in batch.keys():
             out[key] = torch.nn.functional.pad(batch[key], (0, pad), value=value)
     return out
@@ -482,7 +507,9 @@ def generate_texts(
     Raises:
         ValueError: ``chunk_size`` < 1, an empty stop string, and what ``generate`` raises.
     """
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     device = next(policy.parameters()).device
     prompts_td = tokenize_prompts(tokenizer, list(prompts)).to(device)
@@ -525,7 +552,9 @@ def _concat_chunks(chunks: list[TensorDict], pad_token_id: int, chunk_size: int)
     the longest, ``group`` offset by the prompts before each chunk."""
     length = max(c["responses"].shape[1] for c in chunks)
     padded = [_pad_columns(c, length, pad_token_id) for c in chunks]
-    columns = {k: torch.cat([p[k] for p in padded]) for k in padded[0] if k not in ("responses", "action_mask")}
+    columns = {
+        k: torch.cat([p[k] for p in padded]) for k in padded[0] if k not in ("responses", "action_mask")
+    }
     columns["group"] = torch.cat([c["group"] + i * chunk_size for i, c in enumerate(chunks)])
     columns["truncated"] = torch.cat([c["truncated"] for c in chunks])
     return build_batch(

@@ -113,8 +113,15 @@ def test_next_token_samples_the_processed_distribution_and_reports_raw_logprobs(
     gen = _gen(4)
     for _ in range(n // 100):
         tok, lp = next_token(
-            logits.repeat(100, 1), ids.repeat(100, 1), temperature=T, top_k=k, top_p=p,
-            logits_processor=None, generator=gen, repetition_penalty=pen, banned=banned,
+            logits.repeat(100, 1),
+            ids.repeat(100, 1),
+            temperature=T,
+            top_k=k,
+            top_p=p,
+            logits_processor=None,
+            generator=gen,
+            repetition_penalty=pen,
+            banned=banned,
         )
         raw = torch.log_softmax(logits.repeat(100, 1) / T, -1).gather(1, tok[:, None]).squeeze(1)
         assert torch.allclose(lp, raw, atol=1e-5)
@@ -161,8 +168,15 @@ def test_min_new_tokens_masks_eos_before(model):
     td = _prompts([4, 2, 3])
     for m in (0, 1, 3):
         out = generate(
-            model, td, max_new_tokens=8, temperature=1.0, eos_token_id=EOS, pad_token_id=PAD, generator=_gen(2),
-            logits_processor=_eos_forcing, min_new_tokens=m,
+            model,
+            td,
+            max_new_tokens=8,
+            temperature=1.0,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            generator=_gen(2),
+            logits_processor=_eos_forcing,
+            min_new_tokens=m,
         )
         check(out, check_values=True)
         n = m + 1  # m tokens, then EOS (all but certain as soon as it is allowed), as HF and vLLM
@@ -175,11 +189,22 @@ def test_min_new_tokens_masks_eos_before(model):
 def test_greedy_repetition_penalty_equals_hf_generate(model):
     td = _prompts([6, 6, 6], seed=5)  # no padding: HF would penalise the pad id too
     ours = generate(
-        model, td, max_new_tokens=12, temperature=0, eos_token_id=None, pad_token_id=PAD, repetition_penalty=30.0
+        model,
+        td,
+        max_new_tokens=12,
+        temperature=0,
+        eos_token_id=None,
+        pad_token_id=PAD,
+        repetition_penalty=30.0,
     )
     hf = model.generate(
-        input_ids=td["prompts"], attention_mask=td["prompt_mask"].long(), do_sample=False, max_new_tokens=12,
-        pad_token_id=PAD, eos_token_id=None, repetition_penalty=30.0,
+        input_ids=td["prompts"],
+        attention_mask=td["prompt_mask"].long(),
+        do_sample=False,
+        max_new_tokens=12,
+        pad_token_id=PAD,
+        eos_token_id=None,
+        repetition_penalty=30.0,
     )[:, 6:]
     assert ours["responses"].tolist() == hf.tolist()
     plain = generate(model, td, max_new_tokens=12, temperature=0, eos_token_id=None, pad_token_id=PAD)
@@ -189,8 +214,18 @@ def test_greedy_repetition_penalty_equals_hf_generate(model):
 def test_sampled_options_keep_raw_logprobs(model):
     td = _prompts([5, 2, 7, 1])
     out = generate(
-        model, td, max_new_tokens=10, temperature=0.7, top_k=5, top_p=0.8, repetition_penalty=1.3,
-        min_new_tokens=2, eos_token_id=EOS, pad_token_id=PAD, num_samples=2, generator=_gen(1),
+        model,
+        td,
+        max_new_tokens=10,
+        temperature=0.7,
+        top_k=5,
+        top_p=0.8,
+        repetition_penalty=1.3,
+        min_new_tokens=2,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        num_samples=2,
+        generator=_gen(1),
     )
     check(out, check_values=True)
     assert (policy_logprobs(model, out, temperature=0.7) - out["logprobs"]).abs().max() <= 1e-4
@@ -237,7 +272,9 @@ def test_stop_strings_end_the_response_at_the_completing_token(tok_policy):
     # no row outlives its first stop string
     for i in range(out.batch_size[0]):
         row = out["responses"][i][out["action_mask"][i]].tolist()
-        assert not any(stop in tok.decode(row[: j + 1], skip_special_tokens=False) for j in range(len(row) - 1))
+        assert not any(
+            stop in tok.decode(row[: j + 1], skip_special_tokens=False) for j in range(len(row) - 1)
+        )
     with pytest.raises(ValueError, match="non-empty"):
         stop_strings_stopping(tok, [""])
 
@@ -246,10 +283,14 @@ def test_chunks_are_separate_calls_on_the_same_generator(tok_policy):
     tok, policy = tok_policy
     prompts = ["a cat", "hello there", "x", "the dog", "b"]
     whole = generate_texts(policy, tok, prompts, max_new_tokens=6, num_samples=2, generator=_gen(4))
-    same = generate_texts(policy, tok, prompts, max_new_tokens=6, num_samples=2, generator=_gen(4), chunk_size=5)
+    same = generate_texts(
+        policy, tok, prompts, max_new_tokens=6, num_samples=2, generator=_gen(4), chunk_size=5
+    )
     for key in ("responses", "logprobs", "action_mask", "group", "prompts"):
         assert torch.equal(whole[key], same[key])
-    chunked = generate_texts(policy, tok, prompts, max_new_tokens=6, num_samples=2, generator=_gen(4), chunk_size=2)
+    chunked = generate_texts(
+        policy, tok, prompts, max_new_tokens=6, num_samples=2, generator=_gen(4), chunk_size=2
+    )
     check(chunked, check_values=True)
     assert chunked["group"].tolist() == [i for i in range(5) for _ in range(2)]
     assert list(chunked["prompt_text"]) == [p for p in prompts for _ in range(2)]
@@ -257,7 +298,9 @@ def test_chunks_are_separate_calls_on_the_same_generator(tok_policy):
     g = _gen(4)
     rows = 0
     for start in range(0, 5, 2):
-        part = generate_texts(policy, tok, prompts[start : start + 2], max_new_tokens=6, num_samples=2, generator=g)
+        part = generate_texts(
+            policy, tok, prompts[start : start + 2], max_new_tokens=6, num_samples=2, generator=g
+        )
         n, r = part.batch_size[0], part["responses"].shape[1]
         assert torch.equal(chunked["responses"][rows : rows + n, :r], part["responses"])
         assert torch.equal(chunked["logprobs"][rows : rows + n, :r], part["logprobs"])
@@ -276,12 +319,23 @@ def test_chunks_are_separate_calls_on_the_same_generator(tok_policy):
 def test_config_generation_fields_and_val_overrides(tmp_path):
     cfg = PPOConfig(run_dir=str(tmp_path / "r"))
     assert generation_options(cfg) == dict(
-        max_new_tokens=cfg.max_new_tokens, temperature=1.0, top_k=None, top_p=None, repetition_penalty=1.0,
-        min_new_tokens=0, stop_strings=[],
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        repetition_penalty=1.0,
+        min_new_tokens=0,
+        stop_strings=[],
     )
     cfg = PPOConfig(
-        run_dir=str(tmp_path / "r"), top_k=20, top_p=0.9, repetition_penalty=1.2, stop_strings=["\n"],
-        val_generation={"top_k": None, "temperature": 0.5, "max_new_tokens": 8}, chunk_size=4, val_batch_size=3,
+        run_dir=str(tmp_path / "r"),
+        top_k=20,
+        top_p=0.9,
+        repetition_penalty=1.2,
+        stop_strings=["\n"],
+        val_generation={"top_k": None, "temperature": 0.5, "max_new_tokens": 8},
+        chunk_size=4,
+        val_batch_size=3,
     )
     train, val = generation_options(cfg), generation_options(cfg, validation=True)
     assert (train["top_k"], train["top_p"], train["temperature"]) == (20, 0.9, 1.0)
@@ -322,11 +376,29 @@ def test_reinforce_loop_with_every_option(tmp_path):
     tiny_causal_lm("gpt2", V, seed=0).save_pretrained(path)
     tiny_tokenizer(V).save_pretrained(path)
     cfg = ReinforceConfig(
-        task="arithmetic", policy=str(path), run_dir=str(tmp_path / "run"), max_num_steps=2, num_prompts_per_step=4,
-        num_generations_per_prompt=2, max_new_tokens=6, microbatch_size=8, learning_rate=1e-3, max_val_samples=5,
-        progress=False, tensorboard=False, log_samples=0, save_period=0, adv_estimator="remax",
-        top_k=8, top_p=0.95, repetition_penalty=1.1, min_new_tokens=2, stop_strings=["1"], chunk_size=3,
-        val_batch_size=2, val_generation={"top_k": None, "max_new_tokens": 3},
+        task="arithmetic",
+        policy=str(path),
+        run_dir=str(tmp_path / "run"),
+        max_num_steps=2,
+        num_prompts_per_step=4,
+        num_generations_per_prompt=2,
+        max_new_tokens=6,
+        microbatch_size=8,
+        learning_rate=1e-3,
+        max_val_samples=5,
+        progress=False,
+        tensorboard=False,
+        log_samples=0,
+        save_period=0,
+        adv_estimator="remax",
+        top_k=8,
+        top_p=0.95,
+        repetition_penalty=1.1,
+        min_new_tokens=2,
+        stop_strings=["1"],
+        chunk_size=3,
+        val_batch_size=2,
+        val_generation={"top_k": None, "max_new_tokens": 3},
     )
     rows = read_metrics(train(cfg, reward=lambda prompts, responses: [float(len(r) % 3) for r in responses]))
     train_rows = [r for r in rows if "approx_kl" in r]
