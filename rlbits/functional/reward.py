@@ -1,4 +1,5 @@
-"""Reward-model losses: pairwise Bradley-Terry (with margin and reward centering) and pointwise.
+"""Reward-model losses (pairwise Bradley-Terry with margin and reward centering, pointwise) and the sequence-reward
+transforms of the seeds' RL loops (linear scaling, fixed standardisation, DAPO overlong shaping, running moments).
 
 A reward model maps a text to one scalar (a logit). Trained on preference pairs it is a Bradley-Terry model
 (Bradley & Terry 1952; as a reward model: Stiennon 2020, Ouyang 2022 eq. 1): ``P(chosen > rejected) =
@@ -105,4 +106,164 @@ def pointwise_reward_loss(rewards: torch.Tensor, labels: torch.Tensor) -> torch.
     return F.binary_cross_entropy_with_logits(rewards.to(dtype), labels.to(dtype))
 
 
-__all__ = ["bradley_terry_loss", "pointwise_reward_loss"]
+def _check_rewards(rewards: torch.Tensor) -> None:
+    _checks.tensor("rewards", rewards)
+    _checks.ndim("rewards", rewards, 1, "[B]")
+    _checks.floating("rewards", rewards)
+
+
+def linear_reward_scaling(
+    rewards: torch.Tensor, source_min: float, source_max: float, target_min: float, target_max: float
+) -> torch.Tensor:
+    """Clamp each reward to [source_min, source_max] and map it linearly onto [target_min, target_max].
+
+    ``target_min + (clamp(r, source_min, source_max) - source_min) / (source_max - source_min) * (target_max -
+    target_min)``: NeMo-RL ``scale_rewards`` with ``grpo.reward_scaling`` (``RewardScalingConfig``,
+    nemo_rl/algorithms/grpo.py), applied before the reward shaping (``overlong_reward_shaping``).
+
+    Args:
+        rewards: [B] float, the sequence rewards.
+        source_min, source_max: the interval the rewards are clamped to; ``source_max > source_min``.
+        target_min, target_max: the interval it maps onto (``target_max < target_min`` flips the order).
+
+    Returns:
+        [B], the dtype of ``rewards``.
+
+    Raises:
+        TypeError: ``rewards`` is not a tensor. ValueError: not 1-D or not floating point, or
+        ``source_max <= source_min``.
+    """
+    _check_rewards(rewards)
+    if not source_max > source_min:
+        raise ValueError(f"source_max ({source_max}) must be > source_min ({source_min})")
+    r = rewards.clamp(min=source_min, max=source_max)
+    return target_min + (r - source_min) / (source_max - source_min) * (target_max - target_min)
+
+
+def standardize_rewards(rewards: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    """``(r - mean) / std`` with fixed statistics: NeMo-Aligner's ``reward_standardization`` (``enable``,
+    ``mean``, ``std`` of the reward model's config; megatron_gpt_reward_model.py divides each inferred reward
+    this way before PPO or REINFORCE sees it).
+
+    Args:
+        rewards: [B] float. mean: subtracted. std: the divisor, > 0.
+
+    Returns:
+        [B], the dtype of ``rewards``.
+
+    Raises:
+        TypeError: ``rewards`` is not a tensor. ValueError: not 1-D or not floating point, ``std <= 0``.
+    """
+    _check_rewards(rewards)
+    if not std > 0:
+        raise ValueError(f"std must be > 0, got {std}")
+    return (rewards - mean) / std
+
+
+def overlong_reward_shaping(
+    rewards: torch.Tensor,
+    response_lengths: torch.Tensor,
+    truncated: torch.Tensor,
+    *,
+    max_response_length: int | None = None,
+    overlong_buffer_length: int | None = None,
+    overlong_buffer_penalty: float | None = None,
+    stop_properly_penalty_coef: float | None = None,
+) -> torch.Tensor:
+    """NeMo-RL's ``apply_reward_shaping`` (nemo_rl/algorithms/reward_functions.py, ``RewardShapingConfig``).
+
+    - With ``stop_properly_penalty_coef`` (in [0, 1]; it takes precedence, the overlong fields are then
+      ignored): a truncated response's reward times the coefficient, the others unchanged.
+    - Otherwise DAPO's soft overlong punishment (Yu 2025, arXiv 2503.14476, eq. 13): with ``L_exp =
+      max_response_length - overlong_buffer_length``, ``r += min(-(len - L_exp) / overlong_buffer_length *
+      overlong_buffer_penalty, 0)``. The penalty is not capped at ``overlong_buffer_penalty`` (as NeMo-RL:
+      lengths past ``max_response_length`` lose more).
+
+    Args:
+        rewards: [B] float, the (scaled) sequence rewards.
+        response_lengths: [B] integer, the response's token count (NeMo-RL: the assistant message's tokens).
+        truncated: [B] bool, True for a response that hit the token limit without an end.
+        max_response_length, overlong_buffer_length, overlong_buffer_penalty: DAPO's fields; all three are
+            needed without ``stop_properly_penalty_coef`` (``overlong_buffer_length > 0``, penalty >= 0).
+        stop_properly_penalty_coef: the truncated rows' reward factor, in [0, 1]; None: DAPO's shaping.
+
+    Returns:
+        [B], the dtype of ``rewards``.
+
+    Raises:
+        TypeError: an argument is not a tensor. ValueError: shapes differ, ``rewards`` not floating point,
+        a coefficient out of range, or DAPO's fields missing.
+    """
+    _check_rewards(rewards)
+    _checks.tensor("response_lengths", response_lengths)
+    _checks.tensor("truncated", truncated)
+    _checks.same_shape(rewards=rewards, response_lengths=response_lengths, truncated=truncated)
+    if truncated.dtype != torch.bool:
+        raise ValueError(f"truncated must be bool, got {truncated.dtype}")
+    if stop_properly_penalty_coef is not None:
+        if not 0 <= stop_properly_penalty_coef <= 1:
+            raise ValueError(
+                f"stop_properly_penalty_coef must be in [0, 1], got {stop_properly_penalty_coef}"
+            )
+        return torch.where(truncated, rewards * stop_properly_penalty_coef, rewards)
+    if max_response_length is None or overlong_buffer_length is None or overlong_buffer_penalty is None:
+        raise ValueError(
+            "DAPO overlong shaping needs max_response_length, overlong_buffer_length and overlong_buffer_penalty "
+            "(or stop_properly_penalty_coef instead)"
+        )
+    if overlong_buffer_length <= 0 or overlong_buffer_penalty < 0:
+        raise ValueError(
+            f"overlong_buffer_length must be > 0 and overlong_buffer_penalty >= 0, got {overlong_buffer_length} "
+            f"and {overlong_buffer_penalty}"
+        )
+    exceed = response_lengths.to(rewards.dtype) - (max_response_length - overlong_buffer_length)
+    return rewards + (-exceed / overlong_buffer_length * overlong_buffer_penalty).clamp(max=0.0)
+
+
+def running_moments_update(
+    moments: torch.Tensor, batch_mean: torch.Tensor, batch_var: torch.Tensor, batch_count: torch.Tensor
+) -> torch.Tensor:
+    """One update of trlx's ``RunningMoments`` (trlx/utils/modeling.py, the parallel-variance merge of Chan et
+    al. 1979) with a batch's moments.
+
+    Args:
+        moments: [4] float64 ``(mean, var, count, std)``; the initial state is ``(0, 1, 1e-24, 1)`` (trlx's).
+        batch_mean, batch_var, batch_count: 0-dim, the batch's mean, biased variance (``unbiased=False``)
+            and size (over every rank: trlx's ``get_global_statistics``).
+
+    Returns:
+        [4] float64, the merged ``(mean, var, count, std)``; ``std`` is the unbiased running std
+        ``sqrt(var * count / (count - 1))`` that ``scale_reward: running`` divides by.
+
+    Raises:
+        ValueError: ``moments`` is not of shape [4].
+    """
+    _checks.tensor("moments", moments)
+    if moments.shape != (4,):
+        raise ValueError(f"moments must be [4] (mean, var, count, std), got shape {tuple(moments.shape)}")
+    mean, var, count = moments[0], moments[1], moments[2]
+    x_mean, x_var, x_count = (
+        torch.as_tensor(v, dtype=moments.dtype) for v in (batch_mean, batch_var, batch_count)
+    )
+    delta = x_mean - mean
+    total = count + x_count
+    old_sum = var * count + delta**2 * count * x_count / total
+    new_var = (old_sum + x_var * x_count) / total
+    return torch.stack(
+        [mean + delta * x_count / total, new_var, total, (new_var * total / (total - 1)).sqrt()]
+    )
+
+
+RUNNING_MOMENTS_INIT = (0.0, 1.0, 1e-24, 1.0)
+"""trlx ``RunningMoments()``: mean 0, var 1, count 1e-24, std 1 (the ``moments`` of ``running_moments_update``)."""
+
+
+__all__ = [
+    "RUNNING_MOMENTS_INIT",
+    "bradley_terry_loss",
+    "linear_reward_scaling",
+    "overlong_reward_shaping",
+    "pointwise_reward_loss",
+    "running_moments_update",
+    "standardize_rewards",
+]

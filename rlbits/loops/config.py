@@ -637,6 +637,98 @@ class PolicyGradientConfig(OnlineConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardShapingConfig(OnlineConfig):
+    """The seeds' transforms of the sequence reward and the truncation mask (the ppo and reinforce loops).
+
+    Order, as the seeds apply them (``rlbits.loops.reward_shaping.shape_rewards``): NeMo-Aligner's
+    standardisation (inside its reward model), NeMo-RL's linear scaling, then NeMo-RL's shaping (the
+    stop-properly coefficient, or DAPO's overlong penalty); each loop's own scaling comes after (docs/ppo.md,
+    docs/reinforce.md). All off by default."""
+
+    reward_standardization_mean: float | None = None
+    """NeMo-Aligner ``model.reward_standardization.mean`` (megatron_gpt_reward_model.py): with
+    ``reward_standardization_std``, every reward becomes ``(r - mean) / std`` first; None = off."""
+    reward_standardization_std: float | None = ranged(None, gt=0)
+    """NeMo-Aligner ``model.reward_standardization.std``: the fixed divisor of the standardisation."""
+    reward_scaling: bool = False
+    """NeMo-RL ``grpo.reward_scaling.enabled`` (``RewardScalingConfig``, nemo_rl/algorithms/grpo.py): clamp each
+    reward to [reward_scaling_source_min, reward_scaling_source_max], map it linearly onto
+    [reward_scaling_target_min, reward_scaling_target_max]."""
+    reward_scaling_source_min: float = 0.0
+    """NeMo-RL ``reward_scaling.source_min``."""
+    reward_scaling_source_max: float = 1.0
+    """NeMo-RL ``reward_scaling.source_max`` (> ``reward_scaling_source_min``)."""
+    reward_scaling_target_min: float = 0.0
+    """NeMo-RL ``reward_scaling.target_min``."""
+    reward_scaling_target_max: float = 1.0
+    """NeMo-RL ``reward_scaling.target_max``."""
+    overlong_buffer_length: int | None = ranged(None, ge=1)
+    """NeMo-RL ``reward_shaping.overlong_buffer_length`` (nemo_rl/algorithms/reward_functions.py, DAPO's soft
+    overlong punishment): set, with ``overlong_buffer_penalty``, it turns the shaping on: ``r += min(-(len -
+    (max_response_length - overlong_buffer_length)) / overlong_buffer_length * overlong_buffer_penalty, 0)``
+    with ``len`` a response's action-token count."""
+    overlong_buffer_penalty: float | None = ranged(None, ge=0)
+    """NeMo-RL ``reward_shaping.overlong_buffer_penalty``: the penalty at ``max_response_length`` tokens."""
+    max_response_length: int | None = ranged(None, ge=1)
+    """NeMo-RL ``reward_shaping.max_response_length``; None = ``max_new_tokens``."""
+    stop_properly_penalty_coef: float | None = ranged(None, ge=0, le=1)
+    """NeMo-RL ``reward_shaping.stop_properly_penalty_coef``: a truncated response's reward times this factor
+    (0: no reward); it takes precedence over the overlong fields (they are then ignored); None = off."""
+    overlong_filtering: bool = False
+    """Mask truncated responses (the token limit reached without an end) out of the loss: ``loss_mask`` is
+    ``action_mask`` without their rows, and the update counts its denominators over ``loss_mask`` (DAPO overlong
+    filtering; NeMo-RL ``grpo.overlong_filtering`` / ``ppo.overlong_filtering``: ``loss_multiplier = 0``; PPO's
+    value loss too; NeMo-Aligner's actor averages over ``mask * is_end``, megatron_gpt_ppo_actor.py)."""
+
+    def check(self) -> None:
+        super().check()
+        std, mean = self.reward_standardization_std, self.reward_standardization_mean
+        if (std is None) != (mean is None):
+            raise ConfigError(
+                "reward_standardization_mean and reward_standardization_std go together (NeMo-Aligner's "
+                f"reward_standardization); got mean={mean}, std={std}"
+            )
+        if self.reward_scaling and not self.reward_scaling_source_max > self.reward_scaling_source_min:
+            raise ConfigError(
+                f"reward_scaling_source_max ({self.reward_scaling_source_max}) must be > reward_scaling_source_min "
+                f"({self.reward_scaling_source_min})"
+            )
+        if self.stop_properly_penalty_coef is None and (self.overlong_buffer_length is None) != (
+            self.overlong_buffer_penalty is None
+        ):
+            raise ConfigError(
+                "overlong_buffer_length and overlong_buffer_penalty go together (DAPO overlong shaping); got "
+                f"overlong_buffer_length={self.overlong_buffer_length}, "
+                f"overlong_buffer_penalty={self.overlong_buffer_penalty}"
+            )
+        if self.overlong_shaping and self.overlong_buffer_length > self.response_length_limit:
+            raise ConfigError(
+                f"overlong_buffer_length ({self.overlong_buffer_length}) must be <= max_response_length "
+                f"({self.response_length_limit}): the penalty starts at their difference"
+            )
+
+    @property
+    def response_length_limit(self) -> int:
+        """``max_response_length``, or ``max_new_tokens`` when it is None."""
+        return self.max_response_length if self.max_response_length is not None else self.max_new_tokens
+
+    @property
+    def overlong_shaping(self) -> bool:
+        """Whether DAPO's overlong penalty applies (its fields set, no ``stop_properly_penalty_coef``)."""
+        return self.stop_properly_penalty_coef is None and self.overlong_buffer_length is not None
+
+    @property
+    def reward_shaped(self) -> bool:
+        """Whether any transform of this group changes the rewards."""
+        return (
+            self.reward_standardization_std is not None
+            or self.reward_scaling
+            or self.overlong_shaping
+            or self.stop_properly_penalty_coef is not None
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class EnvConfig(OnlineConfig):
     """Multi-turn tasks, played in an environment (a task module with ``make_env``; the ppo and reinforce
     loops)."""
@@ -702,7 +794,7 @@ def policy_loss_hyperparameters(name: str) -> list[str]:
 
 
 GROUPS: tuple[type[RunConfig], ...] = (
-    RunConfig, PolicyConfig, OnlineConfig, PolicyGradientConfig, LoRAConfig, EnvConfig
+    RunConfig, PolicyConfig, OnlineConfig, PolicyGradientConfig, LoRAConfig, RewardShapingConfig, EnvConfig
 )
 """The field groups a loop's config is made of, in the order ``--help-config`` lists them."""
 
@@ -782,6 +874,7 @@ __all__ = [
     "OnlineConfig",
     "PolicyConfig",
     "PolicyGradientConfig",
+    "RewardShapingConfig",
     "RunConfig",
     "config_from_dict",
     "describe_config",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tensordict import TensorDictBase
@@ -42,11 +42,21 @@ from rlbits.functional import (
     token_rewards,
     value_loss,
 )
+from rlbits.functional.reward import running_moments_update
 from rlbits.loops import phases
-from rlbits.loops.config import MAX_ROWS, ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig
+from rlbits.loops.config import (
+    MAX_ROWS,
+    ConfigError,
+    EnvConfig,
+    LoRAConfig,
+    PolicyGradientConfig,
+    RewardShapingConfig,
+)
 from rlbits.loops.config_fields import ranged
 from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer, run_length, scheduled
+from rlbits.loops.reward_shaping import loss_mask as truncation_mask
+from rlbits.loops.reward_shaping import shape_rewards
 from rlbits.loops.runtime import Setup, autocast, head_args, kernel, load_critic, prepare, with_lora
 from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
@@ -56,7 +66,7 @@ from rlbits.models.lora import share_frozen_parameters
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
+class PPOConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig):
     """Actor-critic PPO. Field names follow NeMo-RL / NeMo-Aligner where they have one."""
 
     loop: str = "ppo"
@@ -92,14 +102,25 @@ class PPOConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
     """No reference forward pass even with a KL term configured: every KL is 0 (a quicker start; no KL control
     at all)."""
 
-    # --- Reward scaling (applied in this order: subtract reference, whiten, clip)
+    # --- Reward scaling (after RewardShapingConfig's transforms: subtract reference, then whiten and clip, or
+    # with scale_reward trlx's order: clip, then divide by the std)
     reward_subtract_reference: bool = False
     """Subtract the reference policy's reward on the same prompts: costs one more generation and scoring per
     step."""
     reward_whiten: bool = False
     """Divide the rewards by their std over the batch (mean kept, as trlx/NeMo); rewards keep their sign."""
     reward_clip: float | None = ranged(None, gt=0)
-    """Clip the (scaled) rewards to [-reward_clip, reward_clip]; None = no clipping."""
+    """Clip the (scaled) rewards to [-reward_clip, reward_clip]; None = no clipping. With ``scale_reward`` it
+    is trlx's ``cliprange_reward``, applied before the division (accelerate_ppo_trainer.py)."""
+    scale_reward: Literal["ref", "running"] | None = None
+    """trlx ``method.scale_reward`` (accelerate_ppo_trainer.py): divide each reward (after ``reward_clip``) by
+    ``ref``: the std of the first step's rewards over every rank, then frozen (``State.reward_ref_std``), or
+    ``running``: the running std of every step's rewards so far, this one included (trlx's ``RunningMoments``,
+    ``State.reward_running_*``). Both are loop state, saved in checkpoints. None (trlx ``ignored``) = off; not
+    with ``reward_whiten``."""
+    reward_ref_std: float | None = ranged(None, gt=0)
+    """trlx ``method.ref_std``: the divisor of ``scale_reward: ref`` instead of the first step's std. (trlx's
+    ``ref_mean`` shifts no reward: given, it only stops the first rollout's statistics being measured.)"""
 
     # --- Advantages and critic
     gamma: float = ranged(1.0, ge=0, le=1)
@@ -129,6 +150,12 @@ class PPOConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
             raise ConfigError(
                 "adaptive_kl needs the reference policy's logprobs; it cannot be combined with "
                 "skip_reference_policy_logprobs=true (the KL would always be 0)"
+            )
+        if self.scale_reward is not None and self.reward_whiten:
+            raise ConfigError("scale_reward (trlx) and reward_whiten both divide the rewards by a std; set one")
+        if self.reward_ref_std is not None and self.scale_reward != "ref":
+            raise ConfigError(
+                f"reward_ref_std is the divisor of scale_reward: ref; scale_reward is {self.scale_reward}"
             )
         if not self.critic_init:
             raise ConfigError("critic_init must be 'policy' or a folder, got an empty string")
@@ -166,6 +193,16 @@ class State(OnlineState):
     """AdamW over the critic's trainable parameters (all, or its backbone's LoRA adapters and the value head)."""
     kl_coef: float
     """Current coefficient of the active KL term (changes only with ``adaptive_kl``)."""
+    reward_ref_std: float | None = None
+    """``scale_reward: ref``: the frozen divisor (the first step's reward std, or ``cfg.reward_ref_std``)."""
+    reward_running_mean: float = 0.0
+    """``scale_reward``: trlx's ``RunningMoments`` mean of the rewards so far (starts at 0)."""
+    reward_running_var: float = 1.0
+    """The running (biased) variance of the rewards (starts at 1)."""
+    reward_running_count: float = 1e-24
+    """The running count of rewards (starts at 1e-24, as trlx's)."""
+    reward_running_std: float = 1.0
+    """The running unbiased std, ``scale_reward: running``'s divisor (starts at 1)."""
 
 
 def init_state(
@@ -206,13 +243,16 @@ def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase
     """Phase 2: ``rewards`` [B] from ``state.reward`` (an episode batch keeps its envs' rewards); with
     ``reward_subtract_reference`` also ``reference_rewards`` [B], the reward of a response the reference
     policy samples for the same prompt (a second rollout and scoring: on a multi-turn task an episode of the
-    reference in a fresh env, rewarded by the env)."""
+    reference in a fresh env, rewarded by the env; after ``RewardShapingConfig``'s transforms, its own lengths)."""
     phases.score_rollout(batch, state.reward)
     if cfg.reward_subtract_reference:
         prompts = phases.prompt_batch(list(batch["prompt_text"])[:: cfg.num_generations_per_prompt])
         with phases.reference_model(state) as ref, autocast(ref, cfg):
             ref_batch = phases.sample(state, prompts, cfg, ref)
-        batch["reference_rewards"] = phases.score_rollout(ref_batch, state.reward).to(batch["rewards"].device)
+        ref_rewards = phases.score_rollout(ref_batch, state.reward).to(batch["rewards"].device)
+        if cfg.reward_shaped:
+            ref_rewards = shape_rewards(ref_rewards.float(), ref_batch.to(ref_rewards.device), cfg)
+        batch["reference_rewards"] = ref_rewards
     return batch
 
 
@@ -232,17 +272,56 @@ def values(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
     return batch
 
 
-def scale_rewards(batch: TensorDictBase, cfg: PPOConfig, env: DistEnv) -> torch.Tensor:
-    """The rewards the optimisation sees: minus ``reference_rewards`` if present, whitened over the batch
-    (mean kept) if ``reward_whiten``, clipped to +-``reward_clip``. Returns [B]; ``rewards`` is untouched."""
-    scores = batch["rewards"]
+def scale_rewards(batch: TensorDictBase, cfg: PPOConfig, env: DistEnv, state: State | None = None) -> torch.Tensor:
+    """The rewards the optimisation sees, in this order: ``RewardShapingConfig``'s transforms
+    (``rlbits.loops.reward_shaping.shape_rewards``: NeMo-Aligner's standardisation, NeMo-RL's linear scaling,
+    then its stop-properly or DAPO overlong shaping), minus ``reference_rewards`` if present; then either trlx's
+    ``scale_reward`` (clip to +-``reward_clip``, update the statistics in ``state``, divide by the frozen or the
+    running std) or, without it, whitened over the batch (mean kept) if ``reward_whiten`` and clipped to
+    +-``reward_clip``. Returns [B]; ``rewards`` is untouched.
+
+    Raises:
+        ValueError: ``scale_reward`` without ``state`` (it holds the statistics)."""
+    scores = shape_rewards(batch["rewards"].float(), batch, cfg) if cfg.reward_shaped else batch["rewards"]
     if cfg.reward_subtract_reference:
         scores = scores - batch["reference_rewards"]
+    if cfg.scale_reward is not None:
+        if state is None:
+            raise ValueError("scale_reward needs the loop state (its reward statistics)")
+        return _trlx_scale(scores, cfg, env, state)
     if cfg.reward_whiten:
         scores = whiten(scores, torch.ones_like(scores, dtype=torch.bool), env, shift_mean=False)
     if cfg.reward_clip is not None:
         scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
     return scores
+
+
+def _trlx_scale(scores: torch.Tensor, cfg: PPOConfig, env: DistEnv, state: State) -> torch.Tensor:
+    """trlx's ``scale_reward`` (accelerate_ppo_trainer.py): clip to +-``cliprange_reward``, set the frozen std on
+    the first call, merge the batch's moments (over every rank) into the running ones, divide."""
+    if cfg.reward_clip is not None:
+        scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+    x = scores.double()
+    count = all_reduce_sum(torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), env)
+    mean = all_reduce_sum(x.sum(), env) / count
+    var = all_reduce_sum(((x - mean) ** 2).sum(), env) / count  # biased, as trlx's get_global_statistics
+    if state.reward_ref_std is None:  # the first step's std (unbiased, as torch's .std()), then frozen
+        measured = float((var * count / (count - 1)).sqrt())
+        state.reward_ref_std = cfg.reward_ref_std if cfg.reward_ref_std is not None else measured
+    moments = torch.tensor(
+        [state.reward_running_mean, state.reward_running_var, state.reward_running_count, state.reward_running_std],
+        dtype=torch.float64,
+    )
+    moments = running_moments_update(moments, mean.cpu(), var.cpu(), count.cpu())
+    mean_, var_, count_, std_ = (float(v) for v in moments)
+    state.reward_running_mean, state.reward_running_var = mean_, var_
+    state.reward_running_count, state.reward_running_std = count_, std_
+    m = state.metrics
+    m.same("reward_ref_std", state.reward_ref_std)
+    m.same("reward_running_mean", state.reward_running_mean)
+    m.same("reward_running_std", state.reward_running_std)
+    divisor = state.reward_running_std if cfg.scale_reward == "running" else state.reward_ref_std
+    return scores / divisor
 
 
 def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
@@ -255,14 +334,19 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
     last action token, so a row's rewards still sum to its scaled score. Policy
     advantages from ``gae(gamma, lam)`` (whitened over all ranks if ``whiten_advantages``); critic targets
     ``returns`` from ``gae(gamma, critic_lam)``. Adds to ``state.metrics``: ``rewards``, ``rewards_with_kl``,
-    ``init_policy_kl``, ``advantages``, ``returns``, ``values``, ``explained_variance``, ``response_len``.
+    ``init_policy_kl``, ``advantages``, ``returns``, ``values``, ``explained_variance``, ``response_len``
+    (``rewards_scaled`` when a scaling is on; ``reward_ref_std``, ``reward_running_mean`` and
+    ``reward_running_std`` with ``scale_reward``). The scaled reward is ``scale_rewards``' (its docstring gives
+    the order of the transforms). With ``overlong_filtering`` writes ``loss_mask`` [B, R]: ``action_mask``
+    without the truncated rows, the tokens the policy loss, the value loss and their denominators count
+    (NeMo-RL ``loss_multiplier = 0``; ``loss_tokens``); advantages are still whitened over ``action_mask``.
     """
     mask, env, m = batch["action_mask"], state.env, state.metrics
     gae_fn = kernel(gae, cfg)
     kl = None
     if cfg.kl_in_reward and "ref_logprobs" in batch.keys():
         kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
-    scores = scale_rewards(batch, cfg, env)
+    scores = scale_rewards(batch, cfg, env, state)
     coef = state.kl_coef if cfg.kl_in_reward else 0.0
     if cfg.turn_reward == "token" and "turn_rewards" in batch.keys():
         shift = scores - batch["rewards"]
@@ -278,7 +362,11 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
     for name, x in (("advantages", adv), ("returns", ret), ("values", batch["values"])):
         m.mean(name, masked_sum(x, mask), tokens)
     m.same("explained_variance", 1.0 - masked_var(ret - batch["values"], mask, env) / masked_var(ret, mask, env).clamp(min=1e-8))
-    if cfg.reward_subtract_reference or cfg.reward_whiten or cfg.reward_clip is not None:
+    if cfg.overlong_filtering:  # NeMo-RL's loss_multiplier = 0 for truncated rows: out of both losses' tokens
+        batch["loss_mask"] = truncation_mask(batch, cfg)
+        m.sum("loss_tokens", batch["loss_mask"].sum().float())
+    scaled = cfg.reward_subtract_reference or cfg.reward_whiten or cfg.reward_clip is not None
+    if scaled or cfg.reward_shaped or cfg.scale_reward is not None:
         m.mean("rewards_scaled", scores.sum(), rows)
     if cfg.reward_subtract_reference:
         m.mean("reference_rewards", batch["reference_rewards"].sum(), rows)
@@ -339,7 +427,8 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
     """Phase 6: ``ppo_epochs`` x ``num_minibatches`` steps of the policy's and the critic's optimizers on
     ``objective`` (``rlbits.loops.update.optimize``: whole prompt groups shuffled with
     ``state.minibatch_generator``, ``microbatch_size``-row microbatches, denominators counted over
-    ``action_mask``). During the critic warm-up (``policy_training_start_step``) only the critic trains.
+    ``loss_mask`` when the batch has one (``overlong_filtering``, a rollout correction), else ``action_mask``).
+    During the critic warm-up (``policy_training_start_step``) only the critic trains.
 
     Learning rates follow ``lr_scheduler`` (``rlbits.loops.optim.scheduled``): the critic's from
     ``critic_learning_rate`` over the run's ``ppo_epochs * num_minibatches`` optimizer steps per step, the

@@ -49,10 +49,12 @@ from rlbits.functional import (
 )
 from rlbits.functional.estimators import ADVANTAGE_ESTIMATORS
 from rlbits.loops import phases
-from rlbits.loops.config import ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig
+from rlbits.loops.config import ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig, RewardShapingConfig
 from rlbits.loops.config_fields import ranged
 from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer, run_length, scheduled
+from rlbits.loops.reward_shaping import loss_mask as truncation_mask
+from rlbits.loops.reward_shaping import shape_rewards, truncated_rows
 from rlbits.loops.run import agreed, in_phase
 from rlbits.loops.runtime import Setup, head_args, kernel, prepare, with_lora
 from rlbits.loops.state import OnlineState, optimizer_of
@@ -82,7 +84,7 @@ its KL penalty, as verl's ``token_level_rewards``; the others use only the seque
 
 
 @dataclasses.dataclass(frozen=True)
-class ReinforceConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
+class ReinforceConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig):
     """REINFORCE / RLOO / GRPO: group-baselined policy gradient, optional PPO-style clipping (see module doc)."""
 
     loop: str = "reinforce"
@@ -119,8 +121,6 @@ class ReinforceConfig(EnvConfig, LoRAConfig, PolicyGradientConfig):
     informative groups are kept (DAPO)."""
     dynamic_sampling_max_gen_batches: int = ranged(4, ge=1, at_most=1024)
     """Most generation batches (of num_prompts_per_step prompts each) one step may use with dynamic_sampling."""
-    overlong_filtering: bool = False
-    """Mask responses that hit max_new_tokens without EOS out of the loss (DAPO overlong filtering)."""
 
     def check(self) -> None:
         """The groups' checks, then REINFORCE's rules across fields. Raises ConfigError naming the field."""
@@ -298,6 +298,8 @@ def greedy_baseline(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -
             options = {**phases.generation_options(cfg), **common}  # greedy, with the rollouts' stop rules
             greedy = phases.generate_rollout(model, state.tokenizer, prompts, **options)
     rewards = phases.score_rollout(greedy, state.reward).to(batch["action_mask"].device)
+    if cfg.reward_shaped:  # compared with the samples' shaped rewards: the same transforms (its own length)
+        rewards = shape_rewards(rewards.float(), greedy.to(rewards.device), cfg)
     batch["reward_baselines"] = einops.repeat(rewards, "g -> (g k)", k=k)
     state.metrics.mean("greedy_rewards", rewards.sum(), rewards.numel())
     return batch
@@ -329,17 +331,22 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
     """Phase 4: ``advantages`` [B, R] and ``loss_mask`` [B, R] from ``rewards``, ``logprobs``, ``ref_logprobs``
     (and ``reward_baselines`` for ``remax``) by ``rlbits.ADVANTAGE_ESTIMATORS[cfg.adv_estimator]``.
 
-    ``r' = r - kl_coef * sum_t KL_t`` (with ``kl_in_reward``) on the last action token, or for the per-token
-    estimators (``reinforce_plus_plus``, ``remax``) ``r`` there and ``-kl_coef * KL_t`` on every action token
-    (verl's ``token_level_rewards``); the estimator's advantages (e.g. the sequence advantage ``A = r' -
-    baseline`` broadcast over action tokens); ``loss_mask = action_mask`` without the truncated responses when
-    ``overlong_filtering``. Statistics over the whole batch (whitening, gpg's alpha) are summed over every rank.
+    ``r`` is the reward after ``RewardShapingConfig``'s transforms (``shape_rewards``: NeMo-Aligner's
+    standardisation, NeMo-RL's linear scaling, then its stop-properly or DAPO overlong shaping; all off by
+    default); ``r' = r - kl_coef * sum_t KL_t`` (with ``kl_in_reward``) on the last action token, or for the
+    per-token estimators (``reinforce_plus_plus``, ``remax``) ``r`` there and ``-kl_coef * KL_t`` on every
+    action token (verl's ``token_level_rewards``); the estimator's advantages (e.g. the sequence advantage ``A
+    = r' - baseline`` broadcast over action tokens); ``loss_mask = action_mask`` without the truncated responses
+    when ``overlong_filtering`` (NeMo-RL's ``loss_multiplier = 0``). Statistics over the whole batch
+    (whitening, gpg's alpha) are summed over every rank.
     Adds ``rewards``, ``rewards_with_kl``, ``baseline`` (see ``_baseline``), ``advantages`` (token mean over
-    the loss mask), ``init_policy_kl``, ``truncated_frac``, ``response_len``, ``loss_tokens`` to
-    ``state.metrics``.
+    the loss mask), ``init_policy_kl``, ``truncated_frac``, ``response_len``, ``loss_tokens`` (and
+    ``rewards_scaled``, the mean of ``r``, when a transform is on) to ``state.metrics``.
     """
     action_mask, m = batch["action_mask"], state.metrics
     rewards = batch["rewards"].float()
+    if cfg.reward_shaped:
+        rewards = shape_rewards(rewards, batch, cfg)
     k, rows = cfg.num_generations_per_prompt, batch.batch_size[0]
     shaped, kl = rewards, None
     if cfg.kl_in_reward:
@@ -355,8 +362,7 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
         **inputs, **_estimator_kwargs(cfg),
     )
     baseline = _baseline(shaped, batch, cfg)
-    truncated = batch["truncated"] if "truncated" in batch.keys() else torch.zeros_like(rewards, dtype=torch.bool)
-    loss_mask = action_mask & ~truncated[:, None] if cfg.overlong_filtering else action_mask
+    truncated, loss_mask = truncated_rows(batch), truncation_mask(batch, cfg)
     batch["advantages"] = adv
     batch["loss_mask"] = loss_mask
     phases.add_batch_stats(m, batch)
@@ -365,6 +371,8 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
     m.mean("advantages", masked_sum(batch["advantages"], loss_mask), loss_mask.sum())
     m.mean("truncated_frac", truncated.float().sum(), rows)
     m.sum("loss_tokens", loss_mask.sum().float())
+    if cfg.reward_shaped:
+        m.mean("rewards_scaled", rewards.sum(), rows)
     return batch
 
 

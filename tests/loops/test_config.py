@@ -48,6 +48,7 @@ LOOP_CONFIGS = {
 def test_each_loop_has_the_groups_it_reads():
     groups = {name: {g.__name__ for g in GROUPS if issubclass(cls, g)} for name, cls in LOOP_CONFIGS.items()}
     online = {"RunConfig", "PolicyConfig", "OnlineConfig", "PolicyGradientConfig", "LoRAConfig", "EnvConfig"}
+    online |= {"RewardShapingConfig"}
     assert groups == {
         "ppo": online,
         "reinforce": online,
