@@ -48,6 +48,10 @@ MAX_ROWS = 2**20
 and a larger value fails deep in an allocation (or is killed by the kernel) instead of here."""
 MAX_TOKENS = 2**20
 """Most tokens a length field (``max_new_tokens``, ``max_episode_tokens``, ...) may ask for."""
+VAL_GENERATION_KEYS = (
+    "max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "min_new_tokens", "stop_strings"
+)
+"""The generation fields ``val_generation`` may override for validation."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -241,6 +245,38 @@ class PolicyConfig(RunConfig):
     """Sampling temperature of rollouts and validation, at least ``MIN_TEMPERATURE`` (1e-4: far smaller ones
     overflow ``logits / temperature`` in float32 and sampling breaks); behaviour logprobs are computed at
     it."""
+    top_k: int | None = ranged(None, ge=1)
+    """Sample among the k most likely tokens only (``generate(top_k=...)``; HF/trlx ``gen_kwargs.top_k``,
+    NeMo-RL ``policy.generation.top_k``, NeMo-Aligner ``model.ppo.sampling_params.top_k``); None: off (their 0 /
+    null). Changes which tokens are sampled, not the behaviour logprobs (docs/generation.md)."""
+    top_p: float = ranged(1.0, gt=0, le=1)
+    """Nucleus sampling as HF's ``TopPLogitsWarper`` (``generate(top_p=...)``; trlx ``gen_kwargs.top_p``,
+    NeMo-RL ``policy.generation.top_p``, NeMo-Aligner ``model.ppo.sampling_params.top_p``); 1: off."""
+    repetition_penalty: float = ranged(1.0, gt=0)
+    """HF's ``RepetitionPenaltyLogitsProcessor`` over the prompt and response so far (trlx
+    ``gen_kwargs.repetition_penalty``; trlx's NeMo PPO trainer fixes 1.2 in ``modeling_nemo_ppo.py``,
+    NeMo-Aligner ``model.ppo.sampling_params.repetition_penalty``); 1: off."""
+    min_new_tokens: int = ranged(0, ge=0, at_most=MAX_TOKENS)
+    """EOS (and every stop token) cannot be sampled, and ``stop_strings`` do not end a response, before this
+    many response tokens (HF ``MinNewTokensLengthLogitsProcessor``; trlx ``gen_kwargs.min_new_tokens``,
+    NeMo-Aligner ``model.ppo.length_params.min_length``); 0: off. At most ``max_new_tokens``."""
+    stop_strings: list[str] = dataclasses.field(default_factory=list)
+    """A response ends after the token that completes one of these strings in its decoded text; that token
+    is its last action, the string stays in ``response_text`` (NeMo-RL ``policy.generation.stop_strings``,
+    NeMo-Aligner ``model.ppo.sampling_params.end_strings``; trlx ``stop_sequences`` cuts the text before the
+    string and re-tokenizes instead). Empty: off. Costs one host sync per decode step."""
+    val_generation: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Overrides of the generation fields for validation only: any of ``max_new_tokens``, ``temperature``,
+    ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``, ``stop_strings`` (e.g. ``{top_p: 0.9}``).
+    The top-level fields are the rollouts', as NeMo-RL's ``policy.generation`` with its ``val_temperature``,
+    ``val_top_p``, ``val_top_k`` (here ``val_generation: {temperature, top_p, top_k}``). trlx's
+    ``method.gen_kwargs`` are validation's (and the rollouts' unless ``method.gen_experience_kwargs`` overrides
+    them), so trlx's ``gen_experience_kwargs`` map to the top-level fields and its ``gen_kwargs`` to these.
+    ``val_greedy`` still decodes greedily."""
+    val_batch_size: int | None = ranged(None, ge=1, at_most=MAX_ROWS)
+    """Validation prompts per ``generate`` call (NeMo-RL ``grpo.val_batch_size``, NeMo-Aligner
+    ``model.ppo.val_rollout_micro_batch_size``); None: all of this rank's validation prompts in one call.
+    Each call draws its own noise, so a set value changes the validation samples."""
     compile: bool = False
     """``torch.compile`` the loss and advantage kernels (dynamic shapes: one compilation per kernel, not one
     per response length) and, on GPU, each transformer block. Compiled code is cached under
@@ -280,11 +316,36 @@ class PolicyConfig(RunConfig):
     def check(self) -> None:
         super().check()
         self._check_lr_scheduler()
+        self._check_generation()
         if self.reward_model is not None and not Path(self.reward_model).expanduser().is_dir():
             raise ConfigError(
                 f"reward_model must be a folder holding an HF sequence-classification model, got "
                 f"{show(self.reward_model)} ({field_docs(type(self))['reward_model']})"
             )
+
+    def _check_generation(self) -> None:
+        """``stop_strings`` are non-empty strings, ``min_new_tokens <= max_new_tokens``, and ``val_generation``
+        names generation fields only, with values those fields accept (checked on a copy with them set)."""
+        stops = self.stop_strings
+        if not isinstance(stops, list) or any(not isinstance(x, str) or not x for x in stops):
+            raise ConfigError(
+                f"stop_strings must be a list of non-empty strings, got {show(stops)} "
+                f"({field_docs(type(self))['stop_strings']})"
+            )
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ConfigError(
+                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})"
+            )
+        unknown = sorted(set(self.val_generation) - set(VAL_GENERATION_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"val_generation may set {', '.join(VAL_GENERATION_KEYS)}; got unknown key(s) {', '.join(unknown)}"
+            )
+        if self.val_generation:
+            try:
+                dataclasses.replace(self, val_generation={}, **self.val_generation)
+            except ConfigError as e:
+                raise ConfigError(f"val_generation: {e}") from None
 
     def _check_lr_scheduler(self) -> None:
         """``min_lr`` is at most the rate a cosine schedule decays from; a ``cosine`` schedule of
@@ -329,6 +390,11 @@ class OnlineConfig(PolicyConfig):
     """Prompts sampled per step (each generates ``num_generations_per_prompt`` responses)."""
     num_generations_per_prompt: int = ranged(1, ge=1, at_most=MAX_ROWS)
     """Responses per prompt; groups of one prompt are contiguous (RLOO/GRPO need >= 2)."""
+    chunk_size: int | None = ranged(None, ge=1, at_most=MAX_ROWS)
+    """Prompts per ``generate`` call of a rollout (trlx ``method.chunk_size``; NeMo-Aligner
+    ``model.ppo.rollout_micro_batch_size``): the step's prompts are generated this many at a time, bounding the KV
+    cache's memory. None: all in one call. Each call draws its own noise, so a set value changes the samples
+    (not their distribution)."""
     compile_generate: bool = False
     """``torch.compile`` the rollout's decode step (``generate(compile=True)``: static KV cache, gpt-fast
     style) for GPT-2/Llama/Mistral/Qwen models (with ``precision: bf16`` it compiles the bfloat16 decoding
@@ -802,6 +868,7 @@ __all__ = [
     "MAX_ROWS",
     "MAX_TOKENS",
     "MIN_TEMPERATURE",
+    "VAL_GENERATION_KEYS",
     "ConfigError",
     "EnvConfig",
     "LoRAConfig",

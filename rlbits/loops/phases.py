@@ -40,6 +40,44 @@ def prompt_texts(batch: TensorDictBase | Sequence[str]) -> list[str]:
     return list(batch)
 
 
+def generation_options(cfg: RunConfig, validation: bool = False) -> dict[str, Any]:
+    """The keyword options of ``generate_rollout`` from ``cfg``'s generation fields: ``max_new_tokens``,
+    ``temperature``, ``top_k``, ``top_p`` (None at 1), ``repetition_penalty``, ``min_new_tokens``,
+    ``stop_strings``, then for ``validation`` ``cfg.val_generation`` over them (and temperature 0 with
+    ``val_greedy``)."""
+    options = {
+        key: getattr(cfg, key)
+        for key in (
+            "max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "min_new_tokens", "stop_strings"
+        )
+    }
+    if validation:
+        options.update(cfg.val_generation)
+        if cfg.val_greedy:
+            options["temperature"] = 0.0
+    if options["top_p"] is not None and options["top_p"] >= 1:
+        options["top_p"] = None
+    return options
+
+
+def _check_single_turn(cfg: RunConfig, validation: bool = False) -> None:
+    """Refuse generation options that a multi-turn task's episodes (``run_episodes``) do not apply: they sample
+    at ``temperature`` and stop by the env's ``StopConditions``.
+
+    Raises:
+        ValueError: naming the fields set.
+    """
+    options = generation_options(cfg, validation)
+    off = {"top_k": None, "top_p": None, "repetition_penalty": 1.0, "min_new_tokens": 0, "stop_strings": []}
+    bad = sorted(k for k, v in off.items() if options[k] != v)
+    if bad or (getattr(cfg, "chunk_size", None) is not None and not validation):
+        fields = bad + (["chunk_size"] if getattr(cfg, "chunk_size", None) is not None and not validation else [])
+        raise ValueError(
+            f"{', '.join(fields)} apply to single-turn rollouts only; a multi-turn task's episodes sample at "
+            "temperature and stop by its env's StopConditions: leave them unset"
+        )
+
+
 def generate_rollout(
     policy: torch.nn.Module,
     tokenizer: Any,
@@ -52,10 +90,13 @@ def generate_rollout(
     logits_processor: Callable | None = None,
     compile: bool = False,
     pack_weights: bool | None = None,
+    **options: Any,
 ) -> TensorDictBase:
     """``generate_texts`` (tokenize, sample ``num_samples`` responses each, decode) with a sharded policy
     gathered for the whole call; ``compile``: a compiled decode step (``generate(compile=True)``);
-    ``pack_weights``: as ``generate`` (None: oneDNN on packed weights on CPU).
+    ``pack_weights``: as ``generate`` (None: oneDNN on packed weights on CPU); ``options``: more
+    ``generate_texts`` options (``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``,
+    ``stop_strings``, ``chunk_size``; ``generation_options`` gives a config's).
 
     Returns the batch of docs/batch.md (``prompts`` ... ``logprobs``, ``group``, ``prompt_text``,
     ``response_text``) with behaviour logprobs at ``temperature`` (greedy when ``temperature == 0``).
@@ -64,7 +105,7 @@ def generate_rollout(
         return generate_texts(
             policy, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
             num_samples=num_samples, generator=generator, logits_processor=logits_processor, compile=compile,
-            pack_weights=pack_weights,
+            pack_weights=pack_weights, **options,
         )
 
 
@@ -190,17 +231,27 @@ def reference_model(state: Any) -> Iterator[torch.nn.Module]:
 
 
 def sample(state: Any, batch: TensorDictBase, cfg: RunConfig, policy: torch.nn.Module) -> TensorDictBase:
-    """``cfg.num_generations_per_prompt`` responses of ``policy`` per prompt of ``batch["prompt_text"]`` at
-    ``cfg.temperature`` (groups contiguous), drawn with ``state.sampling_generator``: ``generate_rollout``, or
-    for a multi-turn task (``state.make_env``) one episode per sample (``run_episodes``). Returns the new
-    batch (docs/batch.md)."""
+    """``cfg.num_generations_per_prompt`` responses of ``policy`` per prompt of ``batch["prompt_text"]`` with
+    ``cfg``'s generation fields (``generation_options``; groups contiguous), drawn with
+    ``state.sampling_generator``: ``generate_rollout`` (``cfg.chunk_size`` prompts per call), or for a
+    multi-turn task (``state.make_env``) one episode per sample at ``cfg.temperature`` (``run_episodes``).
+    Returns the new batch (docs/batch.md).
+
+    Raises:
+        ValueError: a multi-turn task with ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``,
+            ``stop_strings`` or ``chunk_size`` set."""
     common = dict(
-        temperature=cfg.temperature, num_samples=cfg.num_generations_per_prompt, generator=state.sampling_generator,
+        num_samples=cfg.num_generations_per_prompt, generator=state.sampling_generator,
         compile=cfg.compile_generate, pack_weights=pack_weights(cfg),
     )
     if state.make_env is not None:
-        return run_episodes(policy, state.tokenizer, prompt_texts(batch), state.make_env, cfg, **common)
-    return generate_rollout(policy, state.tokenizer, prompt_texts(batch), max_new_tokens=cfg.max_new_tokens, **common)
+        _check_single_turn(cfg)
+        return run_episodes(
+            policy, state.tokenizer, prompt_texts(batch), state.make_env, cfg, temperature=cfg.temperature, **common
+        )
+    return generate_rollout(
+        policy, state.tokenizer, prompt_texts(batch), chunk_size=cfg.chunk_size, **generation_options(cfg), **common
+    )
 
 
 def rollout(state: Any, batch: TensorDictBase, cfg: RunConfig) -> TensorDictBase:
@@ -303,7 +354,9 @@ def evaluate_policy(
 
     Uses its own generator (``derive_seed(seed, rank, "validation")``), so validating never shifts the
     training RNG streams (a run with and without validation samples the same training rollouts) and every
-    validation of a run sees the same noise. Greedy if ``cfg.val_greedy``. Under torchrun each rank validates
+    validation of a run sees the same noise. Generation fields as the rollouts' with ``cfg.val_generation``
+    over them (``generation_options``), ``cfg.val_batch_size`` prompts per ``generate`` call; greedy if
+    ``cfg.val_greedy``. Under torchrun each rank validates
     every ``world_size``-th prompt and the statistics are reduced over ranks (every rank must call it).
 
     Returns:
@@ -314,14 +367,17 @@ def evaluate_policy(
     prompts = list(prompts)[: cfg.max_val_samples]
     prompts = prompts[env.rank :: env.world_size] or prompts[:1]
     gen = generator(cfg.seed, env.rank, "validation", next(policy.parameters()).device)
-    temperature = 0.0 if cfg.val_greedy else cfg.temperature
+    options = generation_options(cfg, validation=True)
     with autocast(policy, cfg):
         if make_env is not None:
-            batch = run_episodes(policy, tokenizer, prompts, make_env, cfg, temperature=temperature, generator=gen)
+            _check_single_turn(cfg, validation=True)
+            batch = run_episodes(
+                policy, tokenizer, prompts, make_env, cfg, temperature=options["temperature"], generator=gen
+            )
         else:
             batch = generate_rollout(
-                policy, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
-                generator=gen, logits_processor=logits_processor,
+                policy, tokenizer, prompts, generator=gen, logits_processor=logits_processor,
+                chunk_size=getattr(cfg, "val_batch_size", None), **options,
             )
     rewards = score_rollout(batch, reward).double().cpu()
     lengths = batch["action_mask"].sum(-1).double().cpu()
@@ -421,6 +477,7 @@ __all__ = [
     "evaluate_policy",
     "evaluate_run",
     "generate_rollout",
+    "generation_options",
     "kl_per_sequence",
     "pack_weights",
     "policy_loss_stats",

@@ -280,7 +280,8 @@ rollout_correction = phases.rollout_correction
 
 def greedy_baseline(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
     """Phase 2c (``adv_estimator: remax``): one greedy response to each prompt of ``batch`` by ``state.policy``
-    (through ``phases.decoding``; an episode with ``temperature`` 0 for a multi-turn task), scored by
+    (through ``phases.decoding``, with the rollouts' repetition penalty, ``min_new_tokens`` and stop strings;
+    an episode with ``temperature`` 0 for a multi-turn task), scored by
     ``state.reward``; writes ``reward_baselines`` [B], each row the greedy reward of its prompt (ReMax, Li 2024).
     Greedy decoding draws no random numbers, so the sampling stream is that of a run without this phase. Under
     torchrun each rank decodes its own prompts (the collectives of a rollout: gathering a sharded policy).
@@ -294,9 +295,8 @@ def greedy_baseline(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -
         if state.make_env is not None:
             greedy = phases.run_episodes(model, state.tokenizer, prompts, state.make_env, cfg, **common)
         else:
-            greedy = phases.generate_rollout(
-                model, state.tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, **common
-            )
+            options = {**phases.generation_options(cfg), **common}  # greedy, with the rollouts' stop rules
+            greedy = phases.generate_rollout(model, state.tokenizer, prompts, **options)
     rewards = phases.score_rollout(greedy, state.reward).to(batch["action_mask"].device)
     if cfg.reward_shaped:  # compared with the samples' shaped rewards: the same transforms (its own length)
         rewards = shape_rewards(rewards.float(), greedy.to(rewards.device), cfg)

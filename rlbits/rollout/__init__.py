@@ -13,6 +13,7 @@ _LAZY = {
     # generate
     "StoppingFn": "rlbits.rollout.generate",
     "generate_texts": "rlbits.rollout.generate",
+    "stop_strings_stopping": "rlbits.rollout.generate",
     # decoder: the KV cache, prefill and one decode step
     "Decoder": "rlbits.rollout.decoder",
     "compiled_decode_step": "rlbits.rollout.decoder",
@@ -23,6 +24,7 @@ _LAZY = {
     "LogitsProcessor": "rlbits.rollout.sampling",
     "inverse_cdf_sample": "rlbits.rollout.sampling",
     "next_token": "rlbits.rollout.sampling",
+    "repetition_penalty_filter": "rlbits.rollout.sampling",
     "top_k_filter": "rlbits.rollout.sampling",
     "top_p_filter": "rlbits.rollout.sampling",
     # multiturn

@@ -18,9 +18,11 @@ shapes at 50-73 GFLOP/s and oneDNN on packed weights at 68-151 (2 AVX-512 cores,
 The ``logprobs`` returned are the log-probabilities of the sampled tokens under
 ``softmax(raw_logits / temperature)``: the untruncated policy distribution, which is what a
 teacher-forced training forward at the same temperature computes (``rlbits.models.forward.policy_logprobs``).
-``top_k``, ``top_p`` and ``logits_processor`` change which tokens are *sampled* but not these logprobs,
-so with them the samples come from a different distribution than the logprobs describe (as in TRL,
-OpenRLHF and verl). Greedy decoding (``temperature=0``) reports logprobs at temperature 1.
+``top_k``, ``top_p``, ``repetition_penalty``, the ``min_new_tokens`` ban and ``logits_processor`` change which
+tokens are *sampled* but not these logprobs, so with them the samples come from a different distribution than
+the logprobs describe (as in TRL, OpenRLHF and verl, and as the seeds' trainers, which recompute the old
+logprobs with an unfiltered forward; docs/generation.md). Greedy decoding (``temperature=0``) reports
+logprobs at temperature 1.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 from rlbits.batch import build_batch, group_ids
 from rlbits.functional import entropy_from_logits
@@ -54,7 +56,16 @@ StoppingFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _check_args(
-    prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id
+    prompts_td,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    num_samples,
+    eos_token_id,
+    pad_token_id,
+    repetition_penalty=1.0,
+    min_new_tokens=0,
 ):
     for key in ("prompts", "prompt_mask"):
         if key not in prompts_td.keys():
@@ -81,6 +92,10 @@ def _check_args(
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p}")
+    if not repetition_penalty > 0 or repetition_penalty == float("inf"):
+        raise ValueError(f"repetition_penalty must be a finite float > 0 (1 = off), got {repetition_penalty}")
+    if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
     for name, v in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise ValueError(f"{name} must be an int token id or None, got {v!r}")
@@ -181,14 +196,16 @@ def decode_n_tokens(
     stop: torch.Tensor,
     stopping: StoppingFn | None,
     pad_token_id: int,
+    min_new_tokens: int = 0,
     **sampling: Any,
 ) -> int:
     """Sample up to ``max_new_tokens`` tokens per row from the prefill's ``logits`` on, writing ``out``.
 
     Each step: ``next_token(logits, ids so far, **sampling)`` (``sampling``: ``temperature``, ``top_k``,
-    ``top_p``, ``logits_processor``, ``generator``), then the next logits from ``decode_one_token``. A row
-    finishes on a ``stop`` id [S] int64 or where ``stopping`` says so; finished rows keep decoding, their new
-    tokens masked out and set to ``pad_token_id``. The loop ends after ``max_new_tokens`` steps, or once every
+    ``top_p``, ``logits_processor``, ``generator``, ``repetition_penalty``), then the next logits from
+    ``decode_one_token``. A row finishes on a ``stop`` id [S] int64 or where ``stopping`` says so; finished
+    rows keep decoding, their new tokens masked out and set to ``pad_token_id``. For the first
+    ``min_new_tokens`` steps the ``stop`` ids cannot be sampled and ``stopping`` is not asked. The loop ends after ``max_new_tokens`` steps, or once every
     row has finished (checked on the host every ``_EOS_CHECK_EVERY`` steps on an accelerator, every step on
     CPU). Returns the number of steps taken.
     """
@@ -196,7 +213,14 @@ def decode_n_tokens(
     check_every = _EOS_CHECK_EVERY_CPU if logits.device.type == "cpu" else _EOS_CHECK_EVERY
     steps = 0
     for t in range(max_new_tokens):
-        tokens, lp = next_token(logits, out.input_ids[:, : P + t], **sampling)
+        banned = stop if t < min_new_tokens and stop.numel() else None
+        tokens, lp = next_token(
+            logits,
+            out.input_ids[:, : P + t],
+            input_mask=out.attention_mask[:, : P + t],
+            banned=banned,
+            **sampling,
+        )
         alive = ~out.finished
         out.input_ids[:, P + t] = torch.where(alive, tokens, pad_token_id)
         out.attention_mask[:, P + t] = alive
@@ -206,7 +230,7 @@ def decode_n_tokens(
             out.entropy[:, t] = torch.where(alive, ent, 0.0)
         if stop.numel():
             out.finished = out.finished | torch.isin(tokens, stop)
-        if stopping is not None:
+        if stopping is not None and t + 1 >= min_new_tokens:
             out.finished = out.finished | (alive & stopping(out.input_ids[:, P : P + t + 1]).to(alive.device))
         steps = t + 1
         if t + 1 == max_new_tokens or (
@@ -266,12 +290,15 @@ def generate(
     return_entropy: bool = False,
     compile: bool = False,
     pack_weights: bool | None = None,
+    repetition_penalty: float = 1.0,
+    min_new_tokens: int = 0,
 ) -> TensorDict:
     """Sample ``num_samples`` responses per prompt with a KV cache.
 
     Prefills the left-padded prompts with position ids ``cumsum(mask) - 1`` (clamped at 0), then decodes
     one token per step from the cache, growing the attention mask. Each step: raw logits ->
-    ``logits_processor`` -> ``/ temperature`` -> top-k -> top-p -> sample (the order of HF's warpers).
+    ``logits_processor`` -> repetition penalty -> stop ids banned before ``min_new_tokens`` ->
+    ``/ temperature`` -> top-k -> top-p -> sample (the order of HF's processors and warpers).
     Decoding stops after ``max_new_tokens`` or once every row has emitted a stop token; the response
     columns are trimmed to the longest response. Runs under ``torch.no_grad()`` with the policy switched to
     eval mode (restored after), so dropout never perturbs sampling.
@@ -314,6 +341,12 @@ def generate(
             the call. None (default): on for a CPU policy without ``compile`` or autocast, for at least 4
             new tokens; False: never; True: wherever it applies (CPU, float32 or bfloat16 weights, no
             ``compile``).
+        repetition_penalty: HF's ``RepetitionPenaltyLogitsProcessor`` over the real tokens so far (prompt
+            and response; padding is not penalised): a present id's logit divided by it if positive,
+            multiplied if negative (``rlbits.rollout.sampling.repetition_penalty_filter``). 1: off.
+        min_new_tokens: for the first this-many tokens of each response ``eos_token_id`` and
+            ``stop_token_ids`` get -inf (HF's ``MinNewTokensLengthLogitsProcessor``) and ``stopping`` is not
+            called (vLLM's ``min_tokens`` holds stop strings back too). 0: off.
 
     Returns:
         TensorDict with batch size [B * K]:
@@ -333,7 +366,16 @@ def generate(
             ``logits / temperature`` overflows): checked once after decoding, the message names the row.
     """
     _check_args(
-        prompts_td, max_new_tokens, temperature, top_k, top_p, num_samples, eos_token_id, pad_token_id
+        prompts_td,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        num_samples,
+        eos_token_id,
+        pad_token_id,
+        repetition_penalty,
+        min_new_tokens,
     )
     prompts = prompts_td["prompts"].long()
     prompt_mask = prompts_td["prompt_mask"].bool()
@@ -371,6 +413,7 @@ def generate(
             top_p=top_p,
             logits_processor=logits_processor,
             generator=generator,
+            repetition_penalty=repetition_penalty,
         )
         steps = decode_n_tokens(
             decoder,
@@ -380,12 +423,51 @@ def generate(
             stop=stop,
             stopping=stopping,
             pad_token_id=pad_token_id,
+            min_new_tokens=min_new_tokens,
             **sampling,
         )
     finally:
         packing.close()
         policy.train(was_training)
     return _to_batch(out, prompt_rows, mask_rows, steps, num_samples, max_new_tokens, temperature)
+
+
+def stop_strings_stopping(tokenizer: Any, stop_strings: Sequence[str]) -> StoppingFn:
+    """A ``generate`` ``stopping`` rule that ends a row once the decoded text of its response holds one of
+    ``stop_strings``: the row ends after the token that completes the string (the string's last character
+    lies in that token's text), which stays in the response as its last action, the stop string with it
+    (the text decoded with special tokens kept). Decodes a tail of each row on the host at every step.
+
+    Raises:
+        ValueError: a stop string is empty.
+    """
+    stops = tuple(stop_strings)
+    if any(not isinstance(x, str) or not x for x in stops):
+        raise ValueError(f"stop_strings must be non-empty strings, got {list(stops)!r}")
+    tail = 4 * max(len(x) for x in stops) + 4  # a character may take 4 byte-level tokens
+
+    def stopping(responses: torch.Tensor) -> torch.Tensor:
+        rows = responses[:, -tail:].tolist()
+        texts = tokenizer.batch_decode(rows, skip_special_tokens=False)
+        return torch.tensor([any(x in text for x in stops) for text in texts], dtype=torch.bool)
+
+    return stopping
+
+
+def _pad_columns(batch: TensorDictBase, length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The per-token response columns of a ``generate`` batch right-padded to ``length``: ``responses`` with
+    ``pad_token_id``, the masks with False, ``logprobs``/``entropy`` with 0."""
+    pad = length - batch["responses"].shape[1]
+    out = {}
+    for key, value in (
+        ("responses", pad_token_id),
+        ("action_mask", False),
+        ("logprobs", 0.0),
+        ("entropy", 0.0),
+    ):
+        if key in batch.keys():
+            out[key] = torch.nn.functional.pad(batch[key], (0, pad), value=value)
+    return out
 
 
 def generate_texts(
@@ -395,6 +477,12 @@ def generate_texts(
     *,
     max_new_tokens: int,
     temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    min_new_tokens: int = 0,
+    stop_strings: Sequence[str] = (),
+    chunk_size: int | None = None,
     num_samples: int = 1,
     generator: torch.Generator | None = None,
     logits_processor: Callable | None = None,
@@ -404,29 +492,75 @@ def generate_texts(
     """``generate`` from prompt strings: tokenize them (``tokenize_prompts``), sample ``num_samples``
     responses each with the policy in eval mode and no gradient, decode the texts (``decode``).
 
+    ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``: as ``generate``. ``stop_strings``: a
+    response ends after the token that completes one of them (``stop_strings_stopping``; one host sync per
+    step). ``chunk_size``: generate the prompts ``chunk_size`` at a time (trlx ``method.chunk_size``; None:
+    all in one call), all tokenized together (one prompt width) and the chunks' responses right-padded to
+    the longest; ``group`` numbers the prompts across chunks. Each chunk draws its own noise from
+    ``generator`` in turn (one ``torch.rand(rows, 1)`` per step of each chunk), so the samples are not those
+    of one call with the same generator state, though as reproducible.
+
     Returns the batch ``generate`` returns plus ``prompt_text`` and ``response_text``. A sharded (FSDP2)
     policy should be gathered around the call (``rlbits.distributed.parallelize.unsharded``), so decoding
     runs no collective per token.
+
+    Raises:
+        ValueError: ``chunk_size`` < 1, an empty stop string, and what ``generate`` raises.
     """
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     device = next(policy.parameters()).device
     prompts_td = tokenize_prompts(tokenizer, list(prompts)).to(device)
+    stopping = stop_strings_stopping(tokenizer, stop_strings) if stop_strings else None
+    n = prompts_td.batch_size[0]
+    size = n if chunk_size is None else chunk_size
     was_training = policy.training
     policy.eval()
     try:
         with torch.no_grad():
-            batch = generate(
-                policy,
-                prompts_td,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-                num_samples=num_samples,
-                generator=generator,
-                logits_processor=logits_processor,
-                compile=compile,
-                pack_weights=pack_weights,
-            )
+            chunks = [
+                generate(
+                    policy,
+                    prompts_td[start : start + size],
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    repetition_penalty=repetition_penalty,
+                    min_new_tokens=min_new_tokens,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                    num_samples=num_samples,
+                    generator=generator,
+                    logits_processor=logits_processor,
+                    stopping=stopping,
+                    compile=compile,
+                    pack_weights=pack_weights,
+                )
+                for start in range(0, n, size)
+            ]
     finally:
         policy.train(was_training)
+    batch = chunks[0] if len(chunks) == 1 else _concat_chunks(chunks, tokenizer.pad_token_id, size)
     return decode(batch, tokenizer)
+
+
+def _concat_chunks(chunks: list[TensorDict], pad_token_id: int, chunk_size: int) -> TensorDict:
+    """One batch from the batches of consecutive prompt chunks (same prompt width): responses right-padded to
+    the longest, ``group`` offset by the prompts before each chunk."""
+    length = max(c["responses"].shape[1] for c in chunks)
+    padded = [_pad_columns(c, length, pad_token_id) for c in chunks]
+    columns = {
+        k: torch.cat([p[k] for p in padded]) for k in padded[0] if k not in ("responses", "action_mask")
+    }
+    columns["group"] = torch.cat([c["group"] + i * chunk_size for i, c in enumerate(chunks)])
+    columns["truncated"] = torch.cat([c["truncated"] for c in chunks])
+    return build_batch(
+        torch.cat([c["prompts"] for c in chunks]),
+        torch.cat([c["prompt_mask"] for c in chunks]),
+        torch.cat([p["responses"] for p in padded]),
+        torch.cat([p["action_mask"] for p in padded]),
+        **columns,
+    )

@@ -1,6 +1,7 @@
-"""Choosing the next token: ``next_token(logits, ...)`` applies the logits processor, temperature, top-k and
-top-p (the order of HF's warpers), draws one token per row with ``inverse_cdf_sample`` and returns its logprob
-under the raw policy at the temperature. Pure tensor functions: no model, no host sync.
+"""Choosing the next token: ``next_token(logits, ...)`` applies the logits processor, the repetition penalty,
+the ban on stop tokens before ``min_new_tokens``, temperature, top-k and top-p (the order of HF's processors
+and warpers), draws one token per row with ``inverse_cdf_sample`` and returns its logprob under the raw policy
+at the temperature. Pure tensor functions: no model, no host sync.
 
 ``inverse_cdf_sample`` uses one uniform per row from the caller's generator (no ``torch.multinomial``), so the
 same generator state gives the same tokens. A step whose distribution holds NaN (NaN/inf logits, or
@@ -36,6 +37,31 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     remove = cum <= (1 - p)
     remove[..., -1] = False
     return logits.masked_fill(remove.scatter(-1, sorted_idx, remove), float("-inf"))
+
+
+def repetition_penalty_filter(
+    logits: torch.Tensor, input_ids: torch.Tensor, penalty: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Repetition penalty as HF's ``RepetitionPenaltyLogitsProcessor`` (Keskar et al. 2019, CTRL): the logit of
+    every token id present in a row's ``input_ids`` is divided by ``penalty`` where it is positive and
+    multiplied by it where it is negative (> 1 discourages repeats, < 1 encourages them).
+
+    Args:
+        logits: [B, V] float.
+        input_ids: [B, T] int64, the ids so far (prompt and response).
+        penalty: > 0; 1 changes nothing.
+        mask: [B, T] bool, the real tokens of ``input_ids``; ids under False (padding) are not penalised
+            (HF penalises every id of ``input_ids``, its pad id included). None: every id counts.
+
+    Returns:
+        [B, V] float, a new tensor.
+    """
+    present = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    ids = input_ids.clamp(0, logits.shape[-1] - 1)
+    real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+    present.scatter_reduce_(1, ids, real & (input_ids >= 0) & (input_ids < logits.shape[-1]), "amax")
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(present, penalised, logits)
 
 
 def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -95,12 +121,22 @@ def next_token(
     top_p: float | None,
     logits_processor: LogitsProcessor | None,
     generator: torch.Generator | None,
+    repetition_penalty: float = 1.0,
+    input_mask: torch.Tensor | None = None,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the next token of each row and its logprob under the raw policy at ``temperature``.
 
+    The sampled distribution: raw logits -> ``logits_processor`` -> ``repetition_penalty_filter`` ->
+    ``banned`` ids set to -inf -> ``/ temperature`` -> ``top_k_filter`` -> ``top_p_filter``. The logprob is
+    of ``softmax(raw_logits / temperature)``, none of these transforms applied (see ``rlbits.rollout.generate``).
+
     Args:
         logits: [B, V] float32 raw logits of the last position.
-        input_ids: [B, T] the ids so far (prompt and response), for ``logits_processor``.
+        input_ids: [B, T] the ids so far (prompt and response), for ``logits_processor`` and the penalty.
+        repetition_penalty: HF's repetition penalty over the ids of ``input_ids`` under ``input_mask``; 1: off.
+        input_mask: [B, T] bool, the real tokens of ``input_ids`` (None: all).
+        banned: [S] int64 ids that may not be sampled this step (stop ids before ``min_new_tokens``), or None.
 
     Returns:
         ``(tokens [B] int64, logprobs [B] float32)``. A row whose distribution holds NaN (from NaN or inf
@@ -114,19 +150,22 @@ def next_token(
     # NaN wherever ``scaled`` holds a NaN or an inf (inf - inf), so is every logprob of such a row.
     log_partition = peak + unnormalised.sum(dim=-1, keepdim=True).log()
     invalid = None  # rows whose *processed* distribution held NaN while the raw one did not
-    if temperature == 0:
+    processing = logits_processor is not None or repetition_penalty != 1 or banned is not None
+    if processing:
         z = _process(logits_processor, input_ids, logits) if logits_processor is not None else logits
+        if repetition_penalty != 1:
+            z = repetition_penalty_filter(z, input_ids, repetition_penalty, input_mask)
+        if banned is not None:
+            z = z.index_fill(-1, banned, float("-inf"))
+    if temperature == 0:
+        z = z if processing else logits
         tokens = z.argmax(dim=-1)
-        if logits_processor is not None:
+        if processing:
             invalid = z.gather(1, tokens[:, None]).squeeze(1).isnan()  # argmax picks a NaN where there is one
     else:
         weights = unnormalised
-        if logits_processor is not None or top_k is not None or (top_p is not None and top_p < 1):
-            z = (
-                scaled
-                if logits_processor is None
-                else _process(logits_processor, input_ids, logits) / temperature
-            )
+        if processing or top_k is not None or (top_p is not None and top_p < 1):
+            z = scaled if not processing else (z if temperature == 1 else z / temperature)
             if top_k is not None:
                 z = top_k_filter(z, top_k)
             if top_p is not None and top_p < 1:
@@ -142,4 +181,11 @@ def next_token(
     return tokens, logprobs if invalid is None else torch.where(invalid, torch.nan, logprobs)
 
 
-__all__ = ["LogitsProcessor", "inverse_cdf_sample", "next_token", "top_k_filter", "top_p_filter"]
+__all__ = [
+    "LogitsProcessor",
+    "inverse_cdf_sample",
+    "next_token",
+    "repetition_penalty_filter",
+    "top_k_filter",
+    "top_p_filter",
+]
