@@ -171,6 +171,29 @@ def test_token_rewards_hold_kl_in_reward_only(policy_dir, tmp_path):
     torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"] - 0.5 * 0.1 * lengths)
 
 
+def test_length_adaptive_alpha_gives_each_row_its_lambda(policy_dir, tmp_path):
+    """NeMo-RL ``length_adaptive_alpha``: per-row policy lambdas, the critic's returns on ``critic_lam``."""
+    from rlbits.functional import gae
+    from rlbits.functional.advantages import length_adaptive_lambda
+
+    cfg = make_cfg(policy_dir, tmp_path / "run", length_adaptive_alpha=0.5, critic_lam=0.9, whiten_advantages=False)
+    env, state, batch = phase_batch(cfg)
+    score(state, batch, cfg)
+    reference(state, batch, cfg)
+    values(state, batch, cfg)
+    advantages(state, batch, cfg)
+    mask = batch["action_mask"]
+    lam = length_adaptive_lambda(mask, 0.5)
+    want_adv, _ = gae(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=lam)
+    _, want_ret = gae(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=0.9)
+    torch.testing.assert_close(batch["advantages"], want_adv)
+    torch.testing.assert_close(batch["returns"], want_ret)
+    assert "policy_lam" in state.metrics.names()
+    off = dataclasses.replace(cfg, length_adaptive_alpha=0.0)  # 0 = the fixed ``lam``
+    advantages(state, batch, off)
+    torch.testing.assert_close(batch["advantages"], gae(batch["token_rewards"], batch["values"], mask, lam=0.95)[0])
+
+
 def test_kl_in_loss_changes_the_policy_update(policy_dir, tmp_path):
     cfg = make_cfg(policy_dir, tmp_path / "run", kl_in_reward=False, kl_estimator="k3", kl_loss_coef=1.0)
     env, state, batch = phase_batch(cfg)
@@ -452,6 +475,7 @@ def test_reward_subtract_reference_run(policy_dir, tmp_path):
         ({"policy_loss_kwargs": {"clip_ratio_c": 1.0}}, "policy_loss 'vanilla' .*clip_ratio_c.*must be > 1"),
         ({"lam": 1.5}, r"lam must be in \[0, 1\]"),
         ({"critic_lam": -1.0}, r"critic_lam must be in \[0, 1\]"),
+        ({"length_adaptive_alpha": -1.0}, r"length_adaptive_alpha"),
         ({"reward_clip": 0.0}, "reward_clip must be > 0 or null"),
         ({"value_clip_eps": -1.0}, "value_clip_eps must be > 0 or null"),
         ({"critic_learning_rate": 0.0}, "critic_learning_rate must be > 0"),
