@@ -72,6 +72,7 @@ ADV_ESTIMATORS = (
     "opo",
     "gpg",
     "grpo_passk",
+    "raw_reward",
 )
 """The ``ADVANTAGE_ESTIMATORS`` this loop runs. Not here: ``gae`` (a critic: the PPO loop),
 ``optimal_token_baseline`` (needs sum_v pi(v)^2 per token, which the rollout does not record) and ``gdpo``
@@ -93,14 +94,16 @@ class ReinforceConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradient
     """K responses per prompt (>= 2 for the estimators of ``GROUPED``); a prompt's K responses form its group."""
     adv_estimator: Literal[
         "rloo", "grpo", "dr_grpo", "none", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
-        "gpg", "grpo_passk",
+        "gpg", "grpo_passk", "raw_reward",
     ] = "rloo"
     """The advantage estimator (verl's name; ``rlbits.ADVANTAGE_ESTIMATORS``): ``rloo``: r - mean of the other K-1
     rewards; ``grpo``: (r - group mean) / (group std + eps); ``dr_grpo``: r - group mean (Dr. GRPO, Liu 2025);
     ``none``: r itself (plain REINFORCE); ``reinforce_plus_plus``: the discounted return to go, whitened over the
     batch; ``reinforce_plus_plus_baseline``: r - group mean, whitened; ``remax``: the return to go minus the
     reward of a greedy response; ``opo``: r - length-weighted group mean; ``gpg``: (r - group mean) * B / (rewards
-    != 0); ``grpo_passk``: only each group's best response, (r_max - r_second) / (std + eps)."""
+    != 0); ``grpo_passk``: only each group's best response, (r_max - r_second) / (std + eps); ``raw_reward``
+    (NeMo-RL's ``adv_estimator.name: raw_reward``, advantage_estimator.py): r whitened over the batch's tokens
+    (its ``normalize_advantages: true``; ``none`` is the unwhitened form)."""
     grpo_eps: float = ranged(1e-6, ge=0)
     """Added to the group std by ``grpo`` and ``grpo_passk`` (verl's ``epsilon``)."""
     gamma: float = ranged(1.0, ge=0, le=1)

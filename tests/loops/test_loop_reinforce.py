@@ -159,6 +159,20 @@ def test_loop_advantages_are_the_registry_estimators():
     assert m["baseline"].item() == pytest.approx(shaped.mean().item())  # the group means' mean
 
 
+def test_raw_reward_advantages_whiten_the_rewards():
+    """NeMo-RL's ``raw_reward``: the reward on every token, whitened over the batch's tokens; one response per
+    prompt is enough (no groups)."""
+    batch = hand_batch([1.0, 0.0, 2.0, 2.0], [2, 3, 1, 2])
+    cfg = config_from_dict(ReinforceConfig, {"adv_estimator": "raw_reward", "num_generations_per_prompt": 1,
+                                             "num_prompts_per_step": 4})
+    m = advantages(batch, cfg)
+    mask = batch["action_mask"]
+    tokens = batch["rewards"][:, None].expand(mask.shape)[mask]
+    want = (tokens - tokens.mean()) / tokens.var(unbiased=False).sqrt()
+    torch.testing.assert_close(batch["advantages"][mask], want)
+    assert m["baseline"].item() == 0.0
+
+
 def test_remax_advantages_subtract_the_greedy_reward():
     batch = hand_batch([1.0, 0.0, 2.0, 2.0], [2, 3, 1, 2])
     batch["reward_baselines"] = torch.tensor([0.5, 0.5, 3.0, 3.0])
@@ -455,7 +469,7 @@ def test_config_errors(values, match):
 def test_config_defaults_and_plain_reinforce():
     cfg = config_from_dict(ReinforceConfig, {"adv_estimator": "none", "num_generations_per_prompt": 1})
     assert cfg.loop == "reinforce" and not cfg.clipped
-    for name in ("reinforce_plus_plus", "remax"):  # no groups: one response per prompt is enough
+    for name in ("reinforce_plus_plus", "remax", "raw_reward"):  # no groups: one response per prompt is enough
         config_from_dict(ReinforceConfig, {"adv_estimator": name, "num_generations_per_prompt": 1})
     assert set(reinforce.ADV_ESTIMATORS) <= set(rlbits.ADVANTAGE_ESTIMATORS)
     with pytest.raises(dataclasses.FrozenInstanceError):
