@@ -39,6 +39,7 @@ from rlbits.functional import (
     kl_penalty,
     masked_mean,
     masked_sum,
+    positive_example_nll_loss,
     token_rewards,
     value_loss,
 )
@@ -406,7 +407,7 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
     """
     mask = micro["loss_mask"] if "loss_mask" in micro.keys() else micro["action_mask"]  # rollout correction
     agg, share = den.agg(cfg.loss_agg, cfg.loss_scale_factor), den.share(mask)
-    pg_loss = entropy = kl = 0.0
+    pg_loss = entropy = kl = nll = 0.0
     stats: dict[str, torch.Tensor] = {}
     if state.step >= cfg.policy_training_start_step:
         logprobs, token_entropy = (x.float() for x in policy_logprobs(
@@ -424,6 +425,9 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
             token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
             kl = aggregate_loss(token_kl, mask, **agg)
             stats["kl_loss"] = kl.detach()
+        if cfg.positive_example_nll_weight > 0:
+            nll, _ = kernel(positive_example_nll_loss, cfg)(logprobs, mask, micro["rewards"])
+            stats["positive_nll_loss"] = nll.detach()
         stats |= {"actor_loss": pg_loss.detach(), "entropy": masked_mean(token_entropy.detach(), mask) * share}
         always = ("clipfrac", "approx_kl", "ratio_mean")
         stats |= {name: v * share for name, v in phases.policy_loss_stats(ratio, cfg, always).items()}
@@ -435,6 +439,7 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
         pg_loss  # policy_loss; vanilla: the clipped surrogate -min(r A, clip(r, 1 - eps, 1 + eps_high) A)
         - cfg.entropy_coef * entropy  # entropy bonus
         + state.kl_coef * kl  # KL to the reference, when it is not in the reward
+        + cfg.positive_example_nll_weight * nll  # VAPO/NeMo-RL: NLL of the rows with reward > 0
         + cfg.vf_coef * v_loss  # critic: (clipped) squared error to the GAE returns
     )
     return loss, {**stats, "critic_loss": v_loss.detach(), "value_clipfrac": vstats["clipfrac"] * share}

@@ -43,6 +43,7 @@ from rlbits.functional import (
     kl_penalty,
     masked_mean,
     masked_sum,
+    positive_example_nll_loss,
     reinforce_loss,
     rloo_baseline,
     token_rewards,
@@ -413,13 +414,20 @@ def objective(
     if cfg.kl_loss_coef > 0:
         token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
         kl = aggregate_loss(token_kl, mask, **agg)
+    nll = torch.zeros(())
+    if cfg.positive_example_nll_weight > 0:
+        nll, _ = kernel(positive_example_nll_loss, cfg)(logprobs, mask, micro["rewards"])
     loss = (
         pg_loss  # policy_loss; vanilla: -A log pi, or -min(r A, clip(r) A) when clipped
         + cfg.kl_loss_coef * kl  # KL to the reference policy
+        + cfg.positive_example_nll_weight * nll  # VAPO/NeMo-RL: NLL of the rows with reward > 0
     )
     w = mask.sum()
     means = {**phases.policy_loss_stats(ratio, cfg), "entropy": masked_mean(entropy, mask)}
-    return loss, {"actor_loss": pg_loss.detach(), "kl_loss": kl.detach(), **{k: (v * w, w) for k, v in means.items()}}
+    stats = {"actor_loss": pg_loss.detach(), "kl_loss": kl.detach(), **{k: (v * w, w) for k, v in means.items()}}
+    if cfg.positive_example_nll_weight > 0:
+        stats["positive_nll_loss"] = nll.detach()
+    return loss, stats
 
 
 def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:

@@ -532,3 +532,32 @@ def test_gae_per_row_lambda_block_boundaries(length):
     torch.testing.assert_close(adv.double(), ref_adv, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="lam as a tensor"):
         rlbits.gae(rewards, values, mask, lam=torch.ones(4))
+
+
+def _ref_positive_example_nll(curr_logprobs, mask, rewards):
+    """NeMo-RL ``ClippedPGLossFn`` (loss_functions.py), the VAPO term re-written: rows with reward > 0, the
+    masked mean of ``-logprobs`` over their tokens, 0 when there are none."""
+    correct_mask = mask.to(torch.float64) * (rewards > 0).to(torch.float64).unsqueeze(-1)
+    correct_valid_toks = correct_mask.sum()
+    if correct_valid_toks > 0:
+        return (-curr_logprobs * correct_mask).sum() / correct_valid_toks
+    return torch.zeros((), dtype=torch.float64)
+
+
+@given(masked_case(max_len=9))
+def test_positive_example_nll_matches_nemo_rl(case):
+    B, R, mask, gen = case
+    logprobs = leaf(-randn(gen, B, R).abs())
+    rewards = torch.where(randn(gen, B) > 0, 1.0, -0.5).to(torch.float64)
+    rewards[0] = 0.0  # reward 0 is not positive
+    got, metrics = rlbits.positive_example_nll_loss(logprobs, mask, rewards)
+    want = _ref_positive_example_nll(logprobs, mask, rewards)
+    torch.testing.assert_close(got, want, **F64)
+    assert metrics["positive_tokens"] == (mask & (rewards > 0)[:, None]).sum()
+    if want.requires_grad:
+        for g, h in zip(grads(got, logprobs), grads(want, logprobs), strict=True):
+            torch.testing.assert_close(g, h, **F64)
+    none, _ = rlbits.positive_example_nll_loss(logprobs, mask, torch.zeros(B, dtype=torch.float64))
+    assert none.item() == 0.0
+    with pytest.raises(ValueError, match="rewards"):
+        rlbits.positive_example_nll_loss(logprobs, mask, torch.zeros(B + 1))

@@ -266,6 +266,23 @@ def test_every_policy_loss_trains_and_logs_its_metrics(name, policy_dir, tmp_pat
     assert not torch.equal(before, policy)
 
 
+def test_positive_example_nll_weight_adds_its_term(policy_dir, tmp_path, ppo_batch):
+    """NeMo-RL ``positive_example_nll_weight``: the objective gains ``mu * positive_example_nll_loss``."""
+    from rlbits.functional import positive_example_nll_loss
+
+    state, batch = ppo_batch
+    micro = batch.clone()
+    micro["rewards"] = torch.tensor([1.0, 0.0, 0.5, -1.0, 0.25, 0.0, 2.0, 0.0])
+    mask = micro["action_mask"]
+    den = Denominators(num_tokens=mask.sum().float(), num_seqs=torch.tensor(8.0), num_rows=torch.tensor(8.0))
+    off, _ = objective(state, micro, make_cfg(policy_dir, tmp_path / "a"), den)
+    on, stats = objective(state, micro, make_cfg(policy_dir, tmp_path / "b", positive_example_nll_weight=0.3), den)
+    logprobs = policy_logprobs(state.policy, micro, temperature=1.0).float()
+    nll, _ = positive_example_nll_loss(logprobs, mask, micro["rewards"])
+    torch.testing.assert_close(on - off, 0.3 * nll, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats["positive_nll_loss"], nll.detach(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["gspo", "cispo"])
 def test_the_objective_calls_the_registered_loss(name, policy_dir, tmp_path, ppo_batch):
     """The objective's policy term is ``POLICY_LOSSES[name]`` on the same microbatch: value and gradient."""

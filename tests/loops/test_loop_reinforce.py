@@ -258,6 +258,25 @@ def test_reinforce_and_unclipped_ppo_give_the_same_gradient(tiny_path, tmp_path)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
 
 
+def test_positive_example_nll_weight_adds_its_term(tiny_path, tmp_path):
+    """NeMo-RL ``positive_example_nll_weight``: the objective gains ``mu * positive_example_nll_loss`` over the
+    rows with reward > 0."""
+    cfg = make_cfg(tiny_path, tmp_path)
+    state = init_state(cfg, DistEnv())
+    batch, _ = sample_batch(state, cfg, length_reward)
+    batch["ref_logprobs"] = batch["logprobs"].clone()
+    batch["rewards"] = torch.linspace(-1, 1, batch.batch_size[0])
+    advantages(batch, cfg)
+    n = batch["loss_mask"].sum().float()
+    den = Denominators(num_tokens=n, num_seqs=torch.tensor(16.0), num_rows=torch.tensor(16.0))
+    off, _ = objective(state, batch, cfg, den)
+    on, m = objective(state, batch, dataclasses.replace(cfg, positive_example_nll_weight=0.5), den)
+    logprobs = policy_logprobs(state.policy, batch, temperature=cfg.temperature).float()
+    nll, _ = rlbits.positive_example_nll_loss(logprobs, batch["loss_mask"], batch["rewards"])
+    torch.testing.assert_close(on - off, 0.5 * nll, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m["positive_nll_loss"], nll.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_non_finite_loss_names_step_and_phase(tiny_path, tmp_path):
     cfg = make_cfg(tiny_path, tmp_path)
     state = init_state(cfg, DistEnv())
