@@ -309,3 +309,18 @@ def length_adaptive_lambda(mask, alpha):
         lam = 1.0 - 1.0 / max(alpha * n, 1.0)
         out.append(min(max(lam, 0.0), 1.0))
     return torch.tensor(out, dtype=torch.float64)
+
+
+def aligner_rloo_baseline(prompts, reward, mask):
+    """NeMo-Aligner ``calculate_rloo_baseline`` (nemo_aligner/utils/ppo_utils.py, af2b3bd) re-written: per
+    unique prompt, the leave-one-out matrix times ``reward * mask`` over ``mask.sum() - 1``; the reward itself
+    when at most one sample of the prompt is unmasked."""
+    baseline = torch.zeros_like(reward)
+    for p in torch.unique(prompts):
+        idx = torch.arange(len(prompts))[prompts == p]
+        rloo_mat = 1 - torch.eye(len(idx), dtype=reward.dtype)
+        if mask[idx].sum() <= 1:
+            baseline[idx] = reward[idx]
+        else:
+            baseline[idx] = rloo_mat @ (reward[idx] * mask[idx]) / (mask[idx].sum() - 1)
+    return baseline

@@ -313,6 +313,37 @@ def rloo_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return einops.rearrange(baseline, "g k -> (g k)").to(_float_dtype(rewards))
 
 
+def rloo_baseline_ended(rewards: torch.Tensor, is_end: torch.Tensor, group_size: int) -> torch.Tensor:
+    """NeMo-Aligner's RLOO baseline: the samples that did not end (truncated) are left out of the others'
+    baselines (``calculate_rloo_baseline``, nemo_aligner/utils/ppo_utils.py at af2b3bd).
+
+    In each group of K contiguous rows with M ended samples: ``b_i = sum_{j != i, ended} r_j / (M - 1)`` for
+    every sample i (ended or not: a truncated sample's baseline is the ended samples' sum over M - 1, as
+    Aligner's), and ``b_i = r_i`` for the whole group when M <= 1 (its advantages are 0). With every sample
+    ended it is ``rloo_baseline``.
+
+    Args:
+        rewards: [B] float, B = num_prompts * K, the samples of one prompt contiguous.
+        is_end: [B] bool, True where the response ended (Aligner's ``is_end``; not truncated).
+        group_size: K >= 2.
+
+    Returns:
+        [B] in ``rewards``' floating dtype.
+
+    Raises:
+        ValueError: ``rewards`` is not 1-D, ``K < 2``, ``B % K != 0``, or ``is_end`` is not [B].
+    """
+    groups = _groups(rewards, group_size)
+    if is_end.shape != rewards.shape:
+        raise ValueError(f"is_end must be [B] = {tuple(rewards.shape)}, got shape {tuple(is_end.shape)}")
+    ended = einops.rearrange(is_end.to(torch.bool), "(g k) -> g k", k=group_size).to(groups.dtype)
+    count = einops.reduce(ended, "g k -> g 1", "sum")
+    kept = groups * ended
+    others = (einops.reduce(kept, "g k -> g 1", "sum") - kept) / (count - 1).clamp(min=1)
+    baseline = torch.where(count <= 1, groups, others)
+    return einops.rearrange(baseline, "g k -> (g k)").to(_float_dtype(rewards))
+
+
 GROUP_STDS = ("group", "leave_one_out")
 
 

@@ -48,6 +48,7 @@ from rlbits.functional import (
     rloo_baseline,
     token_rewards,
 )
+from rlbits.functional.advantages import rloo_baseline_ended
 from rlbits.functional.estimators import ADVANTAGE_ESTIMATORS
 from rlbits.loops import phases
 from rlbits.loops.config import ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig, RewardShapingConfig
@@ -113,6 +114,17 @@ class ReinforceConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradient
     """Subtract ``kl_coef * sum_t KL_t`` from each sequence reward before the baseline (NeMo-Aligner RLOO)."""
     kl_coef: float = ranged(0.0, ge=0)
     """KL coefficient of the reward penalty; must be > 0 with ``kl_in_reward`` and 0 without it."""
+    kl_reward_reduction: Literal["sum", "mean"] = "sum"
+    """How ``kl_in_reward`` reduces a response's per-token KL: ``sum`` (``r - kl_coef * sum_t KL_t``) or
+    ``mean`` over its action tokens, NeMo-Aligner's ``rewards - initial_policy_kl_penalty *
+    masked_mean(init_policy_kl)`` (nemo_aligner/algorithms/reinforce.py at af2b3bd; its
+    ``initial_policy_kl_penalty`` is ``kl_coef``, ``use_absolute_kl`` is ``kl_estimator: abs``). Not with the
+    per-token estimators (``reinforce_plus_plus``, ``remax``), whose KL stays on each token."""
+    rloo_exclude_truncated: bool = False
+    """``rloo`` as NeMo-Aligner's ``calculate_rloo_baseline`` (nemo_aligner/utils/ppo_utils.py at af2b3bd,
+    called with ``mask=is_end``): truncated responses are left out of the others' baselines, the divisor is
+    (ended - 1), and a group with at most one ended response gets baseline = reward (advantages 0)
+    (``rlbits.functional.advantages.rloo_baseline_ended``). Only with ``adv_estimator: rloo``."""
     kl_loss_coef: float = ranged(0.0, ge=0)
     """Weight of a KL(pi_theta || pi_ref) term added to the loss (GRPO: 0.04 with k3); 0 disables it."""
     kl_loss_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k3"
@@ -141,6 +153,13 @@ class ReinforceConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradient
             )
         if self.dynamic_sampling and self.num_generations_per_prompt < 2:
             raise ConfigError("dynamic_sampling needs num_generations_per_prompt >= 2 (a reward spread per group)")
+        if self.kl_reward_reduction == "mean" and self.adv_estimator in PER_TOKEN_REWARDS:
+            raise ConfigError(
+                f"kl_reward_reduction='mean' does not apply to adv_estimator={self.adv_estimator!r}: its KL stays on "
+                "each token"
+            )
+        if self.rloo_exclude_truncated and self.adv_estimator != "rloo":
+            raise ConfigError(f"rloo_exclude_truncated needs adv_estimator='rloo', got {self.adv_estimator!r}")
         if self.kl_in_reward and self.kl_coef == 0:
             raise ConfigError("kl_in_reward=true needs kl_coef > 0 (the weight of the KL taken off the reward)")
         if not self.kl_in_reward and self.kl_coef > 0:
@@ -337,11 +356,13 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
 
     ``r`` is the reward after ``RewardShapingConfig``'s transforms (``shape_rewards``: NeMo-Aligner's
     standardisation, NeMo-RL's linear scaling, then its stop-properly or DAPO overlong shaping; all off by
-    default); ``r' = r - kl_coef * sum_t KL_t`` (with ``kl_in_reward``) on the last action token, or for the
+    default); ``r' = r - kl_coef * sum_t KL_t`` (with ``kl_in_reward``; the mean over the action tokens with
+    ``kl_reward_reduction: mean``) on the last action token, or for the
     per-token estimators (``reinforce_plus_plus``, ``remax``) ``r`` there and ``-kl_coef * KL_t`` on every
     action token (verl's ``token_level_rewards``); the estimator's advantages (e.g. the sequence advantage ``A
     = r' - baseline`` broadcast over action tokens); ``loss_mask = action_mask`` without the truncated responses
-    when ``overlong_filtering`` (NeMo-RL's ``loss_multiplier = 0``). Statistics over the whole batch
+    when ``overlong_filtering`` (NeMo-RL's ``loss_multiplier = 0``). With ``rloo_exclude_truncated`` the
+    baseline is ``rloo_baseline_ended`` (NeMo-Aligner). Statistics over the whole batch
     (whitening, gpg's alpha) are summed over every rank.
     Adds ``rewards``, ``rewards_with_kl``, ``baseline`` (see ``_baseline``), ``advantages`` (token mean over
     the loss mask), ``init_policy_kl``, ``truncated_frac``, ``response_len``, ``loss_tokens`` (and
@@ -355,7 +376,10 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
     shaped, kl = rewards, None
     if cfg.kl_in_reward:
         kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
-        shaped = rewards - cfg.kl_coef * torch.where(action_mask, kl, 0.0).sum(-1)
+        seq_kl = torch.where(action_mask, kl, 0.0).sum(-1)
+        if cfg.kl_reward_reduction == "mean":  # NeMo-Aligner: masked_mean over the response's tokens
+            seq_kl = seq_kl / action_mask.sum(-1).clamp(min=1)
+        shaped = rewards - cfg.kl_coef * seq_kl
     if kl is not None and cfg.adv_estimator in PER_TOKEN_REWARDS:
         token_level = token_rewards(rewards, action_mask, kl, cfg.kl_coef)
     else:  # the outcome estimators use the row sum only: r' on the last action token
@@ -365,8 +389,12 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
         token_level, action_mask, group_size=k, global_sum=lambda t: all_reduce_sum(t, state.env),
         **inputs, **_estimator_kwargs(cfg),
     )
-    baseline = _baseline(shaped, batch, cfg)
     truncated, loss_mask = truncated_rows(batch), truncation_mask(batch, cfg)
+    if cfg.rloo_exclude_truncated:  # NeMo-Aligner: truncated rows out of the others' baselines
+        baseline = rloo_baseline_ended(shaped, ~truncated, k)
+        adv = torch.where(action_mask, (shaped - baseline)[:, None], 0.0).to(adv.dtype)
+    else:
+        baseline = _baseline(shaped, batch, cfg)
     batch["advantages"] = adv
     batch["loss_mask"] = loss_mask
     phases.add_batch_stats(m, batch)

@@ -561,3 +561,19 @@ def test_positive_example_nll_matches_nemo_rl(case):
     assert none.item() == 0.0
     with pytest.raises(ValueError, match="rewards"):
         rlbits.positive_example_nll_loss(logprobs, mask, torch.zeros(B + 1))
+
+
+@given(st.integers(1, 4), st.integers(2, 5), st.integers(0, 10**6))
+def test_rloo_baseline_ended_matches_nemo_aligner(groups, k, seed):
+    from rlbits.functional.advantages import rloo_baseline_ended
+
+    gen = torch.Generator().manual_seed(seed)
+    rewards = randn(gen, groups * k)
+    is_end = torch.rand(groups * k, generator=gen) > 0.4
+    prompts = torch.arange(groups).repeat_interleave(k)
+    got = rloo_baseline_ended(rewards, is_end, k)
+    torch.testing.assert_close(got, ref.aligner_rloo_baseline(prompts, rewards, is_end.double()), **F64)
+    everyone = rloo_baseline_ended(rewards, torch.ones(groups * k, dtype=torch.bool), k)
+    torch.testing.assert_close(everyone, rlbits.rloo_baseline(rewards, k), **F64)
+    with pytest.raises(ValueError, match="is_end"):
+        rloo_baseline_ended(rewards, is_end[:-1], k)

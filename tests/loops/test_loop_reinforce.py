@@ -141,6 +141,31 @@ def test_kl_in_reward_is_subtracted_before_the_baseline():
     assert m["rewards_with_kl"].item() == pytest.approx((1.0 - 0.04 + 1.0 - 0.08) / 2)
 
 
+def test_nemo_aligner_kl_mean_and_rloo_without_truncated():
+    """``kl_reward_reduction: mean`` (Aligner's masked_mean of the KL) and ``rloo_exclude_truncated`` (Aligner's
+    ``calculate_rloo_baseline`` with ``mask=is_end``)."""
+    from reference_impl import aligner_rloo_baseline
+
+    batch = hand_batch([1.0, 1.0], [2, 4], kl=0.5)
+    cfg = ReinforceConfig(num_generations_per_prompt=2, num_prompts_per_step=1, kl_in_reward=True, kl_coef=0.1,
+                          kl_reward_reduction="mean")
+    m = advantages(batch, cfg)
+    assert m["rewards_with_kl"].item() == pytest.approx(1.0 - 0.1 * 0.5)  # mean KL 0.5 on both rows
+    torch.testing.assert_close(batch["advantages"][:, 0], torch.tensor([0.0, 0.0]))
+
+    rewards = [1.0, 0.0, 3.0, 2.0, 5.0, 1.0, 4.0, 0.5]
+    truncated = [False, True, False, False, True, True, False, True]  # groups of 4: 3 ended, then 1 ended
+    batch = hand_batch(rewards, [2, 3, 1, 2, 1, 2, 3, 1], truncated=truncated)
+    cfg = ReinforceConfig(num_generations_per_prompt=4, num_prompts_per_step=2, rloo_exclude_truncated=True)
+    m = advantages(batch, cfg)
+    r = torch.tensor(rewards)
+    want = r - aligner_rloo_baseline(torch.arange(2).repeat_interleave(4), r, (~torch.tensor(truncated)).float())
+    torch.testing.assert_close(batch["advantages"], torch.where(batch["action_mask"], want[:, None], 0.0))
+    assert torch.equal(want[4:], torch.zeros(4))  # one ended response: the group's advantages are 0
+    off = advantages(batch, dataclasses.replace(cfg, rloo_exclude_truncated=False))
+    assert off["baseline"].item() != m["baseline"].item()
+
+
 def test_loop_advantages_are_the_registry_estimators():
     """The advantages phase is ``ADVANTAGE_ESTIMATORS[adv_estimator]`` on the batch's token rewards: the
     per-token estimators see each token's KL penalty (verl's token_level_rewards), the others the sequence's."""
@@ -466,6 +491,9 @@ def test_resume_without_checkpoint_is_an_error(tiny_path, tmp_path):
         ({"gamma": 0.9}, "gamma=0.9 has no effect with adv_estimator='rloo'"),
         ({"gamma": 1.5, "adv_estimator": "reinforce_plus_plus"}, "gamma"),
         ({"adv_estimator": "gae"}, "adv_estimator must be one of"),
+        ({"rloo_exclude_truncated": True, "adv_estimator": "grpo"}, "rloo_exclude_truncated needs"),
+        ({"kl_reward_reduction": "mean", "adv_estimator": "remax", "num_generations_per_prompt": 1},
+         "kl_reward_reduction='mean' does not apply"),
         ({"kl_coef": 0.1}, "kl_in_reward"),
         ({"kl_in_reward": True}, "kl_coef > 0"),
         ({"kl_estimator": "k4"}, "kl_estimator must be one of"),
