@@ -280,3 +280,47 @@ def expectile_per_token(values, target_q, mask, tau):
             row.append(w * u * u if mask[b, t] else torch.zeros((), dtype=torch.float64))
         rows.append(torch.stack(row))
     return torch.stack(rows)
+
+
+def gae_nemo_rl(rewards, values, mask, gamma, lam):
+    """NeMo-RL ``GAEAdvantageEstimator._compute_gae`` (advantage_estimator.py) re-written: one backward walk
+    over every position, the accumulators carried forward over masked positions; ``lam`` a float or [B]."""
+    B, R = mask.shape
+    m = mask.to(torch.float64)
+    next_values = torch.zeros(B, dtype=torch.float64)
+    last_gae_lam = torch.zeros(B, dtype=torch.float64)
+    out = []
+    for t in reversed(range(R)):
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        new_gae_lam = delta + gamma * lam * last_gae_lam
+        next_values = values[:, t] * m[:, t] + (1 - m[:, t]) * next_values
+        last_gae_lam = new_gae_lam * m[:, t] + (1 - m[:, t]) * last_gae_lam
+        out.append(last_gae_lam)
+    advantages = torch.stack(out[::-1], dim=1) if out else torch.zeros(B, 0, dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64)
+    return torch.where(mask, advantages, zero), torch.where(mask, advantages + values, zero)
+
+
+def length_adaptive_lambda(mask, alpha):
+    """NeMo-RL ``_resolve_lambda_policy`` with ``length_adaptive_alpha > 0``, per row in Python."""
+    out = []
+    for b in range(mask.shape[0]):
+        n = float(sum(bool(x) for x in mask[b]))
+        lam = 1.0 - 1.0 / max(alpha * n, 1.0)
+        out.append(min(max(lam, 0.0), 1.0))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def aligner_rloo_baseline(prompts, reward, mask):
+    """NeMo-Aligner ``calculate_rloo_baseline`` (nemo_aligner/utils/ppo_utils.py, af2b3bd) re-written: per
+    unique prompt, the leave-one-out matrix times ``reward * mask`` over ``mask.sum() - 1``; the reward itself
+    when at most one sample of the prompt is unmasked."""
+    baseline = torch.zeros_like(reward)
+    for p in torch.unique(prompts):
+        idx = torch.arange(len(prompts))[prompts == p]
+        rloo_mat = 1 - torch.eye(len(idx), dtype=reward.dtype)
+        if mask[idx].sum() <= 1:
+            baseline[idx] = reward[idx]
+        else:
+            baseline[idx] = rloo_mat @ (reward[idx] * mask[idx]) / (mask[idx].sum() - 1)
+    return baseline

@@ -19,6 +19,7 @@ from rlbits.functional.estimators import (
     no_baseline_advantage,
     opo_advantage,
     optimal_token_baseline_advantage,
+    raw_reward_advantage,
     reinforce_plus_plus_advantage,
     reinforce_plus_plus_baseline_advantage,
     remax_advantage,
@@ -34,7 +35,13 @@ from rlbits.functional.ilql import (
 )
 from rlbits.functional.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_penalty
 from rlbits.functional.logprobs import entropy_from_logits, logprobs_from_logits
-from rlbits.functional.losses import aggregate_loss, ppo_loss, reinforce_loss, value_loss
+from rlbits.functional.losses import (
+    aggregate_loss,
+    positive_example_nll_loss,
+    ppo_loss,
+    reinforce_loss,
+    value_loss,
+)
 from rlbits.functional.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from rlbits.functional.policy_losses import (
     POLICY_LOSSES,
@@ -76,6 +83,7 @@ __all__ = [
     "no_baseline_advantage",
     "opo_advantage",
     "optimal_token_baseline_advantage",
+    "raw_reward_advantage",
     "reinforce_plus_plus_advantage",
     "reinforce_plus_plus_baseline_advantage",
     "remax_advantage",
@@ -124,6 +132,7 @@ __all__ = [
     "masked_whiten",
     "next_action_values",
     "pointwise_reward_loss",
+    "positive_example_nll_loss",
     "ppo_loss",
     "q_loss",
     "reinforce_loss",

@@ -76,9 +76,11 @@ def next_action_values(values: torch.Tensor, action_mask: torch.Tensor) -> torch
     return torch.where(mask, shifted, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
-def _discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
+def _discounted_reverse_cumsum(x: torch.Tensor, discount: float | torch.Tensor) -> torch.Tensor:
     """``y_t = sum_{s >= t} discount^(s - t) x_s`` along dim 1 of [B, R], blocked: matmul within a block,
-    a carried value across blocks."""
+    a carried value across blocks. ``discount`` is a float or a [B] tensor (one discount per row)."""
+    if isinstance(discount, torch.Tensor):
+        return _discounted_reverse_cumsum_rows(x, discount)
     batch, length = x.shape
     if length == 0:
         return x
@@ -98,6 +100,52 @@ def _discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor
         carry = y[:, 0]
         blocks.append(y)
     return torch.cat(blocks[::-1], dim=1)[:, :length]
+
+
+def _discounted_reverse_cumsum_rows(x: torch.Tensor, discount: torch.Tensor) -> torch.Tensor:
+    """``_discounted_reverse_cumsum`` with a [B] discount: one [block, block] weight matrix per row."""
+    batch, length = x.shape
+    if length == 0:
+        return x
+    block = min(length, _GAE_BLOCK)
+    n_blocks = -(-length // block)
+    padded = torch.nn.functional.pad(x, (0, n_blocks * block - length)).view(batch, n_blocks, block)
+    k = torch.arange(block, device=x.device)
+    lag = k[None, :] - k[:, None]
+    base = discount.to(x.dtype)[:, None, None]  # [B, 1, 1]
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    weights = torch.where(lag >= 0, torch.pow(base, lag.clamp(min=0).to(x.dtype)), zero)  # [B, s, t]
+    within = torch.einsum("bnt,bst->bns", padded, weights)
+    carry_weight = torch.pow(base[:, :, 0], (block - k).to(x.dtype))  # [B, block]
+    carry = torch.zeros(batch, dtype=x.dtype, device=x.device)
+    blocks = []
+    for j in range(n_blocks - 1, -1, -1):
+        y = within[:, j] + carry_weight * carry[:, None]
+        carry = y[:, 0]
+        blocks.append(y)
+    return torch.cat(blocks[::-1], dim=1)[:, :length]
+
+
+def length_adaptive_lambda(action_mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's length-adaptive GAE lambda of the policy, one per row: ``clamp(1 - 1 / max(alpha * len, 1), 0, 1)``
+    with ``len`` the row's number of action tokens (Yue 2025, VAPO eq. 7; NeMo-RL
+    ``GAEAdvantageEstimator._resolve_lambda_policy``, nemo_rl/algorithms/advantage_estimator.py).
+
+    Args:
+        action_mask: [B, R] bool.
+        alpha: > 0; a row of ``len`` tokens gets lambda ``1 - 1 / (alpha * len)`` (0 for ``alpha * len <= 1``).
+
+    Returns:
+        [B] float32 lambdas in [0, 1].
+
+    Raises:
+        ValueError: ``action_mask`` is not 2-D, or ``alpha`` is not > 0.
+    """
+    _checks.ndim("action_mask", action_mask, 2, "[B, R]")
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not alpha > 0:
+        raise ValueError(f"alpha must be a number > 0, got {alpha!r}")
+    lengths = action_mask.to(torch.bool).sum(dim=1).to(torch.float32)
+    return (1.0 - 1.0 / (alpha * lengths).clamp(min=1.0)).clamp(0.0, 1.0)
 
 
 def token_rewards(
@@ -164,7 +212,7 @@ def gae(
     values: torch.Tensor,
     action_mask: torch.Tensor,
     gamma: float = 1.0,
-    lam: float = 0.95,
+    lam: float | torch.Tensor = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over action tokens (Schulman 2016, eq. 11-16).
 
@@ -184,7 +232,7 @@ def gae(
         values: [B, R] critic values V(s_t) of the state before token t.
         action_mask: [B, R] bool; True on action tokens.
         gamma: discount per action token.
-        lam: GAE lambda.
+        lam: GAE lambda: a float, or a [B] tensor of one lambda per row (``length_adaptive_lambda``).
 
     Returns:
         ``(advantages, returns)``, each [B, R] in the promoted dtype of the inputs (computed in float32 for
@@ -192,11 +240,16 @@ def gae(
         normally detach them).
 
     Raises:
-        ValueError: inputs are not all [B, R] of one shape.
+        ValueError: inputs are not all [B, R] of one shape; a tensor ``lam`` is not [B] (its values are not
+            checked: no device sync).
     """
     _check_2d(token_rewards=token_rewards, values=values, action_mask=action_mask)
     _checks.in_range("gamma", gamma, 0, 1)
-    _checks.in_range("lam", lam, 0, 1)
+    if isinstance(lam, torch.Tensor):
+        if lam.shape != (values.shape[0],):
+            raise ValueError(f"lam as a tensor must be [B] = [{values.shape[0]}], got shape {tuple(lam.shape)}")
+    else:
+        _checks.in_range("lam", lam, 0, 1)
     out_dtype = torch.promote_types(token_rewards.dtype, values.dtype)
     dtype = _checks.compute_dtype(token_rewards, values)
     if values.shape[1] == 0:
@@ -209,7 +262,8 @@ def gae(
     compact_rewards = _compact(token_rewards.to(dtype), idx, compact_mask)
     compact_values = _compact(vals, idx, compact_mask)
     deltas = compact_rewards + gamma * _shift_left(compact_values) - compact_values  # 0 past the last action
-    advantages = torch.where(mask, _discounted_reverse_cumsum(deltas, gamma * lam).gather(1, idx), zero)
+    discount = gamma * lam.to(dtype) if isinstance(lam, torch.Tensor) else gamma * lam
+    advantages = torch.where(mask, _discounted_reverse_cumsum(deltas, discount).gather(1, idx), zero)
     returns = torch.where(mask, advantages + vals, zero)
     return advantages.to(out_dtype), returns.to(out_dtype)
 
@@ -256,6 +310,37 @@ def rloo_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """
     groups = _groups(rewards, group_size)
     baseline = (einops.reduce(groups, "g k -> g 1", "sum") - groups) / (group_size - 1)
+    return einops.rearrange(baseline, "g k -> (g k)").to(_float_dtype(rewards))
+
+
+def rloo_baseline_ended(rewards: torch.Tensor, is_end: torch.Tensor, group_size: int) -> torch.Tensor:
+    """NeMo-Aligner's RLOO baseline: the samples that did not end (truncated) are left out of the others'
+    baselines (``calculate_rloo_baseline``, nemo_aligner/utils/ppo_utils.py at af2b3bd).
+
+    In each group of K contiguous rows with M ended samples: ``b_i = sum_{j != i, ended} r_j / (M - 1)`` for
+    every sample i (ended or not: a truncated sample's baseline is the ended samples' sum over M - 1, as
+    Aligner's), and ``b_i = r_i`` for the whole group when M <= 1 (its advantages are 0). With every sample
+    ended it is ``rloo_baseline``.
+
+    Args:
+        rewards: [B] float, B = num_prompts * K, the samples of one prompt contiguous.
+        is_end: [B] bool, True where the response ended (Aligner's ``is_end``; not truncated).
+        group_size: K >= 2.
+
+    Returns:
+        [B] in ``rewards``' floating dtype.
+
+    Raises:
+        ValueError: ``rewards`` is not 1-D, ``K < 2``, ``B % K != 0``, or ``is_end`` is not [B].
+    """
+    groups = _groups(rewards, group_size)
+    if is_end.shape != rewards.shape:
+        raise ValueError(f"is_end must be [B] = {tuple(rewards.shape)}, got shape {tuple(is_end.shape)}")
+    ended = einops.rearrange(is_end.to(torch.bool), "(g k) -> g k", k=group_size).to(groups.dtype)
+    count = einops.reduce(ended, "g k -> g 1", "sum")
+    kept = groups * ended
+    others = (einops.reduce(kept, "g k -> g 1", "sum") - kept) / (count - 1).clamp(min=1)
+    baseline = torch.where(count <= 1, groups, others)
     return einops.rearrange(baseline, "g k -> (g k)").to(_float_dtype(rewards))
 
 

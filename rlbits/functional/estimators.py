@@ -67,6 +67,7 @@ __all__ = [
     "no_baseline_advantage",
     "opo_advantage",
     "optimal_token_baseline_advantage",
+    "raw_reward_advantage",
     "reinforce_plus_plus_advantage",
     "reinforce_plus_plus_baseline_advantage",
     "remax_advantage",
@@ -539,6 +540,48 @@ def gdpo_advantage(
     return adv, adv
 
 
+def raw_reward_advantage(
+    token_level_rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    group_size: int | None = None,
+    global_sum: GlobalSum = None,
+    normalize_advantages: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw reward as the advantage: NeMo-RL's ``raw_reward`` estimator (``RawRewardAdvantageEstimator``,
+    nemo_rl/algorithms/advantage_estimator.py): no value model, no baseline.
+
+    ``A_t = r`` (the row sum) on every action token; with ``normalize_advantages`` (NeMo-RL's
+    ``adv_estimator.normalize_advantages``, default True) ``A = (A - mean) * rsqrt(max(var, 1e-8))`` with the
+    mean and the *biased* variance over the batch's action tokens, as NeMo-RL whitens it (not
+    ``masked_whiten``'s unbiased ``rsqrt(var + 1e-8)``). Without it this is ``none``. NeMo-RL returns no value
+    targets; here the advantages are returned twice, as by the other outcome estimators. NeMo-RL's estimator
+    reads the sequence reward, so a KL in the reward (in the row sum here) is rlbits' addition: leave it out
+    for NeMo-RL's numbers. ``group_size`` is not used.
+
+    Args:
+        token_level_rewards, action_mask, global_sum: see the module docstring.
+        normalize_advantages: whiten over the batch's action tokens (every rank's with ``global_sum``).
+
+    Returns:
+        ``(advantages, advantages)`` [B, R].
+
+    Raises:
+        ValueError: shapes.
+    """
+    mask, rewards, out_dtype = _prepare(token_level_rewards, action_mask)
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    adv = torch.where(mask, rewards.sum(-1)[:, None], zero)
+    if normalize_advantages:
+        count = _sum(mask.sum().to(adv.dtype), global_sum).clamp(min=1)
+        mean = _sum(adv.sum(), global_sum) / count
+        centered = torch.where(mask, adv - mean, zero)
+        var = _sum((centered * centered).sum(), global_sum) / count
+        adv = centered * var.clamp(min=1e-8).rsqrt()
+    adv = adv.to(out_dtype)
+    return adv, adv
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "gae": gae_advantage,
     "grpo": grpo_advantage,
@@ -553,6 +596,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]
     "grpo_passk": grpo_passk_advantage,
     "optimal_token_baseline": optimal_token_baseline_advantage,
     "gdpo": gdpo_advantage,
+    "raw_reward": raw_reward_advantage,
 }
-"""verl's ``adv_estimator`` name (plus rlbits' ``dr_grpo`` and ``none``) -> advantage estimator with the shared
-signature (see this module's docstring)."""
+"""verl's ``adv_estimator`` name (plus rlbits' ``dr_grpo`` and ``none``, and NeMo-RL's ``raw_reward``) ->
+advantage estimator with the shared signature (see this module's docstring)."""

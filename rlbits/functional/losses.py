@@ -218,6 +218,42 @@ def reinforce_loss(
     return loss, metrics
 
 
+def positive_example_nll_loss(
+    logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    rewards: torch.Tensor,
+    num_tokens: int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """VAPO's positive-example NLL: ``mean(-log pi(a_t | s_t))`` over the action tokens of the rows with reward
+    > 0 (Yue 2025, VAPO eq. 10; NeMo-RL ``ClippedPGLossFn``, ``positive_example_nll_weight``,
+    nemo_rl/algorithms/loss/loss_functions.py). The caller adds ``mu *`` it to the policy loss.
+
+    Args:
+        logprobs: [B, R] log pi_theta(token), with grad.
+        action_mask: [B, R] bool (the loss mask).
+        rewards: [B] the rows' rewards; a row counts when its reward is > 0.
+        num_tokens: the divisor; None = this call's positive action tokens (NeMo-RL's ``correct_valid_toks``,
+            counted per microbatch).
+
+    Returns:
+        ``(loss, metrics)``: loss 0-dim float32, 0 when no row has a positive reward; metrics
+        ``positive_tokens`` (this call's count, detached).
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    _check_per_token(action_mask, logprobs=logprobs)
+    _checks.ndim("rewards", rewards, 1, "[B]")
+    if rewards.shape[0] != action_mask.shape[0]:
+        raise ValueError(f"rewards has {rewards.shape[0]} rows but action_mask has {action_mask.shape[0]}")
+    mask = action_mask.to(torch.bool) & (rewards.detach() > 0)[:, None]
+    lp = logprobs.to(_checks.compute_dtype(logprobs))
+    count = mask.sum()
+    den = count.clamp(min=1) if num_tokens is None else num_tokens
+    loss = torch.where(mask, -lp, torch.zeros((), dtype=lp.dtype, device=lp.device)).sum() / den
+    return loss, {"positive_tokens": count.detach().float()}
+
+
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

@@ -517,6 +517,11 @@ class PolicyGradientConfig(OnlineConfig):
     kl_clamp: float | None = ranged(None, gt=0)
     """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None =
     no clamp."""
+    positive_example_nll_weight: float = ranged(0.0, ge=0)
+    """NeMo-RL ``loss_fn.positive_example_nll_weight`` (nemo_rl/algorithms/loss/loss_functions.py; VAPO): mu of
+    ``mu * positive_example_nll_loss`` added to the policy loss: the token mean of ``-log pi`` over the rows
+    whose score (``rewards``, before the KL) is > 0, over each microbatch's such tokens as NeMo-RL does (so it
+    depends on ``microbatch_size`` as NeMo-RL's on its micro batch). 0 = off; metric ``positive_nll_loss``."""
     monitor_init_policy_kl: bool = False
     """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs``
     (``uses_ref_logprobs``); without it the reference model is then neither loaded nor run (as TRL's GRPO with

@@ -39,9 +39,11 @@ from rlbits.functional import (
     kl_penalty,
     masked_mean,
     masked_sum,
+    positive_example_nll_loss,
     token_rewards,
     value_loss,
 )
+from rlbits.functional.advantages import length_adaptive_lambda
 from rlbits.functional.reward import running_moments_update
 from rlbits.loops import phases
 from rlbits.loops.config import (
@@ -126,9 +128,17 @@ class PPOConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig
     gamma: float = ranged(1.0, ge=0, le=1)
     """Discount per response token."""
     lam: float = ranged(0.95, ge=0, le=1)
-    """GAE lambda of the policy's advantages."""
+    """GAE lambda of the policy's advantages. With ``critic_lam`` set it is NeMo-RL's
+    ``adv_estimator.gae_lambda_policy`` (nemo_rl/algorithms/ppo.py, advantage_estimator.py), otherwise its
+    ``gae_lambda``."""
     critic_lam: float | None = ranged(None, ge=0, le=1)
-    """GAE lambda of the critic's return targets (decoupled, VAPO/NeMo style); None = ``lam``."""
+    """GAE lambda of the critic's return targets (decoupled, VAPO/NeMo style; NeMo-RL
+    ``adv_estimator.gae_lambda_value``); None = ``lam``."""
+    length_adaptive_alpha: float = ranged(0.0, ge=0)
+    """NeMo-RL ``adv_estimator.length_adaptive_alpha`` (advantage_estimator.py; VAPO): > 0 gives each row its
+    own policy lambda ``clamp(1 - 1 / max(alpha * len, 1), 0, 1)``, ``len`` its action tokens
+    (``length_adaptive_lambda``), in place of ``lam``; the critic's returns keep ``critic_lam`` (None = ``lam``).
+    0 = off."""
     whiten_advantages: bool = True
     """Whiten advantages over the batch's action tokens (zero mean, unit variance)."""
     value_clip_eps: float | None = ranged(None, gt=0)
@@ -332,7 +342,8 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
     episodes with ``turn_reward: token``: each turn's reward on that turn's last action token instead
     (``turn_rewards``), plus ``scaled - rewards`` (what whitening/clipping changed in the episode's sum) on the
     last action token, so a row's rewards still sum to its scaled score. Policy
-    advantages from ``gae(gamma, lam)`` (whitened over all ranks if ``whiten_advantages``); critic targets
+    advantages from ``gae(gamma, lam)`` (per-row lambdas from ``length_adaptive_lambda`` with
+    ``length_adaptive_alpha``; whitened over all ranks if ``whiten_advantages``); critic targets
     ``returns`` from ``gae(gamma, critic_lam)``. Adds to ``state.metrics``: ``rewards``, ``rewards_with_kl``,
     ``init_policy_kl``, ``advantages``, ``returns``, ``values``, ``explained_variance``, ``response_len``
     (``rewards_scaled`` when a scaling is on; ``reward_ref_std``, ``reward_running_mean`` and
@@ -353,9 +364,16 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
         batch["token_rewards"] = kernel(token_rewards, cfg)(shift, mask, kl, coef, turn_rewards=batch["turn_rewards"])
     else:
         batch["token_rewards"] = kernel(token_rewards, cfg)(scores, mask, kl, coef)
-    adv, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.lam)
-    if cfg.critic_lam is not None and cfg.critic_lam != cfg.lam:
-        _, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.critic_lam)
+    critic_lam = cfg.lam if cfg.critic_lam is None else cfg.critic_lam
+    if cfg.length_adaptive_alpha > 0:  # NeMo-RL's priority: length_adaptive_alpha > gae_lambda_policy
+        policy_lam = length_adaptive_lambda(mask, cfg.length_adaptive_alpha)
+        adv, _ = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=policy_lam)
+        _, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=critic_lam)
+        m.mean("policy_lam", policy_lam.sum(), batch.batch_size[0])
+    else:
+        adv, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=cfg.lam)
+        if critic_lam != cfg.lam:
+            _, ret = gae_fn(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=critic_lam)
     rows, tokens = batch.batch_size[0], mask.sum()
     phases.add_batch_stats(m, batch)
     m.mean("rewards_with_kl", batch["token_rewards"].sum(), rows)
@@ -389,7 +407,7 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
     """
     mask = micro["loss_mask"] if "loss_mask" in micro.keys() else micro["action_mask"]  # rollout correction
     agg, share = den.agg(cfg.loss_agg, cfg.loss_scale_factor), den.share(mask)
-    pg_loss = entropy = kl = 0.0
+    pg_loss = entropy = kl = nll = 0.0
     stats: dict[str, torch.Tensor] = {}
     if state.step >= cfg.policy_training_start_step:
         logprobs, token_entropy = (x.float() for x in policy_logprobs(
@@ -407,6 +425,9 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
             token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
             kl = aggregate_loss(token_kl, mask, **agg)
             stats["kl_loss"] = kl.detach()
+        if cfg.positive_example_nll_weight > 0:
+            nll, _ = kernel(positive_example_nll_loss, cfg)(logprobs, mask, micro["rewards"])
+            stats["positive_nll_loss"] = nll.detach()
         stats |= {"actor_loss": pg_loss.detach(), "entropy": masked_mean(token_entropy.detach(), mask) * share}
         always = ("clipfrac", "approx_kl", "ratio_mean")
         stats |= {name: v * share for name, v in phases.policy_loss_stats(ratio, cfg, always).items()}
@@ -418,6 +439,7 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
         pg_loss  # policy_loss; vanilla: the clipped surrogate -min(r A, clip(r, 1 - eps, 1 + eps_high) A)
         - cfg.entropy_coef * entropy  # entropy bonus
         + state.kl_coef * kl  # KL to the reference, when it is not in the reward
+        + cfg.positive_example_nll_weight * nll  # VAPO/NeMo-RL: NLL of the rows with reward > 0
         + cfg.vf_coef * v_loss  # critic: (clipped) squared error to the GAE returns
     )
     return loss, {**stats, "critic_loss": v_loss.detach(), "value_clipfrac": vstats["clipfrac"] * share}

@@ -43,10 +43,12 @@ from rlbits.functional import (
     kl_penalty,
     masked_mean,
     masked_sum,
+    positive_example_nll_loss,
     reinforce_loss,
     rloo_baseline,
     token_rewards,
 )
+from rlbits.functional.advantages import rloo_baseline_ended
 from rlbits.functional.estimators import ADVANTAGE_ESTIMATORS
 from rlbits.loops import phases
 from rlbits.loops.config import ConfigError, EnvConfig, LoRAConfig, PolicyGradientConfig, RewardShapingConfig
@@ -72,6 +74,7 @@ ADV_ESTIMATORS = (
     "opo",
     "gpg",
     "grpo_passk",
+    "raw_reward",
 )
 """The ``ADVANTAGE_ESTIMATORS`` this loop runs. Not here: ``gae`` (a critic: the PPO loop),
 ``optimal_token_baseline`` (needs sum_v pi(v)^2 per token, which the rollout does not record) and ``gdpo``
@@ -93,14 +96,16 @@ class ReinforceConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradient
     """K responses per prompt (>= 2 for the estimators of ``GROUPED``); a prompt's K responses form its group."""
     adv_estimator: Literal[
         "rloo", "grpo", "dr_grpo", "none", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
-        "gpg", "grpo_passk",
+        "gpg", "grpo_passk", "raw_reward",
     ] = "rloo"
     """The advantage estimator (verl's name; ``rlbits.ADVANTAGE_ESTIMATORS``): ``rloo``: r - mean of the other K-1
     rewards; ``grpo``: (r - group mean) / (group std + eps); ``dr_grpo``: r - group mean (Dr. GRPO, Liu 2025);
     ``none``: r itself (plain REINFORCE); ``reinforce_plus_plus``: the discounted return to go, whitened over the
     batch; ``reinforce_plus_plus_baseline``: r - group mean, whitened; ``remax``: the return to go minus the
     reward of a greedy response; ``opo``: r - length-weighted group mean; ``gpg``: (r - group mean) * B / (rewards
-    != 0); ``grpo_passk``: only each group's best response, (r_max - r_second) / (std + eps)."""
+    != 0); ``grpo_passk``: only each group's best response, (r_max - r_second) / (std + eps); ``raw_reward``
+    (NeMo-RL's ``adv_estimator.name: raw_reward``, advantage_estimator.py): r whitened over the batch's tokens
+    (its ``normalize_advantages: true``; ``none`` is the unwhitened form)."""
     grpo_eps: float = ranged(1e-6, ge=0)
     """Added to the group std by ``grpo`` and ``grpo_passk`` (verl's ``epsilon``)."""
     gamma: float = ranged(1.0, ge=0, le=1)
@@ -109,6 +114,17 @@ class ReinforceConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradient
     """Subtract ``kl_coef * sum_t KL_t`` from each sequence reward before the baseline (NeMo-Aligner RLOO)."""
     kl_coef: float = ranged(0.0, ge=0)
     """KL coefficient of the reward penalty; must be > 0 with ``kl_in_reward`` and 0 without it."""
+    kl_reward_reduction: Literal["sum", "mean"] = "sum"
+    """How ``kl_in_reward`` reduces a response's per-token KL: ``sum`` (``r - kl_coef * sum_t KL_t``) or
+    ``mean`` over its action tokens, NeMo-Aligner's ``rewards - initial_policy_kl_penalty *
+    masked_mean(init_policy_kl)`` (nemo_aligner/algorithms/reinforce.py at af2b3bd; its
+    ``initial_policy_kl_penalty`` is ``kl_coef``, ``use_absolute_kl`` is ``kl_estimator: abs``). Not with the
+    per-token estimators (``reinforce_plus_plus``, ``remax``), whose KL stays on each token."""
+    rloo_exclude_truncated: bool = False
+    """``rloo`` as NeMo-Aligner's ``calculate_rloo_baseline`` (nemo_aligner/utils/ppo_utils.py at af2b3bd,
+    called with ``mask=is_end``): truncated responses are left out of the others' baselines, the divisor is
+    (ended - 1), and a group with at most one ended response gets baseline = reward (advantages 0)
+    (``rlbits.functional.advantages.rloo_baseline_ended``). Only with ``adv_estimator: rloo``."""
     kl_loss_coef: float = ranged(0.0, ge=0)
     """Weight of a KL(pi_theta || pi_ref) term added to the loss (GRPO: 0.04 with k3); 0 disables it."""
     kl_loss_estimator: Literal["k1", "abs", "k2", "k3", "k1+", "k3+"] = "k3"
@@ -137,6 +153,13 @@ class ReinforceConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradient
             )
         if self.dynamic_sampling and self.num_generations_per_prompt < 2:
             raise ConfigError("dynamic_sampling needs num_generations_per_prompt >= 2 (a reward spread per group)")
+        if self.kl_reward_reduction == "mean" and self.adv_estimator in PER_TOKEN_REWARDS:
+            raise ConfigError(
+                f"kl_reward_reduction='mean' does not apply to adv_estimator={self.adv_estimator!r}: its KL stays on "
+                "each token"
+            )
+        if self.rloo_exclude_truncated and self.adv_estimator != "rloo":
+            raise ConfigError(f"rloo_exclude_truncated needs adv_estimator='rloo', got {self.adv_estimator!r}")
         if self.kl_in_reward and self.kl_coef == 0:
             raise ConfigError("kl_in_reward=true needs kl_coef > 0 (the weight of the KL taken off the reward)")
         if not self.kl_in_reward and self.kl_coef > 0:
@@ -333,11 +356,13 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
 
     ``r`` is the reward after ``RewardShapingConfig``'s transforms (``shape_rewards``: NeMo-Aligner's
     standardisation, NeMo-RL's linear scaling, then its stop-properly or DAPO overlong shaping; all off by
-    default); ``r' = r - kl_coef * sum_t KL_t`` (with ``kl_in_reward``) on the last action token, or for the
+    default); ``r' = r - kl_coef * sum_t KL_t`` (with ``kl_in_reward``; the mean over the action tokens with
+    ``kl_reward_reduction: mean``) on the last action token, or for the
     per-token estimators (``reinforce_plus_plus``, ``remax``) ``r`` there and ``-kl_coef * KL_t`` on every
     action token (verl's ``token_level_rewards``); the estimator's advantages (e.g. the sequence advantage ``A
     = r' - baseline`` broadcast over action tokens); ``loss_mask = action_mask`` without the truncated responses
-    when ``overlong_filtering`` (NeMo-RL's ``loss_multiplier = 0``). Statistics over the whole batch
+    when ``overlong_filtering`` (NeMo-RL's ``loss_multiplier = 0``). With ``rloo_exclude_truncated`` the
+    baseline is ``rloo_baseline_ended`` (NeMo-Aligner). Statistics over the whole batch
     (whitening, gpg's alpha) are summed over every rank.
     Adds ``rewards``, ``rewards_with_kl``, ``baseline`` (see ``_baseline``), ``advantages`` (token mean over
     the loss mask), ``init_policy_kl``, ``truncated_frac``, ``response_len``, ``loss_tokens`` (and
@@ -351,7 +376,10 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
     shaped, kl = rewards, None
     if cfg.kl_in_reward:
         kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
-        shaped = rewards - cfg.kl_coef * torch.where(action_mask, kl, 0.0).sum(-1)
+        seq_kl = torch.where(action_mask, kl, 0.0).sum(-1)
+        if cfg.kl_reward_reduction == "mean":  # NeMo-Aligner: masked_mean over the response's tokens
+            seq_kl = seq_kl / action_mask.sum(-1).clamp(min=1)
+        shaped = rewards - cfg.kl_coef * seq_kl
     if kl is not None and cfg.adv_estimator in PER_TOKEN_REWARDS:
         token_level = token_rewards(rewards, action_mask, kl, cfg.kl_coef)
     else:  # the outcome estimators use the row sum only: r' on the last action token
@@ -361,8 +389,12 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
         token_level, action_mask, group_size=k, global_sum=lambda t: all_reduce_sum(t, state.env),
         **inputs, **_estimator_kwargs(cfg),
     )
-    baseline = _baseline(shaped, batch, cfg)
     truncated, loss_mask = truncated_rows(batch), truncation_mask(batch, cfg)
+    if cfg.rloo_exclude_truncated:  # NeMo-Aligner: truncated rows out of the others' baselines
+        baseline = rloo_baseline_ended(shaped, ~truncated, k)
+        adv = torch.where(action_mask, (shaped - baseline)[:, None], 0.0).to(adv.dtype)
+    else:
+        baseline = _baseline(shaped, batch, cfg)
     batch["advantages"] = adv
     batch["loss_mask"] = loss_mask
     phases.add_batch_stats(m, batch)
@@ -410,13 +442,20 @@ def objective(
     if cfg.kl_loss_coef > 0:
         token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
         kl = aggregate_loss(token_kl, mask, **agg)
+    nll = torch.zeros(())
+    if cfg.positive_example_nll_weight > 0:
+        nll, _ = kernel(positive_example_nll_loss, cfg)(logprobs, mask, micro["rewards"])
     loss = (
         pg_loss  # policy_loss; vanilla: -A log pi, or -min(r A, clip(r) A) when clipped
         + cfg.kl_loss_coef * kl  # KL to the reference policy
+        + cfg.positive_example_nll_weight * nll  # VAPO/NeMo-RL: NLL of the rows with reward > 0
     )
     w = mask.sum()
     means = {**phases.policy_loss_stats(ratio, cfg), "entropy": masked_mean(entropy, mask)}
-    return loss, {"actor_loss": pg_loss.detach(), "kl_loss": kl.detach(), **{k: (v * w, w) for k, v in means.items()}}
+    stats = {"actor_loss": pg_loss.detach(), "kl_loss": kl.detach(), **{k: (v * w, w) for k, v in means.items()}}
+    if cfg.positive_example_nll_weight > 0:
+        stats["positive_nll_loss"] = nll.detach()
+    return loss, stats
 
 
 def update(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:

@@ -43,6 +43,7 @@ VERL_REGISTERED = {  # verl's AdvantageEstimator names
 }
 NOT_REGISTERED = {"rloo_vectorized", "grpo_vectorized", "tir_optimal_token_baseline"}  # module docstring: why
 RLBITS_ONLY = {"dr_grpo", "none"}
+NEMO_RL = {"raw_reward"}  # NeMo-RL's own names (nemo_rl/algorithms/advantage_estimator.py)
 
 
 def _index():
@@ -373,7 +374,7 @@ def test_global_sum_makes_a_part_compute_as_the_whole_batch():
     REINFORCE loop's all-reduce does under torchrun."""
     tlr, mask = _inputs(0, token_noise=True)
     values = torch.linspace(-1, 1, B * R, dtype=torch.float64).view(B, R)
-    for name in ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "gdpo"):
+    for name in ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "gdpo", "raw_reward"):
         fn = rlbits.ADVANTAGE_ESTIMATORS[name]
         extra = {"values": values} if name == "gae" else {}
         double = {k: torch.cat([v, v]) for k, v in extra.items()}
@@ -381,12 +382,12 @@ def test_global_sum_makes_a_part_compute_as_the_whole_batch():
         part, _ = fn(tlr, mask, group_size=K, global_sum=lambda t: 2 * t, **extra)
         torch.testing.assert_close(part, whole[:B], **TOL)
         alone, _ = fn(tlr, mask, group_size=K, **extra)
-        if name != "gpg":  # gpg's alpha is a ratio of counts: doubling both leaves it
+        if name not in ("gpg", "raw_reward"):  # ratios of sums that doubling leaves (raw_reward: biased var)
             assert not torch.allclose(alone, part), name  # the whitening's variance uses n - 1
 
 
 def test_registry_holds_verl_names_and_rlbits_own():
-    assert set(rlbits.ADVANTAGE_ESTIMATORS) == (VERL_REGISTERED - NOT_REGISTERED) | RLBITS_ONLY
+    assert set(rlbits.ADVANTAGE_ESTIMATORS) == (VERL_REGISTERED - NOT_REGISTERED) | RLBITS_ONLY | NEMO_RL
     assert rlbits.ADVANTAGE_ESTIMATORS is estimators.ADVANTAGE_ESTIMATORS
     assert rlbits.functional.ADVANTAGE_ESTIMATORS is estimators.ADVANTAGE_ESTIMATORS
     for name, fn in rlbits.ADVANTAGE_ESTIMATORS.items():
@@ -448,3 +449,31 @@ def test_bad_input_names_the_problem(call, match):
     tlr, mask = _inputs(0)
     with pytest.raises(ValueError, match=match):
         call(tlr, mask)
+
+
+def ref_raw_reward(rewards, mask, normalize_advantages):
+    """NeMo-RL ``RawRewardAdvantageEstimator.compute_advantage`` re-written: the reward expanded over the mask's
+    shape, then mean and biased variance over the mask's tokens, ``rsqrt(clamp(var, 1e-8))``."""
+    m = mask.to(torch.float64)
+    adv = rewards.unsqueeze(-1).expand(mask.shape)
+    if normalize_advantages:
+        mean = (adv * m).sum() / m.sum().clamp(min=1)
+        var = ((adv - mean).pow(2) * m).sum() / m.sum().clamp(min=1)
+        adv = (adv - mean) * var.clamp(min=1e-8).rsqrt()
+    return adv
+
+
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_raw_reward_matches_nemo_rl_reference(holes, normalize):
+    tlr, mask = _inputs(2, holes=holes)
+    scores = tlr.sum(-1)
+    adv, ret = rlbits.raw_reward_advantage(tlr, mask, group_size=K, normalize_advantages=normalize)
+    want = ref_raw_reward(scores, mask, normalize)
+    torch.testing.assert_close(adv[mask], want[mask], **TOL)  # NeMo-RL leaves values on padding; rlbits 0
+    assert torch.equal(adv[~mask], torch.zeros_like(adv[~mask])) and ret is adv
+    if not normalize:
+        torch.testing.assert_close(adv, rlbits.no_baseline_advantage(tlr, mask, group_size=K)[0], rtol=0, atol=0)
+    one = torch.full_like(scores, 0.5)  # one reward everywhere: variance 0, clamped, advantages 0
+    flat, _ = rlbits.raw_reward_advantage(rlbits.token_rewards(one, mask), mask)
+    assert torch.equal(flat, torch.zeros_like(flat))

@@ -497,3 +497,83 @@ def test_float32_and_bf16_inputs_agree_with_float64(case):
             got = fn(a.to(dtype), b_.to(dtype), c.to(dtype))
             assert got.dtype in (dtype, torch.float32)
             torch.testing.assert_close(got.double(), want, atol=tol * (1 + want.abs().max().item()), rtol=tol)
+
+
+@given(masked_case(max_len=12), st.sampled_from([1.0, 0.99]), st.sampled_from([0.05, 0.3, 1.0, 5.0]))
+def test_gae_per_row_lambda_matches_nemo_rl(case, gamma, alpha):
+    """Length-adaptive (VAPO) lambdas per row: ``gae`` with a [B] ``lam`` against NeMo-RL's carry-forward loop."""
+    from rlbits.functional.advantages import length_adaptive_lambda
+
+    B, R, mask, gen = case
+    rewards, values = randn(gen, B, R), randn(gen, B, R)
+    lam = length_adaptive_lambda(mask, alpha)
+    assert lam.dtype == torch.float32  # as NeMo-RL's ``mask.sum(dim=1).float()``
+    torch.testing.assert_close(lam.double(), ref.length_adaptive_lambda(mask, alpha), atol=1e-6, rtol=1e-6)
+    lam = lam.double()
+    adv, ret = rlbits.gae(rewards, values, mask, gamma=gamma, lam=lam)
+    ref_adv, ref_ret = ref.gae_nemo_rl(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(adv, ref_adv, **F64)
+    torch.testing.assert_close(ret, ref_ret, **F64)
+    for b in range(B):  # a row's lambda gives that row what a scalar lambda gives it
+        one, _ = rlbits.gae(rewards[b : b + 1], values[b : b + 1], mask[b : b + 1], gamma=gamma, lam=float(lam[b]))
+        torch.testing.assert_close(adv[b : b + 1], one, **F64)
+
+
+@pytest.mark.parametrize("length", [65, 200])
+def test_gae_per_row_lambda_block_boundaries(length):
+    gen = torch.Generator().manual_seed(length)
+    from strategies import make_mask
+
+    mask = make_mask(3, length, "holes", gen)
+    rewards, values = randn(gen, 3, length), randn(gen, 3, length)
+    lam = torch.tensor([0.0, 0.9, 0.99])
+    adv, _ = rlbits.gae(rewards.float(), values.float(), mask, gamma=0.99, lam=lam)
+    ref_adv, _ = ref.gae_nemo_rl(rewards, values, mask, 0.99, lam.double())
+    torch.testing.assert_close(adv.double(), ref_adv, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="lam as a tensor"):
+        rlbits.gae(rewards, values, mask, lam=torch.ones(4))
+
+
+def _ref_positive_example_nll(curr_logprobs, mask, rewards):
+    """NeMo-RL ``ClippedPGLossFn`` (loss_functions.py), the VAPO term re-written: rows with reward > 0, the
+    masked mean of ``-logprobs`` over their tokens, 0 when there are none."""
+    correct_mask = mask.to(torch.float64) * (rewards > 0).to(torch.float64).unsqueeze(-1)
+    correct_valid_toks = correct_mask.sum()
+    if correct_valid_toks > 0:
+        return (-curr_logprobs * correct_mask).sum() / correct_valid_toks
+    return torch.zeros((), dtype=torch.float64)
+
+
+@given(masked_case(max_len=9))
+def test_positive_example_nll_matches_nemo_rl(case):
+    B, R, mask, gen = case
+    logprobs = leaf(-randn(gen, B, R).abs())
+    rewards = torch.where(randn(gen, B) > 0, 1.0, -0.5).to(torch.float64)
+    rewards[0] = 0.0  # reward 0 is not positive
+    got, metrics = rlbits.positive_example_nll_loss(logprobs, mask, rewards)
+    want = _ref_positive_example_nll(logprobs, mask, rewards)
+    torch.testing.assert_close(got, want, **F64)
+    assert metrics["positive_tokens"] == (mask & (rewards > 0)[:, None]).sum()
+    if want.requires_grad:
+        for g, h in zip(grads(got, logprobs), grads(want, logprobs), strict=True):
+            torch.testing.assert_close(g, h, **F64)
+    none, _ = rlbits.positive_example_nll_loss(logprobs, mask, torch.zeros(B, dtype=torch.float64))
+    assert none.item() == 0.0
+    with pytest.raises(ValueError, match="rewards"):
+        rlbits.positive_example_nll_loss(logprobs, mask, torch.zeros(B + 1))
+
+
+@given(st.integers(1, 4), st.integers(2, 5), st.integers(0, 10**6))
+def test_rloo_baseline_ended_matches_nemo_aligner(groups, k, seed):
+    from rlbits.functional.advantages import rloo_baseline_ended
+
+    gen = torch.Generator().manual_seed(seed)
+    rewards = randn(gen, groups * k)
+    is_end = torch.rand(groups * k, generator=gen) > 0.4
+    prompts = torch.arange(groups).repeat_interleave(k)
+    got = rloo_baseline_ended(rewards, is_end, k)
+    torch.testing.assert_close(got, ref.aligner_rloo_baseline(prompts, rewards, is_end.double()), **F64)
+    everyone = rloo_baseline_ended(rewards, torch.ones(groups * k, dtype=torch.bool), k)
+    torch.testing.assert_close(everyone, rlbits.rloo_baseline(rewards, k), **F64)
+    with pytest.raises(ValueError, match="is_end"):
+        rloo_baseline_ended(rewards, is_end[:-1], k)

@@ -171,6 +171,29 @@ def test_token_rewards_hold_kl_in_reward_only(policy_dir, tmp_path):
     torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"] - 0.5 * 0.1 * lengths)
 
 
+def test_length_adaptive_alpha_gives_each_row_its_lambda(policy_dir, tmp_path):
+    """NeMo-RL ``length_adaptive_alpha``: per-row policy lambdas, the critic's returns on ``critic_lam``."""
+    from rlbits.functional import gae
+    from rlbits.functional.advantages import length_adaptive_lambda
+
+    cfg = make_cfg(policy_dir, tmp_path / "run", length_adaptive_alpha=0.5, critic_lam=0.9, whiten_advantages=False)
+    env, state, batch = phase_batch(cfg)
+    score(state, batch, cfg)
+    reference(state, batch, cfg)
+    values(state, batch, cfg)
+    advantages(state, batch, cfg)
+    mask = batch["action_mask"]
+    lam = length_adaptive_lambda(mask, 0.5)
+    want_adv, _ = gae(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=lam)
+    _, want_ret = gae(batch["token_rewards"], batch["values"], mask, gamma=cfg.gamma, lam=0.9)
+    torch.testing.assert_close(batch["advantages"], want_adv)
+    torch.testing.assert_close(batch["returns"], want_ret)
+    assert "policy_lam" in state.metrics.names()
+    off = dataclasses.replace(cfg, length_adaptive_alpha=0.0)  # 0 = the fixed ``lam``
+    advantages(state, batch, off)
+    torch.testing.assert_close(batch["advantages"], gae(batch["token_rewards"], batch["values"], mask, lam=0.95)[0])
+
+
 def test_kl_in_loss_changes_the_policy_update(policy_dir, tmp_path):
     cfg = make_cfg(policy_dir, tmp_path / "run", kl_in_reward=False, kl_estimator="k3", kl_loss_coef=1.0)
     env, state, batch = phase_batch(cfg)
@@ -241,6 +264,23 @@ def test_every_policy_loss_trains_and_logs_its_metrics(name, policy_dir, tmp_pat
     assert all(math.isfinite(logged[k]) for k in names)
     assert logged["approx_kl"] > 0  # later minibatches ran off-policy
     assert not torch.equal(before, policy)
+
+
+def test_positive_example_nll_weight_adds_its_term(policy_dir, tmp_path, ppo_batch):
+    """NeMo-RL ``positive_example_nll_weight``: the objective gains ``mu * positive_example_nll_loss``."""
+    from rlbits.functional import positive_example_nll_loss
+
+    state, batch = ppo_batch
+    micro = batch.clone()
+    micro["rewards"] = torch.tensor([1.0, 0.0, 0.5, -1.0, 0.25, 0.0, 2.0, 0.0])
+    mask = micro["action_mask"]
+    den = Denominators(num_tokens=mask.sum().float(), num_seqs=torch.tensor(8.0), num_rows=torch.tensor(8.0))
+    off, _ = objective(state, micro, make_cfg(policy_dir, tmp_path / "a"), den)
+    on, stats = objective(state, micro, make_cfg(policy_dir, tmp_path / "b", positive_example_nll_weight=0.3), den)
+    logprobs = policy_logprobs(state.policy, micro, temperature=1.0).float()
+    nll, _ = positive_example_nll_loss(logprobs, mask, micro["rewards"])
+    torch.testing.assert_close(on - off, 0.3 * nll, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats["positive_nll_loss"], nll.detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["gspo", "cispo"])
@@ -452,6 +492,7 @@ def test_reward_subtract_reference_run(policy_dir, tmp_path):
         ({"policy_loss_kwargs": {"clip_ratio_c": 1.0}}, "policy_loss 'vanilla' .*clip_ratio_c.*must be > 1"),
         ({"lam": 1.5}, r"lam must be in \[0, 1\]"),
         ({"critic_lam": -1.0}, r"critic_lam must be in \[0, 1\]"),
+        ({"length_adaptive_alpha": -1.0}, r"length_adaptive_alpha"),
         ({"reward_clip": 0.0}, "reward_clip must be > 0 or null"),
         ({"value_clip_eps": -1.0}, "value_clip_eps must be > 0 or null"),
         ({"critic_learning_rate": 0.0}, "critic_learning_rate must be > 0"),

@@ -141,6 +141,31 @@ def test_kl_in_reward_is_subtracted_before_the_baseline():
     assert m["rewards_with_kl"].item() == pytest.approx((1.0 - 0.04 + 1.0 - 0.08) / 2)
 
 
+def test_nemo_aligner_kl_mean_and_rloo_without_truncated():
+    """``kl_reward_reduction: mean`` (Aligner's masked_mean of the KL) and ``rloo_exclude_truncated`` (Aligner's
+    ``calculate_rloo_baseline`` with ``mask=is_end``)."""
+    from reference_impl import aligner_rloo_baseline
+
+    batch = hand_batch([1.0, 1.0], [2, 4], kl=0.5)
+    cfg = ReinforceConfig(num_generations_per_prompt=2, num_prompts_per_step=1, kl_in_reward=True, kl_coef=0.1,
+                          kl_reward_reduction="mean")
+    m = advantages(batch, cfg)
+    assert m["rewards_with_kl"].item() == pytest.approx(1.0 - 0.1 * 0.5)  # mean KL 0.5 on both rows
+    torch.testing.assert_close(batch["advantages"][:, 0], torch.tensor([0.0, 0.0]))
+
+    rewards = [1.0, 0.0, 3.0, 2.0, 5.0, 1.0, 4.0, 0.5]
+    truncated = [False, True, False, False, True, True, False, True]  # groups of 4: 3 ended, then 1 ended
+    batch = hand_batch(rewards, [2, 3, 1, 2, 1, 2, 3, 1], truncated=truncated)
+    cfg = ReinforceConfig(num_generations_per_prompt=4, num_prompts_per_step=2, rloo_exclude_truncated=True)
+    m = advantages(batch, cfg)
+    r = torch.tensor(rewards)
+    want = r - aligner_rloo_baseline(torch.arange(2).repeat_interleave(4), r, (~torch.tensor(truncated)).float())
+    torch.testing.assert_close(batch["advantages"], torch.where(batch["action_mask"], want[:, None], 0.0))
+    assert torch.equal(want[4:], torch.zeros(4))  # one ended response: the group's advantages are 0
+    off = advantages(batch, dataclasses.replace(cfg, rloo_exclude_truncated=False))
+    assert off["baseline"].item() != m["baseline"].item()
+
+
 def test_loop_advantages_are_the_registry_estimators():
     """The advantages phase is ``ADVANTAGE_ESTIMATORS[adv_estimator]`` on the batch's token rewards: the
     per-token estimators see each token's KL penalty (verl's token_level_rewards), the others the sequence's."""
@@ -157,6 +182,20 @@ def test_loop_advantages_are_the_registry_estimators():
     want, _ = rlbits.opo_advantage(rlbits.token_rewards(shaped, batch["action_mask"]), batch["action_mask"], group_size=2)
     torch.testing.assert_close(batch["advantages"], want)
     assert m["baseline"].item() == pytest.approx(shaped.mean().item())  # the group means' mean
+
+
+def test_raw_reward_advantages_whiten_the_rewards():
+    """NeMo-RL's ``raw_reward``: the reward on every token, whitened over the batch's tokens; one response per
+    prompt is enough (no groups)."""
+    batch = hand_batch([1.0, 0.0, 2.0, 2.0], [2, 3, 1, 2])
+    cfg = config_from_dict(ReinforceConfig, {"adv_estimator": "raw_reward", "num_generations_per_prompt": 1,
+                                             "num_prompts_per_step": 4})
+    m = advantages(batch, cfg)
+    mask = batch["action_mask"]
+    tokens = batch["rewards"][:, None].expand(mask.shape)[mask]
+    want = (tokens - tokens.mean()) / tokens.var(unbiased=False).sqrt()
+    torch.testing.assert_close(batch["advantages"][mask], want)
+    assert m["baseline"].item() == 0.0
 
 
 def test_remax_advantages_subtract_the_greedy_reward():
@@ -242,6 +281,25 @@ def test_reinforce_and_unclipped_ppo_give_the_same_gradient(tiny_path, tmp_path)
         grads.append(torch.cat([p.grad.flatten() for p in state.policy.parameters() if p.grad is not None]))
         assert m["clipfrac"][0].item() == 0.0
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_positive_example_nll_weight_adds_its_term(tiny_path, tmp_path):
+    """NeMo-RL ``positive_example_nll_weight``: the objective gains ``mu * positive_example_nll_loss`` over the
+    rows with reward > 0."""
+    cfg = make_cfg(tiny_path, tmp_path)
+    state = init_state(cfg, DistEnv())
+    batch, _ = sample_batch(state, cfg, length_reward)
+    batch["ref_logprobs"] = batch["logprobs"].clone()
+    batch["rewards"] = torch.linspace(-1, 1, batch.batch_size[0])
+    advantages(batch, cfg)
+    n = batch["loss_mask"].sum().float()
+    den = Denominators(num_tokens=n, num_seqs=torch.tensor(16.0), num_rows=torch.tensor(16.0))
+    off, _ = objective(state, batch, cfg, den)
+    on, m = objective(state, batch, dataclasses.replace(cfg, positive_example_nll_weight=0.5), den)
+    logprobs = policy_logprobs(state.policy, batch, temperature=cfg.temperature).float()
+    nll, _ = rlbits.positive_example_nll_loss(logprobs, batch["loss_mask"], batch["rewards"])
+    torch.testing.assert_close(on - off, 0.5 * nll, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m["positive_nll_loss"], nll.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_non_finite_loss_names_step_and_phase(tiny_path, tmp_path):
@@ -433,6 +491,9 @@ def test_resume_without_checkpoint_is_an_error(tiny_path, tmp_path):
         ({"gamma": 0.9}, "gamma=0.9 has no effect with adv_estimator='rloo'"),
         ({"gamma": 1.5, "adv_estimator": "reinforce_plus_plus"}, "gamma"),
         ({"adv_estimator": "gae"}, "adv_estimator must be one of"),
+        ({"rloo_exclude_truncated": True, "adv_estimator": "grpo"}, "rloo_exclude_truncated needs"),
+        ({"kl_reward_reduction": "mean", "adv_estimator": "remax", "num_generations_per_prompt": 1},
+         "kl_reward_reduction='mean' does not apply"),
         ({"kl_coef": 0.1}, "kl_in_reward"),
         ({"kl_in_reward": True}, "kl_coef > 0"),
         ({"kl_estimator": "k4"}, "kl_estimator must be one of"),
@@ -455,7 +516,7 @@ def test_config_errors(values, match):
 def test_config_defaults_and_plain_reinforce():
     cfg = config_from_dict(ReinforceConfig, {"adv_estimator": "none", "num_generations_per_prompt": 1})
     assert cfg.loop == "reinforce" and not cfg.clipped
-    for name in ("reinforce_plus_plus", "remax"):  # no groups: one response per prompt is enough
+    for name in ("reinforce_plus_plus", "remax", "raw_reward"):  # no groups: one response per prompt is enough
         config_from_dict(ReinforceConfig, {"adv_estimator": name, "num_generations_per_prompt": 1})
     assert set(reinforce.ADV_ESTIMATORS) <= set(rlbits.ADVANTAGE_ESTIMATORS)
     with pytest.raises(dataclasses.FrozenInstanceError):
