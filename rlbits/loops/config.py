@@ -517,6 +517,11 @@ class PolicyGradientConfig(OnlineConfig):
     kl_clamp: float | None = ranged(None, gt=0)
     """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (verl, OpenRLHF and NeMo-RL clamp at 10); None =
     no clamp."""
+    kl_input_clamp: float | None = ranged(None, gt=0)
+    """Clamp each token's log-ratio ``logp - ref_logp`` to [-kl_input_clamp, kl_input_clamp] before the KL
+    estimator is computed (``rlbits.kl_penalty(input_clamp=...)``; NeMo-RL's ``kl_input_clamp_value``,
+    ``nemo_rl/algorithms/loss/loss_functions.py``, default 20 there, whose ``kl_output_clamp_value`` is
+    ``kl_clamp``); None = no clamp."""
     monitor_init_policy_kl: bool = False
     """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs``
     (``uses_ref_logprobs``); without it the reference model is then neither loaded nor run (as TRL's GRPO with

@@ -345,7 +345,10 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
     gae_fn = kernel(gae, cfg)
     kl = None
     if cfg.kl_in_reward and "ref_logprobs" in batch.keys():
-        kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
+        kl = kernel(kl_penalty, cfg)(
+            batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator,
+            clamp=cfg.kl_clamp, input_clamp=cfg.kl_input_clamp,
+        )
     scores = scale_rewards(batch, cfg, env, state)
     coef = state.kl_coef if cfg.kl_in_reward else 0.0
     if cfg.turn_reward == "token" and "turn_rewards" in batch.keys():
@@ -404,7 +407,9 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
         )
         entropy = aggregate_loss(token_entropy, mask, **agg) if cfg.entropy_coef > 0 else 0.0
         if not cfg.kl_in_reward and state.kl_coef > 0 and "ref_logprobs" in micro.keys():
-            token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
+            token_kl = kl_penalty(
+                logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp, input_clamp=cfg.kl_input_clamp
+            )
             kl = aggregate_loss(token_kl, mask, **agg)
             stats["kl_loss"] = kl.detach()
         stats |= {"actor_loss": pg_loss.detach(), "entropy": masked_mean(token_entropy.detach(), mask) * share}

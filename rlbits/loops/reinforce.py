@@ -350,7 +350,10 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
     k, rows = cfg.num_generations_per_prompt, batch.batch_size[0]
     shaped, kl = rewards, None
     if cfg.kl_in_reward:
-        kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
+        kl = kernel(kl_penalty, cfg)(
+            batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator,
+            clamp=cfg.kl_clamp, input_clamp=cfg.kl_input_clamp,
+        )
         shaped = rewards - cfg.kl_coef * torch.where(action_mask, kl, 0.0).sum(-1)
     if kl is not None and cfg.adv_estimator in PER_TOKEN_REWARDS:
         token_level = token_rewards(rewards, action_mask, kl, cfg.kl_coef)
@@ -408,7 +411,9 @@ def objective(
         ratio = {"approx_kl": masked_mean(kl_penalty(old, logprobs.detach(), "k3"), mask)}
     kl = torch.zeros(())
     if cfg.kl_loss_coef > 0:
-        token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
+        token_kl = kl_penalty(
+            logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp, input_clamp=cfg.kl_input_clamp
+        )
         kl = aggregate_loss(token_kl, mask, **agg)
     loss = (
         pg_loss  # policy_loss; vanilla: -A log pi, or -min(r A, clip(r) A) when clipped

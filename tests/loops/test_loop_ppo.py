@@ -169,6 +169,9 @@ def test_token_rewards_hold_kl_in_reward_only(policy_dir, tmp_path):
     clamped = dataclasses.replace(cfg, kl_clamp=0.1)  # the config's clamp reaches the kernel: 0.25 -> 0.1
     advantages(state, batch, clamped)
     torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"] - 0.5 * 0.1 * lengths)
+    in_clamped = dataclasses.replace(cfg, kl_input_clamp=0.2)  # the log-ratio clamp too: 0.25 -> 0.2
+    advantages(state, batch, in_clamped)
+    torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"] - 0.5 * 0.2 * lengths)
 
 
 def test_kl_in_loss_changes_the_policy_update(policy_dir, tmp_path):
