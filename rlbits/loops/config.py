@@ -59,6 +59,22 @@ VAL_GENERATION_KEYS = (
 # --------------------------------------------------------------------------------------------------------
 
 
+def max_time_seconds(max_time: str) -> int:
+    """Seconds in a ``DD:HH:MM:SS`` budget (``RunConfig.max_time``; NeMo-RL's ``convert_to_seconds``).
+
+    Raises:
+        ConfigError: not four ``:``-separated whole numbers >= 0, or a budget of 0 seconds.
+    """
+    parts = max_time.split(":") if isinstance(max_time, str) else []
+    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"max_time must be 'DD:HH:MM:SS' (e.g. '00:03:45:00'); got {show(max_time)}")
+    days, hours, minutes, seconds = (int(p) for p in parts)
+    total = days * 86400 + hours * 3600 + minutes * 60 + seconds
+    if total <= 0:
+        raise ConfigError(f"max_time must be more than 0 seconds; got {show(max_time)}")
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Shared by every loop: where the run is written, how long it trains, the optimizer's shared settings,
@@ -77,6 +93,13 @@ class RunConfig:
     """Training steps (one batch and its updates each)."""
     max_num_epochs: int = ranged(1000, ge=1)
     """Passes over the training data; training stops at whichever limit comes first."""
+    max_time: str | None = None
+    """Wall-clock budget of this process's run, ``DD:HH:MM:SS`` (NeMo-Aligner ``exp_manager.max_time_per_run``,
+    read by ``Timer`` in ``nemo_aligner/utils/distributed.py`` and checked after each step in
+    ``algorithms/ppo.py``; NeMo-RL ``checkpointing.checkpoint_must_save_by``, ``TimeoutChecker`` in
+    ``nemo_rl/utils/timer.py``): after the step that ends past it, the run validates (``val_at_end``), saves
+    a checkpoint, exports ``final/`` and ends, as at its last step; a resume gets the budget afresh. Counted
+    from the first step (``Run.steps``). None: no time limit."""
     learning_rate: float = ranged(1e-5, gt=0)
     """AdamW learning rate."""
     weight_decay: float = ranged(0.0, ge=0)
@@ -192,6 +215,8 @@ class RunConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {show(self.device)}")
+        if self.max_time is not None:
+            max_time_seconds(self.max_time)
 
     def _check_run_dir(self) -> None:
         """``run_dir`` names a folder: not empty (that would be the current folder) and not the root. Whether
