@@ -334,7 +334,8 @@ def test_two_step_run_writes_the_run(policy_dir, tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert set(rows[0]) == {"step", "time_s", "val_reward", "val_reward_std", "val_response_len"}
+    val_keys = {"val_reward", "val_reward_std", "val_response_len", "val_fraction_of_samples_properly_ended"}
+    assert set(rows[0]) == {"step", "time_s", *val_keys}
     expected = {"rewards", "rewards_with_kl", "init_policy_kl", "kl_coef", "advantages", "returns", "values",
                 "actor_loss", "critic_loss", "clipfrac", "approx_kl", "entropy", "value_clipfrac",
                 "explained_variance", "grad_norm", "critic_grad_norm", "response_len", "tokens_per_s",
