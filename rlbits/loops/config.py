@@ -781,6 +781,12 @@ class EnvConfig(OnlineConfig):
     """Multi-turn tasks, PPO: ``token`` puts each turn's reward on the last action token of that turn
     (``turn_rewards``; GAE credits turns separately), ``sequence`` puts the episode's summed reward on its
     last action token. REINFORCE/GRPO/RLOO always use the sum."""
+    max_rollout_turns: int | None = ranged(None, ge=1)
+    """Multi-turn tasks: at most this many policy turns an episode, over every task's own limit (its env's
+    ``stop.max_turns``, ``env_options`` ``max_turns``); an episode cut here ends with ``stop_reason``
+    ``max_turns``, training and validation alike (NeMo-RL ``grpo.max_rollout_turns``,
+    ``nemo_rl/algorithms/grpo.py``, the turn loop of ``run_multi_turn_rollout`` in
+    ``nemo_rl/experience/rollouts.py``). None: the envs' own limits."""
     max_env_workers: int = ranged(8, ge=1, at_most=1024)
     """Multi-turn tasks: most env steps (tool calls) running at once in a rollout."""
     env_timeout_s: float = ranged(60.0, gt=0)

@@ -137,8 +137,8 @@ def run_episodes(
 ) -> TensorDictBase:
     """The rollout of a multi-turn task: ``num_samples`` episodes per prompt (groups contiguous), each with its
     own env ``make_env(prompt, **env_options(make_env, cfg))``, run by ``generate_episodes`` with ``cfg``'s
-    ``max_episode_tokens``, ``turn_reward``, ``max_env_workers`` and ``env_timeout_s`` (a sharded policy is
-    gathered for the whole call). The envs' ``StopConditions`` bound each turn; ``cfg.max_new_tokens`` is
+    ``max_episode_tokens``, ``turn_reward``, ``max_env_workers``, ``env_timeout_s`` and ``max_rollout_turns`` (a
+    sharded policy is gathered for the whole call). The envs' ``StopConditions`` bound each turn; ``cfg.max_new_tokens`` is
     not used.
 
     Returns the batch of ``generate_episodes``: docs/batch.md's keys with ``rewards`` (the episodes' summed
@@ -152,7 +152,7 @@ def run_episodes(
             policy, tokenizer, envs, rows, temperature=temperature, generator=generator,
             max_episode_tokens=cfg.max_episode_tokens, reward_placement=cfg.turn_reward,
             max_env_workers=cfg.max_env_workers, env_timeout_s=cfg.env_timeout_s, compile=compile,
-            group_size=num_samples, pack_weights=pack_weights,
+            group_size=num_samples, pack_weights=pack_weights, max_turns=cfg.max_rollout_turns,
         )
 
 
