@@ -395,6 +395,18 @@ def test_critic_warmup_leaves_the_policy_unchanged(policy_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_critic_warmup_steps_are_not_training_steps(policy_dir, tmp_path):
+    """NeMo-Aligner's critic_warmup_steps: critic-only updates on extra rollouts before step 1, outside the
+    step count; they are logged in the step-0 row and change the critic step 1 starts from."""
+    settings = dict(max_num_steps=1, val_at_start=False, val_at_end=False, save_period=0)
+    train(make_cfg(policy_dir, tmp_path / "warm", critic_warmup_steps=2, **settings), reward=reward, prompts=PROMPTS)
+    train(make_cfg(policy_dir, tmp_path / "cold", **settings), reward=reward, prompts=PROMPTS)
+    warm, cold = read_metrics(tmp_path / "warm"), read_metrics(tmp_path / "cold")
+    assert [r["step"] for r in warm] == [0, 1] and [r["step"] for r in cold] == [1]
+    assert "critic_warmup/critic_loss" in warm[0] and "critic_warmup/actor_loss" not in warm[0]
+    assert "actor_loss" in warm[1] and warm[1]["values"] != cold[0]["values"]
+
+@pytest.mark.slow
 def test_adaptive_kl_and_skip_reference_in_a_run(policy_dir, tmp_path):
     cfg = make_cfg(
         policy_dir, tmp_path / "a", adaptive_kl=True, kl_target=1e-4, kl_horizon=10, max_num_steps=3
