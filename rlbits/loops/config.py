@@ -471,9 +471,21 @@ class LoRAConfig(PolicyConfig):
     """Layers that get adapters: a list of module names (``[q_proj, v_proj]``; GPT-2: ``c_attn``, ``c_proj``,
     ``c_fc``, its ``Conv1D`` layers handled with peft's ``fan_in_fan_out``), a regex over module paths, or
     None = ``all-linear`` (every linear layer of the attention and MLP blocks, not the output layer)."""
+    num_layers_unfrozen: int = ranged(-1, ge=-1)
+    """Train only the top this-many decoder blocks of the policy (trlx ``model.num_layers_unfrozen``,
+    ``trlx/data/configs.py``, applied by ``freeze_bottom_causal_layers`` in ``trlx/utils/modeling.py``):
+    the blocks below them and the input embeddings are frozen (``rlbits.models.freeze.freeze_bottom_layers``;
+    0 freezes every block and the output layer too), and the optimizer holds only what trains. The reference
+    stays a separate copy (trlx's hydra head shares the frozen trunk with it: a memory saving only, the same
+    numbers). Not with LoRA (``lora_rank``), which freezes the whole base. -1 = every layer trains."""
 
     def check(self) -> None:
         super().check()
+        if self.num_layers_unfrozen != -1 and self.lora_rank:
+            raise ConfigError(
+                f"num_layers_unfrozen ({self.num_layers_unfrozen}) needs full fine-tuning; lora_rank is "
+                f"{self.lora_rank}, whose base is frozen whole"
+            )
         targets = self.lora_target_modules
         if isinstance(targets, str):
             if not targets.strip():
