@@ -474,8 +474,9 @@ class LoRAConfig(PolicyConfig):
     num_layers_unfrozen: int = ranged(-1, ge=-1)
     """Train only the top this-many decoder blocks of the policy (trlx ``model.num_layers_unfrozen``,
     ``trlx/data/configs.py``, applied by ``freeze_bottom_causal_layers`` in ``trlx/utils/modeling.py``):
-    the blocks below them and the input embeddings are frozen (``rlbits.models.freeze.freeze_bottom_layers``;
-    0 freezes every block and the output layer too), and the optimizer holds only what trains. The reference
+    the blocks below them and the input embeddings are frozen
+    (``rlbits.models.frozen_layers.freeze_bottom_layers``; 0 freezes every block and the output layer too),
+    and the optimizer holds only what trains. The reference
     stays a separate copy (trlx's hydra head shares the frozen trunk with it: a memory saving only, the same
     numbers). Not with LoRA (``lora_rank``), which freezes the whole base. -1 = every layer trains."""
 

@@ -27,7 +27,7 @@ from rlbits._seeds import derive_seed, generator  # defined below the loops: rlb
 from rlbits.distributed.env import DistEnv, init, main_rank_first
 from rlbits.distributed.parallelize import is_sharded, shard
 from rlbits.loops.config import ConfigError, RunConfig
-from rlbits.models.freeze import freeze_bottom_layers
+from rlbits.models.frozen_layers import freeze_bottom_layers
 from rlbits.models.heads import ValueModel
 from rlbits.models.load import load_pretrained
 from rlbits.models.lora import apply_lora

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from rlbits.distributed.env import DistEnv
 from rlbits.loops import reinforce
 from rlbits.loops.config import ConfigError
-from rlbits.models.freeze import decoder_blocks, freeze_bottom_layers
+from rlbits.models.frozen_layers import decoder_blocks, freeze_bottom_layers
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 
 V = 32
