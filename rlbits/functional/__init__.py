@@ -29,6 +29,7 @@ from rlbits.functional.ilql import (
     cql_loss,
     expectile_loss,
     ilql_logits,
+    ilql_standardize_rewards,
     ilql_targets,
     q_loss,
 )
@@ -115,6 +116,7 @@ __all__ = [
     "gae",
     "group_normalize",
     "ilql_logits",
+    "ilql_standardize_rewards",
     "ilql_targets",
     "kl_penalty",
     "logprobs_from_logits",

@@ -480,3 +480,13 @@ def test_awac_beta_weights_the_behaviour_cloning_term_as_trlx():
                             advantages=(target_q - out["v"][:, at]).detach(), beta=2.0)
     torch.testing.assert_close(weighted, expected.detach())
     assert not torch.allclose(weighted, plain)
+
+
+@pytest.mark.slow
+def test_standardize_rewards_trains_on_trlx_returns(tiny_path, tmp_path):
+    """``standardize_rewards``: the set's rewards become trlx's ``(r - mean) / (std + eps)`` before training."""
+    cfg = make_cfg(tiny_path, tmp_path / "run", max_num_steps=1, val_at_start=False, val_period=0,
+                   val_at_end=False, standardize_rewards=True)
+    row = read_metrics(ilql.train(cfg, reward=reward, samples=SAMPLES))[0]
+    assert row["step"] == 0 and abs(row["dataset/reward_mean"]) < 1e-6
+    assert row["dataset/reward_std"] == pytest.approx(1.0, abs=1e-5)
