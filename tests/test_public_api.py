@@ -98,7 +98,8 @@ def test_evaluate_a_policy_in_memory():
 
     policy, tokenizer = tiny_causal_lm("gpt2", 32, seed=0), tiny_tokenizer(32)
     metrics, batch = rlbits.evaluate(policy, tokenizer, "arithmetic", max_val_samples=3, max_new_tokens=3)
-    assert set(metrics) == {"val_reward", "val_reward_std", "val_response_len"} and batch.batch_size[0] == 3
+    names = {"val_reward", "val_reward_std", "val_response_len", "val_fraction_of_samples_properly_ended"}
+    assert set(metrics) == names and batch.batch_size[0] == 3
     again, _ = rlbits.evaluate(policy, tokenizer, "arithmetic", max_val_samples=3, max_new_tokens=3)
     assert again == metrics  # its own seeded generator: the same noise every call
 
@@ -108,5 +109,8 @@ def test_evaluate_a_policy_in_memory():
     metrics, batch = rlbits.evaluate(policy, tokenizer, ["a b", "c d"], length, max_new_tokens=2)
     assert batch.batch_size[0] == 2 and batch["rewards"].tolist() == [float(len(r)) for r in batch["response_text"]]
     assert metrics["val_reward"] == pytest.approx(batch["rewards"].mean().item())
+    # NeMo-Aligner's is_end.float().mean(): the responses not cut at max_new_tokens
+    ended = (~batch["truncated"]).double().mean().item()
+    assert metrics["val_fraction_of_samples_properly_ended"] == pytest.approx(ended)
     with pytest.raises(ValueError, match="needs reward="):
         rlbits.evaluate(policy, tokenizer, ["a b"])

@@ -30,6 +30,7 @@ from rlbits.functional.ilql import (
     cql_loss,
     expectile_loss,
     ilql_logits,
+    ilql_standardize_rewards,
     ilql_targets,
     q_loss,
 )
@@ -58,7 +59,15 @@ from rlbits.functional.policy_losses import (
     vanilla_loss,
 )
 from rlbits.functional.preference import DPO_LOSS_TYPES, dpo_loss, sequence_logprobs
-from rlbits.functional.reward import bradley_terry_loss, pointwise_reward_loss
+from rlbits.functional.reward import (
+    RUNNING_MOMENTS_INIT,
+    bradley_terry_loss,
+    linear_reward_scaling,
+    overlong_reward_shaping,
+    pointwise_reward_loss,
+    running_moments_update,
+    standardize_rewards,
+)
 from rlbits.functional.rollout_correction import (
     ROLLOUT_CORRECTIONS,
     decoupled_is,
@@ -73,6 +82,11 @@ from rlbits.functional.rollout_correction import (
 )
 
 __all__ = [
+    "RUNNING_MOMENTS_INIT",
+    "linear_reward_scaling",
+    "overlong_reward_shaping",
+    "running_moments_update",
+    "standardize_rewards",
     "ADVANTAGE_ESTIMATORS",
     "dr_grpo_advantage",
     "gae_advantage",
@@ -123,6 +137,7 @@ __all__ = [
     "gae",
     "group_normalize",
     "ilql_logits",
+    "ilql_standardize_rewards",
     "ilql_targets",
     "kl_penalty",
     "logprobs_from_logits",

@@ -245,3 +245,29 @@ def ilql_logits(logits: torch.Tensor, q: torch.Tensor, v: torch.Tensor, beta: fl
     if v.shape != logits.shape[:-1]:
         raise ValueError(f"v has shape {tuple(v.shape)} but must be logits.shape[:-1] = {tuple(logits.shape[:-1])}")
     return (logits + beta * (q - v.unsqueeze(-1))).to(logits.dtype)
+
+
+def ilql_standardize_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    """trlx's ILQL returns: ``(r - mean) / (std + eps)`` over the whole offline set, as
+    ``make_experience`` in ``trlx/trainer/accelerate_ilql_trainer.py`` (3340c2f) computes them: in float64,
+    ``std`` unbiased, ``eps`` float64's machine epsilon; a NaN ``std`` (one sample) leaves the centred values
+    undivided.
+
+    Args:
+        rewards: [N] sequence rewards, any float dtype.
+
+    Returns:
+        [N] in the dtype of ``rewards``.
+
+    Raises:
+        ValueError: ``rewards`` is not a 1-D float tensor.
+    """
+    _checks.tensor("rewards", rewards)
+    if rewards.dim() != 1 or not rewards.is_floating_point():
+        raise ValueError(f"rewards must be a 1-D float tensor, got shape {tuple(rewards.shape)} {rewards.dtype}")
+    returns = rewards.to(torch.float64)
+    returns = returns - returns.mean()
+    std = returns.std() if returns.numel() > 1 else torch.tensor(float("nan"), dtype=torch.float64)
+    if not torch.isnan(std):
+        returns = returns / (std + torch.finfo(torch.float64).eps)
+    return returns.to(rewards.dtype)

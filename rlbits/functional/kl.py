@@ -17,6 +17,7 @@ def kl_penalty(
     estimator: str = "k1",
     *,
     clamp: float | None = None,
+    input_clamp: float | None = None,
 ) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) for tokens sampled from pi.
 
@@ -40,6 +41,13 @@ def kl_penalty(
     values are unchanged, and ``exp`` cannot overflow into an ``inf * 0 = NaN`` gradient. ``clamp=None``
     (default) applies no clip at all.
 
+    ``input_clamp=c_in`` clips the log-ratio ``d`` itself to ``[-c_in, c_in]`` before any estimator is
+    computed (NeMo-RL's ``kl_input_clamp_value``, ``ClippedPGLossConfig`` in
+    ``nemo_rl/algorithms/loss/loss_functions.py``, applied in ``calculate_kl``, ``nemo_rl/algorithms/utils.py``;
+    its default 20, with ``kl_output_clamp_value`` = ``clamp`` 10). Every estimator, the straight-through
+    ``k2`` gradient of ``k1+`` / ``k3+`` included, then sees the clipped ``d``: where the clip is active the
+    gradient is 0. ``None`` (default) = no input clip. With both, the input clip comes first.
+
     No mask is applied: where both inputs hold 0 (padding, as in the batch schema) every estimator is 0.
     Mask before reducing.
 
@@ -47,22 +55,27 @@ def kl_penalty(
         logprobs: [B, R] log pi(token), float32 or bf16.
         ref_logprobs: [B, R] log pi_ref(token), same shape.
         estimator: one of ``k1``, ``abs``, ``k2``, ``k3``, ``k1+``, ``k3+``.
-        clamp: keyword-only; a finite number > 0, or None (no clip).
+        clamp: keyword-only; a finite number > 0, or None (no clip of the estimate).
+        input_clamp: keyword-only; a finite number > 0, or None (no clip of ``d``).
 
     Returns:
         [B, R] in the promoted input dtype (computed in float32 for half precision), in nats.
 
     Raises:
-        ValueError: unknown estimator, ``clamp`` not a finite number > 0, or shapes differ.
+        ValueError: unknown estimator, ``clamp`` or ``input_clamp`` not a finite number > 0, or shapes differ.
     """
     if not isinstance(estimator, str) or estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
     if clamp is not None:
         _checks.in_range("clamp", clamp, 0, math.inf, low_open=True, high_open=True)
+    if input_clamp is not None:
+        _checks.in_range("input_clamp", input_clamp, 0, math.inf, low_open=True, high_open=True)
     _checks.same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
     out_dtype = torch.promote_types(logprobs.dtype, ref_logprobs.dtype)
     dtype = _checks.compute_dtype(logprobs, ref_logprobs)
     d = logprobs.to(dtype) - ref_logprobs.to(dtype)
+    if input_clamp is not None:
+        d = torch.clamp(d, -input_clamp, input_clamp)
     base = estimator.rstrip("+")
     # Past |d| = c + 1 every estimator exceeds c (k3: exp(c + 1) - c - 2 > c and d - 1 >= c), so this clip
     # changes no value and keeps exp finite.

@@ -59,6 +59,22 @@ VAL_GENERATION_KEYS = (
 # --------------------------------------------------------------------------------------------------------
 
 
+def max_time_seconds(max_time: str) -> int:
+    """Seconds in a ``DD:HH:MM:SS`` budget (``RunConfig.max_time``; NeMo-RL's ``convert_to_seconds``).
+
+    Raises:
+        ConfigError: not four ``:``-separated whole numbers >= 0, or a budget of 0 seconds.
+    """
+    parts = max_time.split(":") if isinstance(max_time, str) else []
+    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"max_time must be 'DD:HH:MM:SS' (e.g. '00:03:45:00'); got {show(max_time)}")
+    days, hours, minutes, seconds = (int(p) for p in parts)
+    total = days * 86400 + hours * 3600 + minutes * 60 + seconds
+    if total <= 0:
+        raise ConfigError(f"max_time must be more than 0 seconds; got {show(max_time)}")
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Shared by every loop: where the run is written, how long it trains, the optimizer's shared settings,
@@ -77,6 +93,13 @@ class RunConfig:
     """Training steps (one batch and its updates each)."""
     max_num_epochs: int = ranged(1000, ge=1)
     """Passes over the training data; training stops at whichever limit comes first."""
+    max_time: str | None = None
+    """Wall-clock budget of this process's run, ``DD:HH:MM:SS`` (NeMo-Aligner ``exp_manager.max_time_per_run``,
+    read by ``Timer`` in ``nemo_aligner/utils/distributed.py`` and checked after each step in
+    ``algorithms/ppo.py``; NeMo-RL ``checkpointing.checkpoint_must_save_by``, ``TimeoutChecker`` in
+    ``nemo_rl/utils/timer.py``): after the step that ends past it, the run validates (``val_at_end``), saves
+    a checkpoint, exports ``final/`` and ends, as at its last step; a resume gets the budget afresh. Counted
+    from the first step (``Run.steps``). None: no time limit."""
     learning_rate: float = ranged(1e-5, gt=0)
     """AdamW learning rate."""
     weight_decay: float = ranged(0.0, ge=0)
@@ -192,6 +215,8 @@ class RunConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {show(self.device)}")
+        if self.max_time is not None:
+            max_time_seconds(self.max_time)
 
     def _check_run_dir(self) -> None:
         """``run_dir`` names a folder: not empty (that would be the current folder) and not the root. Whether
@@ -446,9 +471,22 @@ class LoRAConfig(PolicyConfig):
     """Layers that get adapters: a list of module names (``[q_proj, v_proj]``; GPT-2: ``c_attn``, ``c_proj``,
     ``c_fc``, its ``Conv1D`` layers handled with peft's ``fan_in_fan_out``), a regex over module paths, or
     None = ``all-linear`` (every linear layer of the attention and MLP blocks, not the output layer)."""
+    num_layers_unfrozen: int = ranged(-1, ge=-1)
+    """Train only the top this-many decoder blocks of the policy (trlx ``model.num_layers_unfrozen``,
+    ``trlx/data/configs.py``, applied by ``freeze_bottom_causal_layers`` in ``trlx/utils/modeling.py``):
+    the blocks below them and the input embeddings are frozen
+    (``rlbits.models.frozen_layers.freeze_bottom_layers``; 0 freezes every block and the output layer too),
+    and the optimizer holds only what trains. The reference
+    stays a separate copy (trlx's hydra head shares the frozen trunk with it: a memory saving only, the same
+    numbers). Not with LoRA (``lora_rank``), which freezes the whole base. -1 = every layer trains."""
 
     def check(self) -> None:
         super().check()
+        if self.num_layers_unfrozen != -1 and self.lora_rank:
+            raise ConfigError(
+                f"num_layers_unfrozen ({self.num_layers_unfrozen}) needs full fine-tuning; lora_rank is "
+                f"{self.lora_rank}, whose base is frozen whole"
+            )
         targets = self.lora_target_modules
         if isinstance(targets, str):
             if not targets.strip():
@@ -522,6 +560,11 @@ class PolicyGradientConfig(OnlineConfig):
     ``mu * positive_example_nll_loss`` added to the policy loss: the token mean of ``-log pi`` over the rows
     whose score (``rewards``, before the KL) is > 0, over each microbatch's such tokens as NeMo-RL does (so it
     depends on ``microbatch_size`` as NeMo-RL's on its micro batch). 0 = off; metric ``positive_nll_loss``."""
+    kl_input_clamp: float | None = ranged(None, gt=0)
+    """Clamp each token's log-ratio ``logp - ref_logp`` to [-kl_input_clamp, kl_input_clamp] before the KL
+    estimator is computed (``rlbits.kl_penalty(input_clamp=...)``; NeMo-RL's ``kl_input_clamp_value``,
+    ``nemo_rl/algorithms/loss/loss_functions.py``, default 20 there, whose ``kl_output_clamp_value`` is
+    ``kl_clamp``); None = no clamp."""
     monitor_init_policy_kl: bool = False
     """Run the reference forward only to log ``init_policy_kl`` when no term uses ``ref_logprobs``
     (``uses_ref_logprobs``); without it the reference model is then neither loaded nor run (as TRL's GRPO with
@@ -756,6 +799,12 @@ class EnvConfig(OnlineConfig):
     """Multi-turn tasks, PPO: ``token`` puts each turn's reward on the last action token of that turn
     (``turn_rewards``; GAE credits turns separately), ``sequence`` puts the episode's summed reward on its
     last action token. REINFORCE/GRPO/RLOO always use the sum."""
+    max_rollout_turns: int | None = ranged(None, ge=1)
+    """Multi-turn tasks: at most this many policy turns an episode, over every task's own limit (its env's
+    ``stop.max_turns``, ``env_options`` ``max_turns``); an episode cut here ends with ``stop_reason``
+    ``max_turns``, training and validation alike (NeMo-RL ``grpo.max_rollout_turns``,
+    ``nemo_rl/algorithms/grpo.py``, the turn loop of ``run_multi_turn_rollout`` in
+    ``nemo_rl/experience/rollouts.py``). None: the envs' own limits."""
     max_env_workers: int = ranged(8, ge=1, at_most=1024)
     """Multi-turn tasks: most env steps (tool calls) running at once in a rollout."""
     env_timeout_s: float = ranged(60.0, gt=0)

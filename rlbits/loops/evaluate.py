@@ -45,8 +45,9 @@ def evaluate(
         env: the process's place in a torchrun job (every rank must call it then); default one process.
 
     Returns:
-        ``({"val_reward", "val_reward_std", "val_response_len"[, "val_num_turns"]}, batch)``: the metrics
-        over all ranks and this rank's batch (docs/batch.md, with ``rewards``).
+        ``({"val_reward", "val_reward_std", "val_response_len", "val_fraction_of_samples_properly_ended"[,
+        "val_num_turns"]}, batch)``: the metrics over all ranks and this rank's batch (docs/batch.md, with
+        ``rewards``).
 
     Raises:
         ValueError: prompts without a reward; an unknown task. PromptError: a bad prompt list.

@@ -49,6 +49,7 @@ from rlbits.functional import (
     awac_loss,
     cql_loss,
     expectile_loss,
+    ilql_standardize_rewards,
     ilql_targets,
     masked_sum,
     q_loss,
@@ -101,6 +102,11 @@ class ILQLConfig(LoRAConfig):
     """Discount per response token in the Bellman targets."""
     cql_scale: float = ranged(0.1, ge=0)
     """Weight of the conservative (CQL) term, summed over the Q heads."""
+    standardize_rewards: bool = False
+    """Train on the offline set's rewards standardised over the whole set, ``(r - mean) / (std + eps)``
+    (``rlbits.ilql_standardize_rewards``), as trlx's ILQL always does (``make_experience`` in
+    ``trlx/trainer/accelerate_ilql_trainer.py``; no config field there). False: the rewards as given. The
+    ``dataset/reward_*`` statistics are of what training sees."""
     awac_scale: float = ranged(1.0, ge=0)
     """Weight of the LM's negative log-likelihood of the dataset tokens (keeps the trunk a language model)."""
     awac_beta: float = ranged(0.0, ge=0)
@@ -366,6 +372,8 @@ def train(
                 cfg, state, samples=samples, reward=state.reward, prompts=prompts, resume=run.checkpoint is not None,
                 write=run.env.is_main,
             )
+        if cfg.standardize_rewards:
+            data["rewards"] = ilql_standardize_rewards(data["rewards"])
         state.attach(data, cfg.seed)
         run.start(state, validate=validate)
         state.metrics.update({**dataset_stats(data), "time/dataset": run.elapsed("dataset")})

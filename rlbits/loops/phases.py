@@ -137,8 +137,8 @@ def run_episodes(
 ) -> TensorDictBase:
     """The rollout of a multi-turn task: ``num_samples`` episodes per prompt (groups contiguous), each with its
     own env ``make_env(prompt, **env_options(make_env, cfg))``, run by ``generate_episodes`` with ``cfg``'s
-    ``max_episode_tokens``, ``turn_reward``, ``max_env_workers`` and ``env_timeout_s`` (a sharded policy is
-    gathered for the whole call). The envs' ``StopConditions`` bound each turn; ``cfg.max_new_tokens`` is
+    ``max_episode_tokens``, ``turn_reward``, ``max_env_workers``, ``env_timeout_s`` and ``max_rollout_turns`` (a
+    sharded policy is gathered for the whole call). The envs' ``StopConditions`` bound each turn; ``cfg.max_new_tokens`` is
     not used.
 
     Returns the batch of ``generate_episodes``: docs/batch.md's keys with ``rewards`` (the episodes' summed
@@ -152,7 +152,7 @@ def run_episodes(
             policy, tokenizer, envs, rows, temperature=temperature, generator=generator,
             max_episode_tokens=cfg.max_episode_tokens, reward_placement=cfg.turn_reward,
             max_env_workers=cfg.max_env_workers, env_timeout_s=cfg.env_timeout_s, compile=compile,
-            group_size=num_samples, pack_weights=pack_weights,
+            group_size=num_samples, pack_weights=pack_weights, max_turns=cfg.max_rollout_turns,
         )
 
 
@@ -359,8 +359,14 @@ def evaluate_policy(
     ``cfg.val_greedy``. Under torchrun each rank validates
     every ``world_size``-th prompt and the statistics are reduced over ranks (every rank must call it).
 
+    ``{prefix}_fraction_of_samples_properly_ended`` is NeMo-Aligner's metric of that name
+    (``PPOTrainer.generate_rollouts`` in ``nemo_aligner/algorithms/ppo.py``, ``is_end.float().mean()``, logged
+    for validation as ``val_rollouts/fraction_of_samples_properly_ended``): the fraction of responses (episodes)
+    that are not ``truncated``, i.e. stopped by EOS or a stop string (an env's end) within their length budget.
+
     Returns:
-        ``({"{prefix}_reward", "{prefix}_reward_std", "{prefix}_response_len"}, batch)`` (this rank's batch);
+        ``({"{prefix}_reward", "{prefix}_reward_std", "{prefix}_response_len",
+        "{prefix}_fraction_of_samples_properly_ended"}, batch)`` (this rank's batch);
         the values are also added to ``metrics`` (as ``same``: they are global already) when given.
     """
     env = env or DistEnv()
@@ -382,13 +388,18 @@ def evaluate_policy(
     rewards = score_rollout(batch, reward).double().cpu()
     lengths = batch["action_mask"].sum(-1).double().cpu()
     turns = batch["num_turns"].double().cpu() if make_env is not None else torch.zeros_like(rewards)
-    n, total, squares, length, num_turns = all_reduce_sum(
-        torch.stack([torch.tensor(float(len(rewards)), dtype=torch.float64), rewards.sum(), rewards.square().sum(), lengths.sum(), turns.sum()]).to(env.device),
+    ended = (~batch["truncated"]).double().cpu()  # NeMo-Aligner's is_end: stopped before the length budget
+    n, total, squares, length, num_turns, num_ended = all_reduce_sum(
+        torch.stack([
+            torch.tensor(float(len(rewards)), dtype=torch.float64), rewards.sum(), rewards.square().sum(),
+            lengths.sum(), turns.sum(), ended.sum(),
+        ]).to(env.device),
         env,
     ).tolist()
     mean = total / n
     var = (squares - n * mean * mean) / (n - 1) if n > 1 else 0.0
     values = {f"{prefix}_reward": mean, f"{prefix}_reward_std": max(var, 0.0) ** 0.5, f"{prefix}_response_len": length / n}
+    values[f"{prefix}_fraction_of_samples_properly_ended"] = num_ended / n
     if make_env is not None:
         values[f"{prefix}_num_turns"] = num_turns / n
     if metrics is not None:
@@ -399,8 +410,8 @@ def evaluate_policy(
 def validate_policy(state: Any, batch: TensorDictBase | None, cfg: RunConfig) -> TensorDictBase:
     """The validation phase of the online loops (PPO, REINFORCE): ``evaluate_policy`` of ``state.policy`` on
     ``state.val_prompts`` with ``state.reward`` (episodes of ``state.make_env`` for a multi-turn task); adds
-    ``val_reward``, ``val_reward_std``, ``val_response_len`` (and ``val_num_turns``) to ``state.metrics``.
-    ``batch`` is not read. Returns this rank's validation batch."""
+    ``val_reward``, ``val_reward_std``, ``val_response_len``, ``val_fraction_of_samples_properly_ended`` (and
+    ``val_num_turns``) to ``state.metrics``. ``batch`` is not read. Returns this rank's validation batch."""
     _, val_batch = evaluate_policy(
         state.policy, state.tokenizer, cfg, reward=state.reward, prompts=state.val_prompts, env=state.env,
         metrics=state.metrics, make_env=getattr(state, "make_env", None),

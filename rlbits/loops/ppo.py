@@ -55,6 +55,7 @@ from rlbits.loops.config import (
     RewardShapingConfig,
 )
 from rlbits.loops.config_fields import ranged
+from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.reward_shaping import loss_mask as truncation_mask
@@ -151,7 +152,16 @@ class PPOConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig
     """Critic initialisation: ``policy`` (the policy's backbone and a fresh head) or a folder (a saved
     ValueModel, or a causal LM)."""
     policy_training_start_step: int = ranged(0, ge=0)
-    """Critic warm-up: during the first this-many steps only the critic trains (policy weights unchanged)."""
+    """Critic warm-up: during the first this-many steps only the critic trains (policy weights unchanged).
+    These are training steps (counted in ``max_num_steps``, logged, validated); ``critic_warmup_steps``
+    is the warm-up that is not."""
+    critic_warmup_steps: int = ranged(0, ge=0)
+    """Critic warm-up before step 1, not counted as training steps (NeMo-Aligner ``trainer.ppo.
+    critic_warmup_steps``, ``PPOTrainer.fit`` in ``nemo_aligner/algorithms/ppo.py``: at step 0 it runs
+    ``critic_warmup_steps + 1`` rollouts, training the critic on each, then the actor once): on a fresh run,
+    this many extra rollouts (each through score, reference, values and advantages), each followed by a
+    critic-only ``update`` (``critic_warmup``); their prompts are drawn from the stream as a step's are, and
+    their means are logged in the step-0 row as ``critic_warmup/...``. 0: none."""
 
     def check(self) -> None:
         """The groups' checks, then PPO's rules across fields. Raises ConfigError naming the field."""
@@ -356,7 +366,10 @@ def advantages(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDic
     gae_fn = kernel(gae, cfg)
     kl = None
     if cfg.kl_in_reward and "ref_logprobs" in batch.keys():
-        kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
+        kl = kernel(kl_penalty, cfg)(
+            batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator,
+            clamp=cfg.kl_clamp, input_clamp=cfg.kl_input_clamp,
+        )
     scores = scale_rewards(batch, cfg, env, state)
     coef = state.kl_coef if cfg.kl_in_reward else 0.0
     if cfg.turn_reward == "token" and "turn_rewards" in batch.keys():
@@ -422,7 +435,9 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
         )
         entropy = aggregate_loss(token_entropy, mask, **agg) if cfg.entropy_coef > 0 else 0.0
         if not cfg.kl_in_reward and state.kl_coef > 0 and "ref_logprobs" in micro.keys():
-            token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
+            token_kl = kl_penalty(
+                logprobs, micro["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp, input_clamp=cfg.kl_input_clamp
+            )
             kl = aggregate_loss(token_kl, mask, **agg)
             stats["kl_loss"] = kl.detach()
         if cfg.positive_example_nll_weight > 0:
@@ -504,6 +519,27 @@ PHASES = (rollout, score, reference, values, advantages, rollout_correction, upd
 # --- the loop -----------------------------------------------------------------------------------------
 
 
+def critic_warmup(run: Any, state: State, cfg: PPOConfig) -> None:
+    """NeMo-Aligner's critic warm-up, before step 1 (``cfg.critic_warmup_steps`` times): a rollout through the
+    phases of a step up to ``advantages``, then ``update`` with the policy left out (as during
+    ``policy_training_start_step``); ``state.step`` stays 0. The warm-up's metrics (means over its rollouts)
+    go to the step-0 row under ``critic_warmup/``."""
+    critic_only = dataclasses.replace(cfg, policy_training_start_step=state.step + 1)
+    logged = state.metrics  # what the loop measured before its first step stays in the step-0 row
+    for _ in range(cfg.critic_warmup_steps):
+        state.metrics = StepMetrics()
+        with run.phase("critic_warmup"):
+            batch = rollout(state, state.stream.next_batch(cfg.num_prompts_per_step, run.env), cfg)
+            for phase in (score, reference, values, advantages):
+                batch = phase(state, batch, critic_only)
+            if cfg.rollout_correction_mode != "none":
+                batch = rollout_correction(state, batch, critic_only)
+            update(state, batch, critic_only)
+        for name, value in state.metrics.reduce(run.env).items():
+            logged.mean(f"critic_warmup/{name}", value, 1)
+    state.metrics = logged
+
+
 def train(
     cfg: PPOConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
@@ -523,6 +559,8 @@ def train(
         cfg, init_state, validate, reward=reward, prompts=prompts, val_prompts=val_prompts, callbacks=callbacks,
         resume=resume, force=force,
     ) as (run, state):
+        if state.step == 0 and cfg.critic_warmup_steps:
+            critic_warmup(run, state, cfg)
         for _ in run.steps(state):
             with run.step(state):
                 with run.phase("rollout"):  # 1. sample responses

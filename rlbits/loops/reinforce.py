@@ -375,7 +375,10 @@ def advantages(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> Ten
     k, rows = cfg.num_generations_per_prompt, batch.batch_size[0]
     shaped, kl = rewards, None
     if cfg.kl_in_reward:
-        kl = kernel(kl_penalty, cfg)(batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator, clamp=cfg.kl_clamp)
+        kl = kernel(kl_penalty, cfg)(
+            batch["logprobs"], batch["ref_logprobs"], cfg.kl_estimator,
+            clamp=cfg.kl_clamp, input_clamp=cfg.kl_input_clamp,
+        )
         seq_kl = torch.where(action_mask, kl, 0.0).sum(-1)
         if cfg.kl_reward_reduction == "mean":  # NeMo-Aligner: masked_mean over the response's tokens
             seq_kl = seq_kl / action_mask.sum(-1).clamp(min=1)
@@ -440,7 +443,9 @@ def objective(
         ratio = {"approx_kl": masked_mean(kl_penalty(old, logprobs.detach(), "k3"), mask)}
     kl = torch.zeros(())
     if cfg.kl_loss_coef > 0:
-        token_kl = kl_penalty(logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp)
+        token_kl = kl_penalty(
+            logprobs, micro["ref_logprobs"], cfg.kl_loss_estimator, clamp=cfg.kl_clamp, input_clamp=cfg.kl_input_clamp
+        )
         kl = aggregate_loss(token_kl, mask, **agg)
     nll = torch.zeros(())
     if cfg.positive_example_nll_weight > 0:

@@ -27,7 +27,7 @@ What the run decides, identically for every loop (docs/design.md, "Run lifecycle
   (``total_steps``);
 - validation at step 0 (``val_at_start``), every ``val_period`` steps and after the last step (``val_at_end``);
 - a checkpoint every ``save_period`` steps, after the last step and when a stop is requested (SIGINT/SIGTERM,
-  a callback's ``should_stop()``); ``final/`` (an HF folder of ``state.trained_model``) at the end of every
+  a callback's ``should_stop()``, or the step that spends ``max_time``, which also validates); ``final/`` (an HF folder of ``state.trained_model``) at the end of every
   run, stopped or not;
 - a NaN/inf reward, loss or gradient (``FloatingPointError``, ``InvalidRewardError``): ``on_nonfinite="stop"``
   re-raises it (the last checkpoint stays the newest), ``"skip"`` logs ``skipped_step`` and goes on. Every
@@ -56,7 +56,7 @@ from tensordict import TensorDictBase
 from rlbits.distributed.checkpoint import export_model, restore_checkpoint, resume_checkpoint, save_checkpoint
 from rlbits.distributed.env import DistEnv, is_collective_failure
 from rlbits.distributed.reduce import all_reduce_sum, any_rank
-from rlbits.loops.config import RunConfig
+from rlbits.loops.config import RunConfig, max_time_seconds
 from rlbits.loops.logger import RunLogger, elastic_restart, read_metrics
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.provenance import (
@@ -241,6 +241,8 @@ class Run:
         self._validate: Callable | None = None
         self._saved_step = -1
         self._stopped = False
+        self._deadline: float | None = None  # time.monotonic() past which the run ends (max_time)
+        self._timed_out = False
         self._step_number = 0
         self._phase_name: str | None = None
         self._prompts: tuple[list[str] | None, list[str] | None] | None = None
@@ -403,6 +405,8 @@ class Run:
                 self.logger.log(0, values)
                 rows = sample_rows(val_batch, self.cfg.log_samples, split="test", tokenizer=state.tokenizer)
                 self.logger.log_samples(0, rows)
+        if self.cfg.max_time is not None:
+            self._deadline = time.monotonic() + max_time_seconds(self.cfg.max_time)
         stop = self.should_stop
         while not self.done(state) and not stop:
             yield state.step + 1
@@ -444,7 +448,9 @@ class Run:
             if state.epoch is not None:
                 state.metrics.same("epoch", float(state.epoch))
             logged = state.metrics.reduce(self.env)
-            last = self.done(state) or self.should_stop  # a stop asked during the step: validate at the end
+            if self._deadline is not None:  # rank 0's clock decides, as NeMo-Aligner's Timer broadcasts it
+                self._timed_out = any_rank(self.env.is_main and time.monotonic() >= self._deadline, self.env)
+            last = self.done(state) or self.should_stop or self._timed_out  # a stop asked during the step too
         val_batch, best = None, False
         if (self.cfg.val_period and state.step % self.cfg.val_period == 0) or (self.cfg.val_at_end and last):
             state.metrics = StepMetrics()
@@ -464,7 +470,8 @@ class Run:
             state.step, **{k: logged[k] for k in ("rewards", "init_policy_kl", "loss") if k in logged}
         )
         with self._collectives(state.step, "save"):
-            self._stopped = self.should_stop  # a stop asked while logging (a dashboard's button) saves too
+            # a stop asked while logging (a dashboard's button) saves too; so does a spent max_time
+            self._stopped = self.should_stop or self._timed_out
             due = self.cfg.save_period and state.step % self.cfg.save_period == 0
             if due or last or self._stopped or best:  # a checkpoint in the top k is saved at its step
                 self.save(state)

@@ -27,6 +27,7 @@ from rlbits._seeds import derive_seed, generator  # defined below the loops: rlb
 from rlbits.distributed.env import DistEnv, init, main_rank_first
 from rlbits.distributed.parallelize import is_sharded, shard
 from rlbits.loops.config import ConfigError, RunConfig
+from rlbits.models.frozen_layers import freeze_bottom_layers
 from rlbits.models.heads import ValueModel
 from rlbits.models.load import load_pretrained
 from rlbits.models.lora import apply_lora
@@ -253,9 +254,11 @@ def with_lora(model: torch.nn.Module, cfg: RunConfig, name: str = "policy") -> t
     """``model`` with LoRA adapters of the config's ``lora_rank``, ``lora_alpha``, ``lora_dropout`` and
     ``lora_target_modules`` (``rlbits.models.lora.apply_lora``, in place), or ``model`` untouched when
     ``lora_rank`` is 0. The adapters' init is seeded by ``derive_seed(seed, 0, "lora/" + name)``: the same on
-    every rank (FSDP2 shards one model), different for the policy and the critic."""
+    every rank (FSDP2 shards one model), different for the policy and the critic. Without LoRA, the policy
+    (``name == "policy"``) gets its bottom layers frozen by ``num_layers_unfrozen`` (``freeze_bottom_layers``)."""
     if not cfg.lora_rank:
-        return model
+        unfrozen = getattr(cfg, "num_layers_unfrozen", -1)
+        return freeze_bottom_layers(model, unfrozen) if name == "policy" and unfrozen != -1 else model
     return apply_lora(
         model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
         target_modules=cfg.lora_target_modules, seed=derive_seed(cfg.seed, 0, f"lora/{name}"),

@@ -1,5 +1,5 @@
 """Models: loading and saving HF folders (``load``), value and ILQL heads (``heads``), teacher-forced
-logprobs and values (``forward``), LoRA (``lora``), packed projections (``packed``), reward models (``reward``),
+logprobs and values (``forward``), LoRA (``lora``), frozen bottom layers (``frozen_layers``), packed projections (``packed``), reward models (``reward``),
 ILQL-steered decoding (``steered``) and tiny configs for tests (``tiny``).
 
     from rlbits.models import ILQLModel, load_policy
@@ -24,6 +24,9 @@ _LAZY = {
     "read_json": "rlbits.models.load",
     "reference_policy": "rlbits.models.load",
     "save_pretrained": "rlbits.models.load",
+    # frozen_layers
+    "decoder_blocks": "rlbits.models.frozen_layers",
+    "freeze_bottom_layers": "rlbits.models.frozen_layers",
     # heads
     "ILQL_HEADS_CONFIG": "rlbits.models.heads",
     "ILQL_HEADS_WEIGHTS": "rlbits.models.heads",

@@ -175,6 +175,7 @@ def generate_episodes(
     logits_processor: LogitsProcessor | None = None,
     group_size: int = 1,
     pack_weights: bool | None = None,
+    max_turns: int | None = None,
 ) -> TensorDict:
     """Run one episode per env, all turns of the batch decoded together; return one batch row per episode.
 
@@ -194,7 +195,7 @@ def generate_episodes(
     3. The turn's reward goes on its last action token (``turn_rewards``). The episode ends, by the first of:
        the step raised (``"env_error"``) or timed out (``"env_timeout"``); the env said done (``"done"``); the
        turn ended with EOS (``"eos"``); the turn was cut by the context (``"context"``); this was turn
-       ``env.stop.max_turns`` (``"max_turns"``). Else the observation's tokens are appended (not actions); if
+       ``env.stop.max_turns``, or ``max_turns`` when that is smaller (``"max_turns"``). Else the observation's tokens are appended (not actions); if
        they do not all fit, the part that fits is appended and the episode ends with ``"context"``. An
        episode whose next turn would have no room for a single token ends with ``"context"`` too.
 
@@ -221,6 +222,8 @@ def generate_episodes(
         logits_processor: as ``generate`` (changes sampling, not ``logprobs``).
         group_size: rows ``i*K .. i*K+K-1`` (K = ``group_size``) are samples of one prompt: ``group`` = i.
         pack_weights: as ``generate`` (None: oneDNN on packed weights for a CPU policy without ``compile``).
+        max_turns: a cap on every episode's turns over its env's ``stop.max_turns`` (NeMo-RL's
+            ``max_rollout_turns``); None: the envs' own.
 
     Returns:
         TensorDict, batch size [B] (B = ``len(envs)``), on the policy's device, with the keys of
@@ -264,6 +267,8 @@ def generate_episodes(
         raise ValueError(f"max_episode_tokens must be None or an int >= 2, got {max_episode_tokens!r}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or B % group_size:
         raise ValueError(f"group_size must be an int >= 1 dividing the {B} episodes, got {group_size!r}")
+    if max_turns is not None and (not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1):
+        raise ValueError(f"max_turns must be None or an int >= 1, got {max_turns!r}")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if pad is None:
@@ -361,7 +366,7 @@ def generate_episodes(
                 reason[i] = "eos"
             elif cut:
                 reason[i] = "context"
-            elif num_turns[i] >= envs[i].stop.max_turns:
+            elif num_turns[i] >= min(envs[i].stop.max_turns, max_turns or envs[i].stop.max_turns):
                 reason[i] = "max_turns"
             else:
                 obs = _tokenize(tokenizer, result.observation, f"envs[{i}].step(...).observation")

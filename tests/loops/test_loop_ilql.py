@@ -480,3 +480,37 @@ def test_awac_beta_weights_the_behaviour_cloning_term_as_trlx():
                             advantages=(target_q - out["v"][:, at]).detach(), beta=2.0)
     torch.testing.assert_close(weighted, expected.detach())
     assert not torch.allclose(weighted, plain)
+
+
+@pytest.mark.slow
+def test_standardize_rewards_trains_on_trlx_returns(tiny_path, tmp_path):
+    """``standardize_rewards``: the set's rewards become trlx's ``(r - mean) / (std + eps)`` before training."""
+    cfg = make_cfg(tiny_path, tmp_path / "run", max_num_steps=1, val_at_start=False, val_period=0,
+                   val_at_end=False, standardize_rewards=True)
+    row = read_metrics(ilql.train(cfg, reward=reward, samples=SAMPLES))[0]
+    assert row["step"] == 0 and abs(row["dataset/reward_mean"]) < 1e-6
+    assert row["dataset/reward_std"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_top_k_filters_the_steered_logits():
+    """trlx's ILQL ``top_k`` masks ``pi_beta + beta * adv``: rlbits' ``top_k`` reaches the steered logits (every
+    sampled token is among the k best of ``ilql_logits``, not of the LM's own)."""
+    tok = tiny_tokenizer(64)
+    model = ILQLModel(tiny_causal_lm(vocab_size=64, seed=4), seed=2).eval()
+    with torch.no_grad():
+        for p in list(model.target_q1.parameters()) + list(model.target_q2.parameters()):
+            p.mul_(30.0)
+    beta, k = 2.0, 3
+    kw = dict(max_new_tokens=5, temperature=1.0, top_k=k, eos_token_id=None, pad_token_id=tok.pad_token_id)
+    steered = generate(ilql.SteeredPolicy(model, beta), _prompts(tok), generator=torch.Generator().manual_seed(0), **kw)
+    ids, mask = steered["prompts"], steered["prompt_mask"]
+    with torch.no_grad():
+        for t in range(steered["responses"].shape[1]):
+            out = model(ids, mask, position_ids_from_mask(mask))
+            q = torch.minimum(out["target_q1"][:, -1], out["target_q2"][:, -1])
+            logits = ilql_logits(out["logits"][:, -1].float(), q, out["v"][:, -1], beta)
+            kth = logits.topk(k, dim=-1).values[:, -1:]
+            tokens = steered["responses"][:, t : t + 1]
+            assert (logits.gather(-1, tokens) >= kth).all()
+            ids = torch.cat([ids, tokens], dim=1)
+            mask = torch.cat([mask, torch.ones_like(tokens, dtype=mask.dtype)], dim=1)

@@ -169,6 +169,9 @@ def test_token_rewards_hold_kl_in_reward_only(policy_dir, tmp_path):
     clamped = dataclasses.replace(cfg, kl_clamp=0.1)  # the config's clamp reaches the kernel: 0.25 -> 0.1
     advantages(state, batch, clamped)
     torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"] - 0.5 * 0.1 * lengths)
+    in_clamped = dataclasses.replace(cfg, kl_input_clamp=0.2)  # the log-ratio clamp too: 0.25 -> 0.2
+    advantages(state, batch, in_clamped)
+    torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["rewards"] - 0.5 * 0.2 * lengths)
 
 
 def test_length_adaptive_alpha_gives_each_row_its_lambda(policy_dir, tmp_path):
@@ -371,7 +374,8 @@ def test_two_step_run_writes_the_run(policy_dir, tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert set(rows[0]) == {"step", "time_s", "val_reward", "val_reward_std", "val_response_len"}
+    val_keys = {"val_reward", "val_reward_std", "val_response_len", "val_fraction_of_samples_properly_ended"}
+    assert set(rows[0]) == {"step", "time_s", *val_keys}
     expected = {"rewards", "rewards_with_kl", "init_policy_kl", "kl_coef", "advantages", "returns", "values",
                 "actor_loss", "critic_loss", "clipfrac", "approx_kl", "entropy", "value_clipfrac",
                 "explained_variance", "grad_norm", "critic_grad_norm", "response_len", "tokens_per_s",
@@ -429,6 +433,18 @@ def test_critic_warmup_leaves_the_policy_unchanged(policy_dir, tmp_path):
     critic2 = ValueModel.from_pretrained(tmp_path / "run/checkpoints/step_2/value_model")
     assert not torch.equal(flat_weights(critic1), flat_weights(critic2))
 
+
+@pytest.mark.slow
+def test_critic_warmup_steps_are_not_training_steps(policy_dir, tmp_path):
+    """NeMo-Aligner's critic_warmup_steps: critic-only updates on extra rollouts before step 1, outside the
+    step count; they are logged in the step-0 row and change the critic step 1 starts from."""
+    settings = dict(max_num_steps=1, val_at_start=False, val_at_end=False, save_period=0)
+    train(make_cfg(policy_dir, tmp_path / "warm", critic_warmup_steps=2, **settings), reward=reward, prompts=PROMPTS)
+    train(make_cfg(policy_dir, tmp_path / "cold", **settings), reward=reward, prompts=PROMPTS)
+    warm, cold = read_metrics(tmp_path / "warm"), read_metrics(tmp_path / "cold")
+    assert [r["step"] for r in warm] == [0, 1] and [r["step"] for r in cold] == [1]
+    assert "critic_warmup/critic_loss" in warm[0] and "critic_warmup/actor_loss" not in warm[0]
+    assert "actor_loss" in warm[1] and warm[1]["values"] != cold[0]["values"]
 
 @pytest.mark.slow
 def test_adaptive_kl_and_skip_reference_in_a_run(policy_dir, tmp_path):

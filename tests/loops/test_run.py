@@ -206,3 +206,32 @@ def test_skip_drops_a_step_with_a_nan_reward_and_goes_on(loop, tiny_policy, tmp_
     assert "skipped_step" not in rows[0] and "skipped_step" not in rows[2]
     final = load_policy(tmp_path / "skip" / "final")
     assert all(torch.isfinite(p).all() for p in final.parameters())
+
+
+# --- max_time -----------------------------------------------------------------------------------------------
+
+
+def test_max_time_parses_dd_hh_mm_ss_and_refuses_other_forms():
+    from rlbits.loops.config import ConfigError, max_time_seconds
+
+    assert max_time_seconds("00:03:45:00") == 3 * 3600 + 45 * 60  # NeMo-RL's convert_to_seconds example
+    assert max_time_seconds("1:0:0:5") == 86405
+    for bad in ("03:45:00", "00:00:00:00", "a:b:c:d", "00:00:-1:00"):
+        with pytest.raises(ConfigError, match="max_time"):
+            RunConfig(max_time=bad)
+
+
+def test_max_time_ends_the_run_after_the_step_that_spends_it(tmp_path, monkeypatch):
+    import rlbits.loops.run as run_module
+
+    # a budget of 0 s: spent by the end of step 1, which then validates, saves and exports (NeMo-Aligner)
+    monkeypatch.setattr(run_module, "max_time_seconds", lambda _: 0)
+    run, state = run_small(tmp_path / "spent", max_time="00:00:00:01", val_period=0, save_period=0)
+    assert state.step == 1
+    rows = read_metrics(run.dir)
+    assert [r["step"] for r in rows if "val_reward" in r] == [0, 1]
+    assert [p.name for p in list_checkpoints(run.dir)] == ["step_1"]
+    assert (run.dir / "final" / "config.json").exists()
+    monkeypatch.undo()
+    run, state = run_small(tmp_path / "ample", max_time="00:01:00:00")
+    assert state.step == 3  # its epoch ends first, as without max_time

@@ -334,6 +334,16 @@ def test_never_done_ends_at_max_turns(gpt2):
     assert batch["turn_index"][0].max().item() == 2
 
 
+def test_max_turns_caps_every_env_below_its_own_limit(gpt2):
+    """NeMo-RL's max_rollout_turns: the global cap wins where it is smaller, the env's own limit elsewhere."""
+    envs = [ScriptedEnv(turns=10, max_turns=5), ScriptedEnv(turns=10, max_turns=1), ScriptedEnv(turns=1)]
+    batch = _run(gpt2, envs, max_turns=2)
+    assert list(batch["stop_reason"]) == ["max_turns", "max_turns", "done"]
+    assert batch["num_turns"].tolist() == [2, 1, 1]
+    with pytest.raises(ValueError, match="max_turns"):
+        _run(gpt2, [ScriptedEnv()], max_turns=0)
+
+
 @pytest.mark.parametrize("max_episode_tokens", [12, 20, 31])
 def test_long_observation_ends_by_context_within_the_limit(gpt2, max_episode_tokens):
     envs = [ScriptedEnv(turns=10, max_turns=10, obs="a long observation " * 3), ScriptedEnv(turns=1)]
@@ -714,3 +724,16 @@ def test_reward_subtract_reference_on_a_multi_turn_task(toy_task, tmp_path):
         dataclasses.replace(cfg, run_dir=str(tmp_path / "train")), prompts=prompts, val_prompts=["ij"]
     )
     assert {"reference_rewards", "rewards_scaled"} <= set(read_metrics(run_dir)[-1])
+
+
+def test_the_loops_pass_max_rollout_turns(gpt2):
+    from rlbits.loops import phases
+    from rlbits.loops.reinforce import ReinforceConfig
+
+    model, tok = gpt2
+    cfg = ReinforceConfig(max_rollout_turns=2)
+    batch = phases.run_episodes(
+        model, tok, ["hello"], lambda p: ScriptedEnv(turns=10, max_turns=5), cfg, temperature=1.0, num_samples=2,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert batch["num_turns"].tolist() == [2, 2] and list(batch["stop_reason"]) == ["max_turns"] * 2
