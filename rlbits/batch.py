@@ -100,6 +100,7 @@ SCHEMA: dict[str, KeySpec] = {
     "rewards": KeySpec(_B, _F, "sequence-level score (episodes: the sum of the turn rewards)"),
     "reference_rewards": KeySpec(_B, _F, "score of a reference-policy response to the same prompt (PPO)"),
     "reward_baselines": KeySpec(_B, _F, "score of a greedy response to the same prompt (REINFORCE, remax)"),
+    "ref_logps": KeySpec(_B, _F, "sum of ref_logprobs over a response's action tokens (preference pair batches)"),
     "truncated": KeySpec(_B, _M, "stopped by the token budget or context, not a stop token (overlong)"),
     "group": KeySpec(_B, _I, "which prompt a sample came from; samples of one prompt are contiguous"),
     "num_turns": KeySpec(_B, _I, "episodes: policy turns taken"),

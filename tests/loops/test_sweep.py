@@ -134,10 +134,8 @@ def test_a_grid_runs_in_parallel_reports_a_failure_and_resumes(tmp_path, monkeyp
 
 def test_an_interrupt_stops_the_running_runs_and_records_them(tmp_path, monkeypatch):
     """Ctrl-C in the sweep: each running process gets SIGINT, no more start, the rows say ``interrupted``."""
-    import signal
     import subprocess
     import sys
-    import threading
     import time
 
     started = []
@@ -147,15 +145,21 @@ def test_an_interrupt_stops_the_running_runs_and_records_them(tmp_path, monkeypa
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=log)
 
     monkeypatch.setattr(sweep_module, "_start", fake_start)
-    main_thread = threading.main_thread().ident
 
-    def ctrl_c_once_two_run():
-        while len(started) < 2:
-            time.sleep(0.05)
-        time.sleep(0.2)
-        signal.pthread_kill(main_thread, signal.SIGINT)
+    class CtrlCOnceTwoRun(sweep_module.ThreadPoolExecutor):
+        """The pool whose ``map`` is interrupted (KeyboardInterrupt in the waiting thread, as Ctrl-C raises it
+        in the main thread) once two runs have started. A real SIGINT would reach the interpreter's main
+        thread, which under pytest-xdist is not always the one running the test."""
 
-    threading.Thread(target=ctrl_c_once_two_run, daemon=True).start()
+        def map(self, fn, *iterables):
+            futures = [self.submit(fn, *args) for args in zip(*iterables)]
+            while len(started) < 2:
+                time.sleep(0.05)
+            time.sleep(0.2)
+            raise KeyboardInterrupt
+            yield from futures  # a generator, as Executor.map returns
+
+    monkeypatch.setattr(sweep_module, "ThreadPoolExecutor", CtrlCOnceTwoRun)
     with pytest.raises(KeyboardInterrupt):
         sweep(None, {"seed": [0, 1, 2]}, out_dir=tmp_path / "out", processes=2, verbose=False, **TINY)
     rows = read_summary(tmp_path / "out")
