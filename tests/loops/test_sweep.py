@@ -152,7 +152,7 @@ def test_an_interrupt_stops_the_running_runs_and_records_them(tmp_path, monkeypa
         thread, which under pytest-xdist is not always the one running the test."""
 
         def map(self, fn, *iterables):
-            futures = [self.submit(fn, *args) for args in zip(*iterables)]
+            futures = [self.submit(fn, *args) for args in zip(*iterables, strict=False)]
             while len(started) < 2:
                 time.sleep(0.05)
             time.sleep(0.2)
