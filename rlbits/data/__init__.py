@@ -29,6 +29,7 @@ _LAZY = {
     # offline
     "DATASET_DIR": "rlbits.data.offline",
     "DATASET_FILE": "rlbits.data.offline",
+    "DialogSegment": "rlbits.data.offline",
     "EpochSampler": "rlbits.data.offline",
     "build_offline_dataset": "rlbits.data.offline",
     "dataset_stats": "rlbits.data.offline",
@@ -41,6 +42,8 @@ _LAZY = {
     "save_dataset": "rlbits.data.offline",
     "save_tensors": "rlbits.data.offline",
     "tensorize_dataset": "rlbits.data.offline",
+    "tokenize_dialogue": "rlbits.data.offline",
+    "truncate_dialogue": "rlbits.data.offline",
     # torchrl_adapter
     "episode_buffer": "rlbits.data.torchrl_adapter",
     "episode_to_batch": "rlbits.data.torchrl_adapter",
