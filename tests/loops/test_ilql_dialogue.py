@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from rlbits.batch import trim_padding
-from rlbits.data import offline
+from rlbits.data import dialogue, offline
 from rlbits.functional import ilql_standardize_rewards, token_rewards
 from rlbits.loops import ilql
 from rlbits.loops.config import ConfigError, config_from_dict
@@ -167,7 +167,7 @@ def test_segments_and_indices_equal_trlx(seed, side, max_length):
     trlx_max = max_length if max_length is not None else 2048
     ref_segments = []
     for d in dialogues:
-        got = offline.tokenize_dialogue(d, tok, max_length, side)
+        got = dialogue.tokenize_dialogue(d, tok, max_length, side)
         ref = trlx_tokenize_dialogue(d, tok, trlx_max)
         assert [(s.is_output, tuple(s.tokens)) for s in got] == [(m.is_output, tuple(m.tokens)) for m in ref], d
         ref_segments.append(ref)
