@@ -1,6 +1,7 @@
 """Training data that does not come from a rollout: the seeded prompt stream (``stream``), the reward
 model's labelled texts and preference pairs (``preferences``), the offline dataset of ILQL (``offline``:
-build, store memory-mapped in the run directory, draw batches through a torchrl ``ReplayBuffer``) and
+build, store memory-mapped in the run directory, draw batches through a torchrl ``ReplayBuffer``; its
+dialogue samples tokenized as trlx's in ``dialogue``) and
 torchrl's episodes and conversations as batches (``torchrl_adapter``).
 
 Names load on first use, so ``import rlbits.data`` does not import torchrl until an offline name is used."""
@@ -26,6 +27,11 @@ _LAZY = {
     "row_texts": "rlbits.data.preferences",
     "targets": "rlbits.data.preferences",
     "truncate_words": "rlbits.data.preferences",
+    # dialogue
+    "DialogSegment": "rlbits.data.dialogue",
+    "dialogue_start_token": "rlbits.data.dialogue",
+    "tokenize_dialogue": "rlbits.data.dialogue",
+    "truncate_dialogue": "rlbits.data.dialogue",
     # offline
     "DATASET_DIR": "rlbits.data.offline",
     "DATASET_FILE": "rlbits.data.offline",

@@ -1,10 +1,12 @@
 """The offline dataset of ILQL: samples in, a memory-mapped TensorDict in the run directory, batches out of a
 torchrl ``ReplayBuffer``.
 
-1. Rows: ``(prompt, response, reward)`` triples or dicts checked by ``normalize_samples``, read from a JSONL
-   file (``read_dataset``), or sampled from a policy and scored (``build_offline_dataset``, which keeps the
-   exact sampled token ids).
-2. Tensors: ``tensorize_dataset`` pads every row into one batch TensorDict [N] (the layout of
+1. Rows: ``(prompt, response, reward)`` triples or dicts, or trlx's dialogues (``{"dialogue": [prompt_1,
+   output_1, prompt_2, output_2, ...], "reward"}``: only the outputs are actions), checked by
+   ``normalize_samples``, read from a JSONL file (``read_dataset``), or sampled from a policy and scored
+   (``build_offline_dataset``, which keeps the exact sampled token ids).
+2. Tensors: ``tensorize_dataset`` tokenizes (dialogues with ``rlbits.data.dialogue.tokenize_dialogue``, trlx's)
+   and pads every row into one batch TensorDict [N] (the layout of
    ``rlbits.batch``); ``save_tensors`` memory-maps it into ``RUN_DIR/offline_dataset/`` (``TensorDict.memmap``:
    one raw file per key and a ``meta.json``), ``load_tensors`` reads it back without a tokenizer.
    ``RUN_DIR/offline_dataset.jsonl`` (``save_dataset``) is a human-readable copy of the rows (text, reward,
@@ -34,6 +36,7 @@ from torchrl.data.replay_buffers import Sampler
 from rlbits._io import atomic_folder
 from rlbits._seeds import generator
 from rlbits.batch import build_batch, pad_right, trim_padding
+from rlbits.data.dialogue import DialogSegment, dialogue_start_token, tokenize_dialogue, truncate_dialogue
 from rlbits.data.stream import PromptStream, checked_count
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
@@ -68,42 +71,79 @@ def _sample_responses(
         )
 
 
+_FORMS = (
+    "a (prompt, response, reward) triple, a dict with those keys, or a dialogue: {'dialogue': [prompt, output, "
+    "...], 'reward': r} or (dialogue, reward)"
+)
+
+
+def _reward(i: int, value: Any) -> float:
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"samples[{i}]: reward must be a number, got {value!r:.80}") from None
+    if not math.isfinite(reward):
+        raise ValueError(f"samples[{i}]: reward must be finite, got {reward}")
+    return reward
+
+
+def _dialogue_row(i: int, row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with its ``dialogue`` checked: a str (trlx's shorthand for ``(bos, text)``) or an even number
+    (>= 2) of str segments, prompt first."""
+    if "prompt" in row or "response" in row:
+        raise ValueError(f"samples[{i}] has a dialogue and a prompt/response; give one or the other")
+    dialogue = row["dialogue"]
+    if isinstance(dialogue, str):
+        return row
+    if not isinstance(dialogue, (list, tuple)) or not all(isinstance(x, str) for x in dialogue):
+        raise ValueError(f"samples[{i}]: dialogue must be a str or a list of str, got {dialogue!r:.80}")
+    if len(dialogue) < 2 or len(dialogue) % 2:
+        raise ValueError(
+            f"samples[{i}]: dialogue must have an even number (>= 2) of segments, alternating prompt and output "
+            f"(trlx's form), got {len(dialogue)}"
+        )
+    return {**row, "dialogue": list(dialogue)}
+
+
 def _as_row(i: int, sample: Any) -> dict[str, Any]:
     if isinstance(sample, dict):
-        missing = [k for k in ("prompt", "response", "reward") if k not in sample]
+        keys = ("dialogue", "reward") if "dialogue" in sample else ("prompt", "response", "reward")
+        missing = [k for k in keys if k not in sample]
         if missing:
-            raise ValueError(
-                f"samples[{i}] lacks key(s) {missing}; each sample needs prompt, response, reward"
-            )
+            raise ValueError(f"samples[{i}] lacks key(s) {missing}; each sample needs {', '.join(keys)}")
         row = dict(sample)
     elif isinstance(sample, (tuple, list)) and len(sample) == 3:
         row = {"prompt": sample[0], "response": sample[1], "reward": sample[2]}
+    elif isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[0], (list, tuple)):
+        row = {"dialogue": sample[0], "reward": sample[1]}
     else:
-        raise ValueError(
-            f"samples[{i}] must be a (prompt, response, reward) triple or a dict with those keys, got {sample!r:.80}"
-        )
+        raise ValueError(f"samples[{i}] must be {_FORMS}, got {sample!r:.80}")
+    row["reward"] = _reward(i, row["reward"])
+    if "dialogue" in row:
+        return _dialogue_row(i, row)
     if not isinstance(row["prompt"], str) or not row["prompt"]:
         raise ValueError(f"samples[{i}]: prompt must be a non-empty str, got {row['prompt']!r:.80}")
     if not isinstance(row["response"], str):
         raise ValueError(f"samples[{i}]: response must be a str, got {row['response']!r:.80}")
-    try:
-        row["reward"] = float(row["reward"])
-    except (TypeError, ValueError):
-        raise ValueError(f"samples[{i}]: reward must be a number, got {row['reward']!r:.80}") from None
-    if not math.isfinite(row["reward"]):
-        raise ValueError(f"samples[{i}]: reward must be finite, got {row['reward']}")
     return row
 
 
 def normalize_samples(samples: Sequence[Any]) -> list[dict[str, Any]]:
-    """Check an offline dataset and turn it into dicts ``{prompt, response, reward}`` (extra keys kept).
+    """Check an offline dataset and turn it into dicts ``{prompt, response, reward}`` or ``{dialogue,
+    reward}`` (extra keys kept).
+
+    A sample is a ``(prompt, response, reward)`` triple or a dict with those keys, or a dialogue as trlx's
+    ILQL takes it (``samples`` of ``trlx.train``): ``{"dialogue": [prompt_1, output_1, ..., prompt_n,
+    output_n], "reward": r}`` or ``(dialogue, reward)``, segments alternating prompt (user, environment: not
+    actions) and output (the model's turns: the actions), or a single str (trlx's shorthand for
+    ``(bos_token, text)``).
 
     Raises:
-        ValueError: an empty dataset, or a sample that is not a triple/dict of (non-empty str, str, finite
-            number); the message names the sample's index.
+        ValueError: an empty dataset, or a sample that is none of these (a non-empty str prompt, a str response,
+            a finite number, an even number of str segments); the message names the sample's index.
     """
     if isinstance(samples, (str, bytes)) or len(samples) == 0:
-        raise ValueError("samples must be a non-empty list of (prompt, response, reward) triples or dicts")
+        raise ValueError("samples must be a non-empty list of (prompt, response, reward) triples, dicts or dialogues")
     return [_as_row(i, s) for i, s in enumerate(samples)]
 
 
@@ -206,39 +246,74 @@ def read_dataset(path: str | Path) -> list[dict[str, Any]]:
     return normalize_samples(rows)
 
 
-def tensorize_dataset(rows: Sequence[dict[str, Any]], tokenizer: Any) -> TensorDict:
+def _segments(
+    i: int, row: dict[str, Any], tokenizer: Any, max_length: int | None, truncation_side: str
+) -> list[DialogSegment]:
+    """Row ``i``'s segments: its dialogue's, or its prompt and response (the response ending in EOS)."""
+    if "dialogue" in row:
+        return tokenize_dialogue(row["dialogue"], tokenizer, max_length, truncation_side)
+    eos = tokenizer.eos_token_id
+    p = row.get("prompt_ids") or tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+    if "response_ids" in row:
+        r = list(row["response_ids"])
+    else:
+        r = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+    if not p:
+        raise ValueError(f"sample {i}: prompt {row['prompt']!r:.60} tokenizes to no tokens")
+    if not r:
+        raise ValueError(f"sample {i}: response is empty and the tokenizer has no EOS to stand for it")
+    segments = [DialogSegment(False, tuple(p)), DialogSegment(True, tuple(r))]
+    if max_length is None:
+        return segments
+    return truncate_dialogue(segments, max_length, truncation_side, dialogue_start_token(tokenizer))
+
+
+def tensorize_dataset(
+    rows: Sequence[dict[str, Any]], tokenizer: Any, *, max_length: int | None = None, truncation_side: str = "right"
+) -> TensorDict:
     """The offline set as one batch TensorDict [N] (``build_batch``): ``prompts``/``prompt_mask``
-    (left-padded), ``responses``/``action_mask`` (right-padded), ``input_ids``/``attention_mask``,
-    ``rewards`` [N] float32.
+    (left-padded), ``responses`` (right-padded) with ``response_mask`` (its real tokens) and ``action_mask``
+    (the actions), ``input_ids``/``attention_mask``, ``rewards`` [N] float32.
 
     Rows with ``prompt_ids``/``response_ids`` use them as they are; text-only rows are tokenized without
-    special tokens and the tokenizer's EOS is appended to the response (the end of a sample is terminal).
+    special tokens and the tokenizer's EOS is appended to the response (the end of a sample is terminal); the
+    whole response is actions. A dialogue row is tokenized by ``tokenize_dialogue``: its first segment is the
+    prompt, every later segment goes into the response, and only output segments are actions. This is trlx's
+    ``make_experience`` (``trlx/trainer/accelerate_ilql_trainer.py``): the state before action token t is
+    position t - 1 of the sample (trlx's ``actions_ixs``), the next state of an output's last token is the
+    state before the next output's first (``ilql_targets`` skips the prompt tokens between), and the
+    sample's reward sits on its last action token.
+
+    Args:
+        rows: ``normalize_samples`` rows.
+        tokenizer: the model's tokenizer.
+        max_length: keyword-only; truncate every sample to this many tokens (``truncate_dialogue``); None:
+            no truncation.
+        truncation_side: keyword-only; ``"right"`` or ``"left"``.
 
     Raises:
-        ValueError: a prompt that tokenizes to nothing.
+        ValueError: a prompt that tokenizes to nothing, or a sample with no action token (after truncation);
+            the message names the sample.
     """
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    prompt_ids, response_ids = [], []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompt_ids, response_ids, actions = [], [], []
     for i, row in enumerate(rows):
-        p = row.get("prompt_ids") or tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        if "response_ids" in row:
-            r = list(row["response_ids"])
-        else:
-            r = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + (
-                [eos] if eos is not None else []
-            )
-        if not p:
-            raise ValueError(f"sample {i}: prompt {row['prompt']!r:.60} tokenizes to no tokens")
-        if not r:
-            raise ValueError(f"sample {i}: response is empty and the tokenizer has no EOS to stand for it")
-        prompt_ids.append(p)
-        response_ids.append(r)
+        segments = _segments(i, row, tokenizer, max_length, truncation_side)
+        rest = segments[1:]
+        if not any(s.is_output for s in rest):
+            raise ValueError(f"sample {i} has no output tokens (after truncation to {max_length} tokens)")
+        prompt_ids.append(list(segments[0].tokens))
+        response_ids.append([t for s in rest for t in s.tokens])
+        actions.append([s.is_output for s in rest for _ in s.tokens])
     prompts = make_prompts(prompt_ids, pad)
     responses = pad_right([torch.tensor(r, dtype=torch.int64) for r in response_ids], pad)
-    action_mask = pad_right([torch.ones(len(r), dtype=torch.bool) for r in response_ids], False)
+    action_mask = pad_right([torch.tensor(a, dtype=torch.bool) for a in actions], False)
+    response_mask = pad_right([torch.ones(len(r), dtype=torch.bool) for r in response_ids], False)
     rewards = torch.tensor([float(r["reward"]) for r in rows], dtype=torch.float32)
-    return build_batch(prompts["prompts"], prompts["prompt_mask"], responses, action_mask, rewards=rewards)
+    return build_batch(
+        prompts["prompts"], prompts["prompt_mask"], responses, action_mask, response_mask=response_mask,
+        rewards=rewards,
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -397,7 +472,8 @@ def load_or_build_dataset(
 
     Args:
         cfg: the ILQL config (``run_dir``, ``dataset_path``, ``task``, ``seed``, ``dataset_size``,
-            ``dataset_temperature``, ``dataset_batch_size``, ``max_new_tokens``).
+            ``dataset_temperature``, ``dataset_batch_size``, ``max_new_tokens``, ``dataset_max_length``,
+            ``dataset_truncation_side``).
         state: the loop's state (``model``, an ``ILQLModel``; ``tokenizer``).
         write: write the run directory's files (rank 0 under torchrun).
 
@@ -410,6 +486,7 @@ def load_or_build_dataset(
     """
     run_dir = Path(cfg.run_dir)
     folder, export = run_dir / DATASET_DIR, run_dir / DATASET_FILE
+    lengths = dict(max_length=cfg.dataset_max_length, truncation_side=cfg.dataset_truncation_side)
     if resume:
         if (folder / "meta.json").is_file():
             return load_tensors(folder)
@@ -417,7 +494,7 @@ def load_or_build_dataset(
             raise FileNotFoundError(
                 f"cannot resume {cfg.run_dir!r}: its offline dataset {str(folder)!r} is missing"
             )
-        data = tensorize_dataset(read_dataset(export), state.tokenizer)  # an old run directory: convert it
+        data = tensorize_dataset(read_dataset(export), state.tokenizer, **lengths)  # an old run directory: convert
         return save_tensors(data, folder) if write else data
     if samples is not None:
         rows = normalize_samples(samples)
@@ -437,7 +514,7 @@ def load_or_build_dataset(
                 max_new_tokens=cfg.max_new_tokens,
                 batch_size=cfg.dataset_batch_size,
             )
-    data = tensorize_dataset(rows, state.tokenizer)
+    data = tensorize_dataset(rows, state.tokenizer, **lengths)
     if write:
         data = save_tensors(data, folder)
         save_dataset(rows, export)

@@ -224,27 +224,87 @@ def awac_loss(
     return loss, metrics
 
 
-def ilql_logits(logits: torch.Tensor, q: torch.Tensor, v: torch.Tensor, beta: float) -> torch.Tensor:
-    """Steered decoding logits ``logits + beta (Q(s, .) - V(s))`` (Snell 2022, eq. 5).
+def ilql_logit_mask(logits: torch.Tensor, prev_tokens: torch.Tensor, logit_mask: torch.Tensor) -> torch.Tensor:
+    """trlx's ILQL ``logit_mask``: the logits of the tokens not allowed after the previous token set to -inf.
+
+    ``logit_mask[i, j]`` True forbids token j right after token i, as trlx's
+    ``logits[torch.where(logit_mask[input_ids[:, -1]])] = -inf`` in ``AutoModelForCausalLMWithILQLHeads.generate``
+    (``trlx/models/modeling_ilql.py``, 3340c2f). The previous token of the logits at position t is the input
+    token at t (the logits at t choose token t + 1). A row whose every token is forbidden has no distribution
+    (sampling it raises in ``generate``). No host sync: ids outside ``[0, V)`` fail in the indexing.
+
+    Args:
+        logits: [..., V] float logits.
+        prev_tokens: [...] int64, the token each row of ``logits`` follows.
+        logit_mask: [V, V] bool, True = not allowed after the row's token.
+
+    Returns:
+        [..., V] in the dtype of ``logits``, a new tensor.
+
+    Raises:
+        ValueError: ``logit_mask`` is not a [V, V] bool tensor of the vocabulary of ``logits``, ``prev_tokens``
+            not integer or not ``logits.shape[:-1]``.
+    """
+    _checks.tensor("logits", logits)
+    _checks.tensor("logit_mask", logit_mask)
+    _checks.integer("prev_tokens", prev_tokens)
+    vocab = logits.shape[-1]
+    if logit_mask.dtype != torch.bool or tuple(logit_mask.shape) != (vocab, vocab):
+        raise ValueError(
+            f"logit_mask must be a bool [V, V] tensor with V = {vocab} (the logits' vocabulary), got "
+            f"{logit_mask.dtype} {tuple(logit_mask.shape)}"
+        )
+    if prev_tokens.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"prev_tokens has shape {tuple(prev_tokens.shape)} but must be logits.shape[:-1] = "
+            f"{tuple(logits.shape[:-1])}"
+        )
+    forbidden = logit_mask.to(logits.device)[prev_tokens.to(logits.device)]
+    return logits.masked_fill(forbidden, float("-inf"))
+
+
+def ilql_logits(
+    logits: torch.Tensor,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    beta: float,
+    *,
+    logit_mask: torch.Tensor | None = None,
+    prev_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Steered decoding logits ``logits + beta (Q(s, .) - V(s))`` (Snell 2022, eq. 5), with trlx's optional
+    ``logit_mask`` (``ilql_logit_mask``): forbidden tokens get -inf.
+
+    trlx (``generate`` in ``trlx/models/modeling_ilql.py``) masks the LM's logits, then samples from
+    ``softmax(topk(log_softmax(logits) + beta * (Q - V)) / temperature)``; ``log_softmax`` shifts each row by a
+    constant and -inf plus a finite number stays -inf, so these logits followed by ``generate``'s temperature
+    and ``top_k`` give the same distribution.
 
     Args:
         logits: [..., V] policy logits.
         q: [..., V] Q values (typically min of the two target heads).
         v: [...] V(s).
         beta: steering strength (0 = the policy itself).
+        logit_mask: keyword-only; [V, V] bool, True = token j not allowed after token i; None: no mask.
+        prev_tokens: keyword-only; [...] int64, the token each row follows (needed with ``logit_mask``).
 
     Returns:
         [..., V] in the dtype of ``logits``.
 
     Raises:
-        ValueError: shapes disagree.
+        ValueError: shapes disagree; ``logit_mask`` without ``prev_tokens``; as ``ilql_logit_mask``.
     """
     _checks.same_shape(logits=logits, q=q)
     _checks.tensor("v", v)
     _checks.finite("beta", beta)
     if v.shape != logits.shape[:-1]:
         raise ValueError(f"v has shape {tuple(v.shape)} but must be logits.shape[:-1] = {tuple(logits.shape[:-1])}")
-    return (logits + beta * (q - v.unsqueeze(-1))).to(logits.dtype)
+    steered = (logits + beta * (q - v.unsqueeze(-1))).to(logits.dtype)
+    if logit_mask is None:
+        return steered
+    if prev_tokens is None:
+        raise ValueError("ilql_logits with logit_mask needs prev_tokens (the token each row of logits follows)")
+    return ilql_logit_mask(steered, prev_tokens, logit_mask)
 
 
 def ilql_standardize_rewards(rewards: torch.Tensor) -> torch.Tensor:

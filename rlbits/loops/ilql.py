@@ -1,4 +1,5 @@
-"""ILQL: implicit language Q-learning on an offline dataset of ``(prompt, response, reward)``.
+"""ILQL: implicit language Q-learning on an offline dataset of ``(prompt, response, reward)`` or of dialogues
+whose output segments are the actions (trlx's samples).
 
 Algorithm (Snell et al. 2022; layout of trlx's ``ILQLConfig``). A causal LM carries two Q heads over the
 vocabulary, their target copies and a V head (``rlbits.models.ILQLModel``). For every response token t (state
@@ -12,7 +13,9 @@ s_t = prompt + response[:t], action a_t = response[t]; the sequence reward sits 
     loss      = loss_q + loss_v + cql_scale * loss_cql + awac_scale * loss_awac
 
 Every ``steps_for_target_q_sync`` steps ``target = alpha * online + (1 - alpha) * target``. Decoding samples
-from ``logits + beta * (min_i target_Q_i(s, .) - V(s))`` (``SteeredPolicy``; ``steered_validate``).
+from ``logits + beta * (min_i target_Q_i(s, .) - V(s))`` (``SteeredPolicy``; ``steered_validate``), under
+``logit_mask`` if set. In a dialogue, "response token" above means an action token: prompt segments inside
+the response are read but are not actions, and ``V(s_{t+1})`` is the state before the next action.
 
 The offline set (``samples=``, ``dataset_path``, or built from the base model) lives in ``rlbits.data.offline``.
 docs/ilql.md: the dataset, how rlbits departs from trlx, the metrics and how to launch a run.
@@ -23,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tensordict import TensorDictBase
@@ -58,7 +61,7 @@ from rlbits.functional import (
 from rlbits.loops import phases
 from rlbits.loops.config import MAX_ROWS, MIN_TEMPERATURE, ConfigError, LoRAConfig
 from rlbits.loops.config_fields import field_docs, ranged
-from rlbits.loops.ilql_eval import evaluate_betas, evaluate_run, load_final, steered_validate
+from rlbits.loops.ilql_eval import evaluate_betas, evaluate_run, load_final, load_logit_mask, steered_validate
 from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.run import Run
 from rlbits.loops.runtime import (
@@ -133,17 +136,30 @@ class ILQLConfig(LoRAConfig):
     dataset_batch_size: int = ranged(256, ge=1, at_most=MAX_ROWS)
     """Prompts per ``generate`` call while building the offline set."""
     dataset_path: str | None = None
-    """JSONL file of offline samples, one ``{"prompt", "response", "reward"}`` object per line; None builds the
-    set."""
+    """JSONL file of offline samples, one ``{"prompt", "response", "reward"}`` or ``{"dialogue": [...],
+    "reward"}`` object per line (``rlbits.data.offline.normalize_samples``); None builds the set."""
+    dataset_max_length: int | None = ranged(None, ge=2)
+    """Truncate each offline sample to this many tokens, prompt and response together (trlx's
+    ``train.seq_length``, passed as ``max_length`` to ``tokenize_dialogue`` in
+    ``trlx/pipeline/offline_pipeline.py``); None: no truncation."""
+    dataset_truncation_side: Literal["right", "left"] = "right"
+    """Which end ``dataset_max_length`` cuts (trlx's ``tokenizer.truncation_side``): ``right`` drops the end of
+    the last segments, ``left`` the start of the first ones (a prompt token is then put back, as trlx)."""
+    logit_mask: str | None = None
+    """File of a [V, V] mask (``ilql_eval.load_logit_mask``: ``.safetensors`` or a torch file; nonzero = True)
+    whose row i forbids the tokens j where it is True right after token i, in every steered decode (validation,
+    ``rlbits eval``; trlx's ``generate(logit_mask=...)`` in ``trlx/models/modeling_ilql.py``); None: no mask.
+    It holds V^2 bytes in memory."""
 
     def check(self) -> None:
         """The groups' checks, then ILQL's. Raises ConfigError naming the field."""
         super().check()
         if self.head_layers not in (1, 2):
             raise ConfigError(f"head_layers must be 1 (linear) or 2 (MLP, as trlx), got {self.head_layers}")
-        if self.dataset_path is not None and not Path(self.dataset_path).is_file():
-            doc = field_docs(type(self))["dataset_path"]
-            raise ConfigError(f"dataset_path {self.dataset_path!r} is not a file ({doc})")
+        for name in ("dataset_path", "logit_mask"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).is_file():
+                raise ConfigError(f"{name} {value!r} is not a file ({field_docs(type(self))[name]})")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -165,6 +181,8 @@ class State(LoopState):
     dataset_len: int = runtime(default=0)
     reward: Any = runtime(default=None)
     val_prompts: list[str] = runtime(default_factory=list)
+    logit_mask: torch.Tensor | None = runtime(default=None, repr=False)
+    """``cfg.logit_mask`` read (``load_logit_mask``): [V, V] bool, or None."""
 
     @property
     def trained_model(self) -> torch.nn.Module:
@@ -216,7 +234,8 @@ def init_state(
     ``val_prompts`` replaces the task's test split in validation.
 
     Raises:
-        ConfigError: the task's prompts are chat-formatted (offline rows are tokenized as given).
+        ConfigError: the task's prompts are chat-formatted (offline rows are tokenized as given); a
+            ``logit_mask`` file that does not load or does not match the model's vocabulary.
     """
     setup = setup if setup is not None else Setup.of(cfg)
     if setup.chat:  # its offline rows are tokenized as given: chat-formatted validation alone would not match
@@ -225,11 +244,17 @@ def init_state(
         )
     init_path = setup.initial_policy_path()  # every rank, at set-up
     model, tokenizer = _fresh_model(cfg, env, path=init_path)
+    logit_mask = None
+    if cfg.logit_mask is not None:
+        try:
+            logit_mask = SteeredPolicy(model, 0.0, load_logit_mask(cfg.logit_mask)).logit_mask  # checked
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"logit_mask: {e}") from e
     model = prepare(disable_dropout(model).to(env.device).train(), cfg, env)
     return State(
         env=env, tokenizer=tokenizer, model=model, init_path=init_path, make_env=setup.make_env,
         optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
-        reward=setup.reward(reward), val_prompts=setup.prompts(tokenizer, val_prompts, "test"),
+        reward=setup.reward(reward), val_prompts=setup.prompts(tokenizer, val_prompts, "test"), logit_mask=logit_mask,
     )
 
 
@@ -315,7 +340,8 @@ def validate(state: State, batch: TensorDictBase | None, cfg: ILQLConfig) -> Ten
     model), and the batch returned is its decodes. Steering with the untrained heads (random Q - V, not the
     base) is logged under ``val_reward_untrained_heads``, ``val_reward_std_untrained_heads``,
     ``val_response_len_untrained_heads``."""
-    kw = dict(reward=state.reward, prompts=state.val_prompts, env=state.env, make_env=state.make_env)
+    kw = dict(reward=state.reward, prompts=state.val_prompts, env=state.env, make_env=state.make_env,
+              logit_mask=state.logit_mask)
     values, val_batch = steered_validate(state.model, state.tokenizer, cfg, beta=cfg.beta, **kw)
     plain, plain_batch = (
         steered_validate(state.model, state.tokenizer, cfg, beta=0.0, **kw) if cfg.beta != 0 else (values, val_batch)
@@ -346,7 +372,9 @@ def train(
         cfg, callbacks, resume, force: as ``rlbits.train`` (``resume``: exact on one process).
         reward: scores the offline set when it is built, and validation; None = the task's reward.
         prompts: prompts to build the offline set from; None = the task's train split.
-        samples: the offline set itself: ``(prompt, response, reward)`` triples or dicts.
+        samples: the offline set itself: ``(prompt, response, reward)`` triples or dicts, or dialogues
+            (``{"dialogue": [prompt, output, ...], "reward": r}`` or ``(dialogue, reward)``: only outputs are
+            actions; ``rlbits.data.offline.normalize_samples``).
         val_prompts: validation prompts instead of the task's test split (default: ``cfg.val_prompts``, a file).
             The reward, prompts and samples are recorded in ``RUN_DIR/provenance.json``; a resume with other
             ones is refused unless ``cfg.allow_changed_inputs`` (a resumed call may leave ``prompts`` and
@@ -402,6 +430,7 @@ __all__ = [
     "evaluate_run",
     "init_state",
     "load_final",
+    "load_logit_mask",
     "load_or_build_dataset",
     "next_batch",
     "normalize_samples",

@@ -1,20 +1,34 @@
 """Steered decoding with a trained ILQL model: ``SteeredPolicy`` turns an ``ILQLModel`` into a causal LM whose
-logits are ``logits + beta * (min_i target_Q_i(s, .) - V(s))`` (``rlbits.functional.ilql_logits``), so plain
-``generate`` decodes steered, KV cache included."""
+logits are ``logits + beta * (min_i target_Q_i(s, .) - V(s))`` (``rlbits.functional.ilql_logits``), with
+trlx's optional ``logit_mask``, so plain ``generate`` decodes steered, KV cache included."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from rlbits.functional import ilql_logits
+from rlbits.functional import ilql_logit_mask, ilql_logits
 from rlbits.models.forward import cache_argument, output_cache
 from rlbits.models.heads import ILQLModel
 
 # The output's cache field: ``cache`` in transformers 5.2x (``past_key_values`` there logs a deprecation).
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _checked_mask(model: ILQLModel, logit_mask: Any) -> torch.Tensor:
+    """``logit_mask`` if it is a bool [V, V] tensor over the model's vocabulary (its Q heads' outputs)."""
+    vocab = [x for x in model.q1.modules() if isinstance(x, torch.nn.Linear)][-1].out_features
+    if not isinstance(logit_mask, torch.Tensor):
+        raise ValueError(f"logit_mask must be a bool [V, V] tensor, got {type(logit_mask).__name__}")
+    if logit_mask.dtype != torch.bool or tuple(logit_mask.shape) != (vocab, vocab):
+        raise ValueError(
+            f"logit_mask must be a bool [V, V] tensor with V = {vocab} (the model's vocabulary), got "
+            f"{logit_mask.dtype} {tuple(logit_mask.shape)}"
+        )
+    return logit_mask
 
 
 class SteeredPolicy(torch.nn.Module):
@@ -26,12 +40,22 @@ class SteeredPolicy(torch.nn.Module):
     separate trunk keeps a cache of its own (reset on every prefill), and generation uses HF's dynamic
     cache. ``beta=0`` returns the LM's own logits (as float32).
 
+    With ``logit_mask`` (trlx's ``generate(logit_mask=...)``, ``trlx/models/modeling_ilql.py``) the logits at
+    each position are masked after that position's input token (``ilql_logit_mask``): ``mask[i, j]`` True
+    forbids token j right after token i, at every beta, 0 included (as trlx).
+
     Args:
         model: the ILQL model (not copied; it is the same module).
         beta: steering strength, >= 0.
+        logit_mask: [V, V] bool over the LM's output vocabulary, or None (no mask). Moved to the model's
+            device on first use.
+
+    Raises:
+        TypeError: ``model`` is not an ``ILQLModel``. ValueError: a bad ``beta``, or a ``logit_mask`` that is
+            not a bool [V, V] tensor over the model's vocabulary.
     """
 
-    def __init__(self, model: ILQLModel, beta: float):
+    def __init__(self, model: ILQLModel, beta: float, logit_mask: torch.Tensor | None = None):
         super().__init__()
         if not isinstance(model, ILQLModel):
             raise TypeError(f"model must be an rlbits ILQLModel, got {type(model).__name__}")
@@ -39,6 +63,7 @@ class SteeredPolicy(torch.nn.Module):
             raise ValueError(f"beta must be a finite number >= 0, got {beta}")
         self.model = model
         self.beta = float(beta)
+        self.logit_mask = None if logit_mask is None else _checked_mask(model, logit_mask)
         self._trunk_cache = None
 
     @property
@@ -91,6 +116,10 @@ class SteeredPolicy(torch.nn.Module):
                     q = torch.minimum(q, m.target_q2(hidden).float())
                 v = m.v(hidden).squeeze(-1).float()
             logits = ilql_logits(logits, q, v, self.beta)
+        if self.logit_mask is not None:  # the logits at t follow input token t
+            if self.logit_mask.device != logits.device:
+                self.logit_mask = self.logit_mask.to(logits.device)
+            logits = ilql_logit_mask(logits, input_ids[:, input_ids.shape[1] - logits.shape[1] :], self.logit_mask)
         return CausalLMOutputWithPast(
             logits=logits, **{_CACHE_FIELD: output_cache(out) if use_cache else None}
         )
