@@ -19,6 +19,7 @@ papers and from trlx / NeMo-Aligner / TRL, the metrics and how to launch a run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -572,11 +573,18 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
     if state.step >= start:  # the policy's schedule starts with its training
         lr = scheduled(cfg, cfg.learning_rate, state.step - start, per_step, total - start)
         trained.insert(0, Trained(state.policy, state.policy_optimizer, lr=lr))
-    if trained:
-        optimize(
-            state, batch, cfg, objective, trained=trained, epochs=cfg.ppo_epochs,
-            num_minibatches=cfg.num_minibatches, shuffle=state.minibatch_generator, mask=update_mask(batch),
-        )
+    try:
+        if trained:
+            optimize(
+                state, batch, cfg, objective, trained=trained, epochs=cfg.ppo_epochs,
+                num_minibatches=cfg.num_minibatches, shuffle=state.minibatch_generator, mask=update_mask(batch),
+            )
+    except Exception:
+        if remote:  # the server's update still counts once it is answered: the next request expects it
+            with contextlib.suppress(Exception):
+                pending.result()
+                state.critic_updates += 1
+        raise
     if remote:
         state.critic.finish_train(pending, state, policy_trained=state.step >= start)
     state.critic_updates += 1

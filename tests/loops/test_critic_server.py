@@ -182,7 +182,8 @@ def test_bad_requests_get_clear_answers(policy_dir, tmp_path):
         assert status == 409 and "holds update 0" in answer["error"]
         status, answer = _post(server.url, "/values", json.dumps(good).encode())
         assert status == 200 and len(answer["values"]) == 1 and len(answer["values"][0]) == 1
-        status, answer = _post(server.url, "/train", json.dumps({**good, "step": 0, "run_length": 3}).encode())
+        train_fields = {"step": 0, "run_length": 3, "group": [0], "values": [[0.5]], "returns": [[1.0]]}
+        status, answer = _post(server.url, "/train", json.dumps({**good, **train_fields}).encode())
         assert status == 400 and "'generator'" in answer["error"]
         with pytest.raises(ConfigError, match="learning_rate: here 0.5"):
             CriticClient(server.url, token=TOKEN).check_config(make_cfg(policy_dir, tmp_path / "x", learning_rate=0.5))
