@@ -152,7 +152,8 @@ class CriticClient:
                 if e.status == NONFINITE:
                     raise NonFiniteError(f"{where}: {_quoted(e)}") from None
                 if e.status is not None and e.status < 500:
-                    raise CriticServerError(f"{where}: {_quoted(e)}", e.status) from None
+                    hint = f" (set ${TOKEN_ENV} to the server's token)" if e.status == 401 else ""
+                    raise CriticServerError(f"{where}: {_quoted(e)}{hint}", e.status) from None
                 if time.monotonic() >= give_up:
                     raise CriticServerError(
                         f"{where}: no answer within {self.timeout:g} s (critic_server_timeout); last error: {e}. "

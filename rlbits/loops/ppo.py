@@ -253,16 +253,16 @@ def init_state(
     and the prompt stream (``online_fields``: ``reward``, ``prompts``, ``val_prompts`` replace the task's).
     ``setup``: the run's resolved task (default ``Setup.of(cfg)``). A resumed run then restores the
     checkpoint into it (``Run.start``)."""
+    if cfg.critic_server is not None and env.world_size > 1:
+        raise ConfigError(
+            f"critic_server runs in one process only; this run has {env.world_size} (torchrun): drop "
+            "critic_server (the critic then trains locally, sharded) or run one process"
+        )
     setup = setup if setup is not None else Setup.of(cfg)
     needs_reference = cfg.uses_ref_logprobs or cfg.reward_subtract_reference
     init_path, policy, tokenizer, reference = initial_policy(cfg, env, setup, reference=needs_reference)
     client = None
     if cfg.critic_server is not None:
-        if env.world_size > 1:
-            raise ConfigError(
-                f"critic_server runs in one process only; this run has {env.world_size} (torchrun): drop "
-                "critic_server (the critic trains locally, sharded) or run one process"
-            )
         client = CriticClient(cfg.critic_server, timeout=cfg.critic_server_timeout)
         client.check_config(cfg)
     # the local critic, from the policy before its adapters (its own adapters)

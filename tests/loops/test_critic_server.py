@@ -19,10 +19,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlbits.distributed.env import DistEnv
 from rlbits.loops.config import ConfigError, config_from_dict, save_config
 from rlbits.loops.critic_client import CriticClient, CriticServerError
 from rlbits.loops.critic_server import CriticServer
-from rlbits.loops.ppo import PPOConfig, train
+from rlbits.loops.ppo import PPOConfig, init_state, train
 from rlbits.loops.run import read_metrics
 from rlbits.models.load import save_pretrained
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
@@ -187,7 +188,7 @@ def test_bad_requests_get_clear_answers(policy_dir, tmp_path):
         assert status == 400 and "'generator'" in answer["error"]
         with pytest.raises(ConfigError, match="learning_rate: here 0.5"):
             CriticClient(server.url, token=TOKEN).check_config(make_cfg(policy_dir, tmp_path / "x", learning_rate=0.5))
-        with pytest.raises(CriticServerError, match=f"critic server {server.url}.*401"):
+        with pytest.raises(CriticServerError, match=f"critic server {server.url}.*401.*RLBITS_CRITIC_TOKEN"):
             CriticClient(server.url, token="wrong").check_config(cfg)
         url = server.url
     with pytest.raises(CriticServerError, match=f"critic server {url} .*no answer within 1 s"):
@@ -197,3 +198,6 @@ def test_bad_requests_get_clear_answers(policy_dir, tmp_path):
 def test_torchrun_and_bad_urls_are_refused(policy_dir, tmp_path):
     with pytest.raises(ConfigError, match="critic_server must be an http"):
         make_cfg(policy_dir, tmp_path / "run", critic_server="localhost:8001")
+    cfg = make_cfg(policy_dir, tmp_path / "run", critic_server="http://127.0.0.1:9")
+    with pytest.raises(ConfigError, match="critic_server runs in one process only; this run has 2"):
+        init_state(cfg, DistEnv(world_size=2))
