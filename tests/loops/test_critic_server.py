@@ -201,3 +201,17 @@ def test_torchrun_and_bad_urls_are_refused(policy_dir, tmp_path):
     cfg = make_cfg(policy_dir, tmp_path / "run", critic_server="http://127.0.0.1:9")
     with pytest.raises(ConfigError, match="critic_server runs in one process only; this run has 2"):
         init_state(cfg, DistEnv(world_size=2))
+
+
+def test_serve_critic_cli_refuses_clearly(tmp_path, capsys, monkeypatch):
+    from rlbits.cli import build_parser
+
+    monkeypatch.delenv("RLBITS_TEST_UNSET_TOKEN", raising=False)
+    config = tmp_path / "reinforce.yaml"
+    config.write_text("loop: reinforce\n")
+    args = build_parser().parse_args(["serve-critic", str(config), "--token-env", "RLBITS_TEST_UNSET_TOKEN"])
+    assert args.func(args) == 2
+    assert "environment variable RLBITS_TEST_UNSET_TOKEN is unset or empty" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve-critic", str(config), "--port", "0"])
+    assert args.func(args) == 2
+    assert "is a reinforce config; serve-critic serves a ppo run's critic" in capsys.readouterr().err
