@@ -12,6 +12,7 @@
     rlbits model get NAME                       fetch a real model (smollm2-135m) into the cache, print its folder
     rlbits model list                           the real models rlbits can fetch
     rlbits serve-reward TASK_OR_MODEL_DIR       serve a reward over HTTP
+    rlbits serve-critic CONFIG_OR_RUN           serve a PPO run's critic over HTTP (critic_server: URL)
     rlbits demo                                 the functional core on a random batch
 """
 
@@ -96,6 +97,54 @@ def _serve_reward(args: argparse.Namespace) -> int:
     auth = f", bearer token from ${args.token_env}" if token else ""
     print(
         f"rlbits reward server for {args.target} listening on {server.url} (POST /score, GET /health{auth})"
+    )
+    sys.stdout.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def _serve_critic(args: argparse.Namespace) -> int:
+    import os
+
+    from rlbits.loops.api import resolve_config
+    from rlbits.loops.config import ConfigError
+    from rlbits.loops.critic_server import CriticServer
+    from rlbits.loops.ppo import PPOConfig
+    from rlbits.loops.runtime import setup
+
+    token = os.environ.get(args.token_env) if args.token_env else None
+    if args.token_env and not token:  # the token comes from the environment: argv is visible in `ps`
+        print(f"rlbits serve-critic: environment variable {args.token_env} is unset or empty", file=sys.stderr)
+        return 2
+    target = Path(args.target)
+    try:
+        cfg = resolve_config(str(target / "config.yaml") if target.is_dir() else args.target)
+        if not isinstance(cfg, PPOConfig):
+            raise ConfigError(f"{args.target} is a {cfg.loop} config; serve-critic serves a ppo run's critic")
+    except (ConfigError, OSError) as e:
+        print(f"rlbits serve-critic: {e}", file=sys.stderr)
+        return 2
+    folder = Path(args.dir) if args.dir else Path(f"{cfg.run_dir}-critic")
+    try:
+        server = CriticServer(
+            cfg, folder, args.host, args.port, env=setup(cfg), token=token, save_every=args.save_every,
+            max_request_bytes=args.max_request_bytes, log_requests=True,
+        )
+    except OSError as e:  # port in use or out of range, an address this machine does not have
+        print(f"rlbits serve-critic: cannot listen on {args.host} port {args.port}: {e}", file=sys.stderr)
+        return 2
+    except (ConfigError, ValueError) as e:
+        print(f"rlbits serve-critic: {e}", file=sys.stderr)
+        return 2
+    auth = f", bearer token from ${args.token_env}" if token else ""
+    print(
+        f"rlbits critic server for {args.target} listening on {server.url} (POST /values, /train, /save, /info; "
+        f"GET /health{auth}); checkpoint {folder} at update {server.update}"
     )
     sys.stdout.flush()
     try:
@@ -504,6 +553,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-request-bytes", type=int, default=16 * 2**20, help="larger bodies get 413"
     )
     serve_reward.set_defaults(func=_serve_reward)
+    serve_critic = sub.add_parser(
+        "serve-critic", help="serve a PPO run's critic and its optimizer over HTTP (docs/critic_server.md)"
+    )
+    serve_critic.add_argument("target", metavar="CONFIG_OR_RUN", help="a ppo config YAML or a run folder")
+    serve_critic.add_argument("--dir", help="checkpoint folder, resumed when it holds one (default RUN_DIR-critic)")
+    serve_critic.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve_critic.add_argument("--port", type=int, default=8001, help="TCP port; 0 picks a free one")
+    serve_critic.add_argument("--token-env", metavar="VAR", help="require the bearer token held in env var VAR")
+    serve_critic.add_argument(
+        "--save-every", type=int, default=1, help="checkpoint after every N training requests (default 1)"
+    )
+    serve_critic.add_argument("--max-request-bytes", type=int, default=2**30, help="larger bodies get 413")
+    serve_critic.set_defaults(func=_serve_critic)
     return parser
 
 

@@ -19,6 +19,7 @@ papers and from trlx / NeMo-Aligner / TRL, the metrics and how to launch a run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,13 +56,14 @@ from rlbits.loops.config import (
     RewardShapingConfig,
 )
 from rlbits.loops.config_fields import ranged
+from rlbits.loops.critic_client import CriticClient
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.reward_shaping import loss_mask as truncation_mask
 from rlbits.loops.reward_shaping import shape_rewards
 from rlbits.loops.runtime import Setup, autocast, head_args, kernel, load_critic, prepare, with_lora
-from rlbits.loops.state import OnlineState, optimizer_of
+from rlbits.loops.state import OnlineState, optimizer_of, runtime
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
@@ -162,6 +164,15 @@ class PPOConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig
     this many extra rollouts (each through score, reference, values and advantages), each followed by a
     critic-only ``update`` (``critic_warmup``); their prompts are drawn from the stream as a step's are, and
     their means are logged in the step-0 row as ``critic_warmup/...``. 0: none."""
+    critic_server: str | None = None
+    """URL ``http(s)://host:port`` of an ``rlbits serve-critic`` server that holds the critic and its optimizer
+    (NeMo-Aligner's remote critic, ``remote_critic_rm.critic.ip``/``port`` of ``gpt_ppo_actor.yaml``): the
+    ``values`` phase asks it for the values, ``update`` sends it the critic's training and trains the policy
+    only (``rlbits.loops.critic_client``; docs/critic_server.md). Its bearer token is read from
+    ``$RLBITS_CRITIC_TOKEN``. One process only (not under torchrun). None: the critic is local."""
+    critic_server_timeout: float = ranged(600.0, gt=0)
+    """Seconds the critic client waits for one answer of the critic server, and for an unreachable server to
+    come back (a restart from its checkpoint) before it raises naming the URL."""
 
     def check(self) -> None:
         """The groups' checks, then PPO's rules across fields. Raises ConfigError naming the field."""
@@ -179,6 +190,8 @@ class PPOConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig
             )
         if not self.critic_init:
             raise ConfigError("critic_init must be 'policy' or a folder, got an empty string")
+        if self.critic_server is not None and not self.critic_server.startswith(("http://", "https://")):
+            raise ConfigError(f"critic_server must be an http(s)://host:port URL, got {self.critic_server!r}")
         critic_lr = self.critic_learning_rate
         if self.lr_scheduler in ("cosine", "cosine_annealing") and critic_lr is not None and self.min_lr > critic_lr:
             raise ConfigError(
@@ -204,15 +217,22 @@ class PPOConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig
 class State(OnlineState):
     """Everything a PPO run carries from step to step, saved as a whole (``rlbits.loops.state``): the policy
     (the model ``final/`` exports) and its reference (``OnlineState``, ``reference`` also loaded for
-    ``reward_subtract_reference``), the critic, their optimizers and the KL coefficient."""
+    ``reward_subtract_reference``), the critic, their optimizers and the KL coefficient. With
+    ``critic_server`` the critic lives on the server: ``value_model`` is None and ``critic`` talks to it."""
 
-    value_model: ValueModel
+    value_model: ValueModel | None = None
+    """The local critic; None with ``critic_server``."""
     policy_optimizer: torch.optim.Optimizer = optimizer_of("policy")
     """AdamW over the policy's trainable parameters (all, or its LoRA adapters)."""
     value_optimizer: torch.optim.Optimizer = optimizer_of("value_model")
     """AdamW over the critic's trainable parameters (all, or its backbone's LoRA adapters and the value head)."""
     kl_coef: float
     """Current coefficient of the active KL term (changes only with ``adaptive_kl``)."""
+    critic: CriticClient | None = runtime(default=None)
+    """The critic server's client (``critic_server``), else None."""
+    critic_updates: int = 0
+    """Critic updates done so far (warm-up ones included); with ``critic_server``, the server's state this run
+    expects (``rlbits.loops.critic_client``)."""
     reward_ref_std: float | None = None
     """``scale_reward: ref``: the frozen divisor (the first step's reward std, or ``cfg.reward_ref_std``)."""
     reward_running_mean: float = 0.0
@@ -233,20 +253,29 @@ def init_state(
     and the prompt stream (``online_fields``: ``reward``, ``prompts``, ``val_prompts`` replace the task's).
     ``setup``: the run's resolved task (default ``Setup.of(cfg)``). A resumed run then restores the
     checkpoint into it (``Run.start``)."""
+    if cfg.critic_server is not None and env.world_size > 1:
+        raise ConfigError(
+            f"critic_server runs in one process only; this run has {env.world_size} (torchrun): drop "
+            "critic_server (the critic then trains locally, sharded) or run one process"
+        )
     setup = setup if setup is not None else Setup.of(cfg)
     needs_reference = cfg.uses_ref_logprobs or cfg.reward_subtract_reference
     init_path, policy, tokenizer, reference = initial_policy(cfg, env, setup, reference=needs_reference)
-    critic = load_critic(cfg, policy, env)  # from the policy before its adapters: its own adapters
+    client = None
+    if cfg.critic_server is not None:
+        client = CriticClient(cfg.critic_server, timeout=cfg.critic_server_timeout)
+        client.check_config(cfg)
+    # the local critic, from the policy before its adapters (its own adapters)
+    critic = load_critic(cfg, policy, env) if client is None else None
     policy = with_lora(policy, cfg)
-    if cfg.lora and env.world_size == 1:  # the critic's frozen base is the policy's: one copy (unsharded only)
+    if critic is not None and cfg.lora and env.world_size == 1:  # the critic's frozen base is the policy's
         share_frozen_parameters(critic.backbone, policy.base_model)
-    value_model = prepare(critic, cfg, env)
+    value_model, value_optimizer = critic_with_optimizer(critic, cfg, env) if critic is not None else (None, None)
     policy = prepare(policy.train(), cfg, env)
-    critic_lr = cfg.critic_learning_rate if cfg.critic_learning_rate is not None else cfg.learning_rate
     return State(
-        policy=policy, value_model=value_model, reference=reference,
+        policy=policy, value_model=value_model, reference=reference, critic=client,
         policy_optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
-        value_optimizer=make_optimizer(value_model.parameters(), critic_lr, cfg.weight_decay),
+        value_optimizer=value_optimizer,
         kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef,
         **online_fields(cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts),
     )
@@ -285,10 +314,34 @@ rollout_correction = phases.rollout_correction
 (``phases.rollout_correction``)."""
 
 
+def critic_lr(cfg: PPOConfig) -> float:
+    """The critic's base learning rate: ``critic_learning_rate``, else ``learning_rate``."""
+    return cfg.critic_learning_rate if cfg.critic_learning_rate is not None else cfg.learning_rate
+
+
+def critic_with_optimizer(
+    critic: ValueModel, cfg: PPOConfig, env: DistEnv
+) -> tuple[ValueModel, torch.optim.Optimizer]:
+    """The critic prepared for training (``prepare``: sharding, precision) and its AdamW at ``critic_lr(cfg)``:
+    the local critic of ``init_state`` and the critic server's (``rlbits.loops.critic_server``)."""
+    value_model = prepare(critic, cfg, env)
+    return value_model, make_optimizer(value_model.parameters(), critic_lr(cfg), cfg.weight_decay)
+
+
+def critic_estimates(value_model: torch.nn.Module, batch: TensorDictBase, cfg: PPOConfig) -> torch.Tensor:
+    """The critic's V(s_t) before each response token, [B, R] float32, 0 off ``action_mask``, without
+    gradient, in ``microbatch_size``-row forwards under the run's precision (``critic_values``)."""
+    with torch.no_grad(), unsharded(value_model), autocast(value_model, cfg):
+        return critic_values(value_model, batch, microbatch_size=cfg.microbatch_size).float()
+
+
 def values(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
-    """Phase 4: ``values`` [B, R], the critic's V(s_t) before each response token (no gradient)."""
-    with torch.no_grad(), unsharded(state.value_model), autocast(state.value_model, cfg):
-        batch["values"] = critic_values(state.value_model, batch, microbatch_size=cfg.microbatch_size).float()
+    """Phase 4: ``values`` [B, R], the critic's V(s_t) before each response token (no gradient): the local
+    critic's ``critic_estimates``, or with ``critic_server`` the server's (the same function there)."""
+    if state.critic is not None:
+        batch["values"] = state.critic.values(batch, state.critic_updates)
+    else:
+        batch["values"] = critic_estimates(state.value_model, batch, cfg)
     return batch
 
 
@@ -446,18 +499,51 @@ def objective(state: State, micro: TensorDictBase, cfg: PPOConfig, den: Denomina
         stats |= {"actor_loss": pg_loss.detach(), "entropy": masked_mean(token_entropy.detach(), mask) * share}
         always = ("clipfrac", "approx_kl", "ratio_mean")
         stats |= {name: v * share for name, v in phases.policy_loss_stats(ratio, cfg, always).items()}
-    values = critic_values(state.value_model, micro).float()
-    v_loss, vstats = kernel(value_loss, cfg)(
-        values, micro["values"], micro["returns"], mask, clip_eps=cfg.value_clip_eps, **agg
-    )
+    critic_term = 0.0
+    if state.value_model is not None:  # with critic_server the server trains the critic
+        critic_term, critic_stats = critic_objective(state, micro, cfg, den)
+        stats |= critic_stats
     loss = (
         pg_loss  # policy_loss; vanilla: the clipped surrogate -min(r A, clip(r, 1 - eps, 1 + eps_high) A)
         - cfg.entropy_coef * entropy  # entropy bonus
         + state.kl_coef * kl  # KL to the reference, when it is not in the reward
         + cfg.positive_example_nll_weight * nll  # VAPO/NeMo-RL: NLL of the rows with reward > 0
-        + cfg.vf_coef * v_loss  # critic: (clipped) squared error to the GAE returns
+        + critic_term  # critic: vf_coef x (clipped) squared error to the GAE returns
     )
-    return loss, {**stats, "critic_loss": v_loss.detach(), "value_clipfrac": vstats["clipfrac"] * share}
+    return loss, stats
+
+
+def critic_objective(
+    state: Any, micro: TensorDictBase, cfg: PPOConfig, den: Denominators
+) -> tuple[torch.Tensor, dict]:
+    """The critic's term of ``objective``, ``vf_coef * value_loss`` (Schulman 2017 eq. 9, PPO2 clipping with
+    ``value_clip_eps``) of ``state.value_model`` on one microbatch over the minibatch's global counts; the
+    whole objective of the critic server. Stats: ``critic_loss``, ``value_clipfrac``."""
+    mask = micro["loss_mask"] if "loss_mask" in micro.keys() else micro["action_mask"]
+    agg, share = den.agg(cfg.loss_agg, cfg.loss_scale_factor), den.share(mask)
+    values = critic_values(state.value_model, micro).float()
+    v_loss, vstats = kernel(value_loss, cfg)(
+        values, micro["values"], micro["returns"], mask, clip_eps=cfg.value_clip_eps, **agg
+    )
+    return cfg.vf_coef * v_loss, {"critic_loss": v_loss.detach(), "value_clipfrac": vstats["clipfrac"] * share}
+
+
+def critic_trained(
+    value_model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: PPOConfig, step: int, total: int
+) -> Trained:
+    """The critic in ``optimize``: its gradient norm logged as ``critic_grad_norm``, its rate following
+    ``lr_scheduler`` from ``critic_lr(cfg)`` over ``ppo_epochs * num_minibatches`` optimizer steps per
+    training step (``step``: the training step, 0-based; ``total``: the run's training steps)."""
+    per_step = cfg.ppo_epochs * cfg.num_minibatches
+    return Trained(
+        value_model, optimizer, grad_norm="critic_grad_norm", lr_metric="critic_lr",
+        lr=scheduled(cfg, critic_lr(cfg), step, per_step, total),
+    )
+
+
+def update_mask(batch: TensorDictBase) -> str:
+    """The mask ``update``'s denominators count: ``loss_mask`` when the batch has one, else ``action_mask``."""
+    return "loss_mask" if "loss_mask" in batch.keys() else "action_mask"
 
 
 def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
@@ -478,19 +564,30 @@ def update(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBas
         NonFiniteError: a non-finite loss or gradient norm, on every rank together; neither model steps.
     """
     per_step, total = cfg.ppo_epochs * cfg.num_minibatches, run_length(state, cfg)
-    critic_lr = cfg.critic_learning_rate if cfg.critic_learning_rate is not None else cfg.learning_rate
-    trained = [Trained(
-        state.value_model, state.value_optimizer, grad_norm="critic_grad_norm", lr_metric="critic_lr",
-        lr=scheduled(cfg, critic_lr, state.step, per_step, total),
-    )]
+    remote = state.critic is not None
+    # with critic_server: the critic's training goes to the server first (with the minibatch generator's state,
+    # so it shuffles the same minibatches) and runs there while the policy trains here
+    pending = state.critic.train_async(batch, cfg, state, total) if remote else None
+    trained = [] if remote else [critic_trained(state.value_model, state.value_optimizer, cfg, state.step, total)]
     start = cfg.policy_training_start_step
     if state.step >= start:  # the policy's schedule starts with its training
         lr = scheduled(cfg, cfg.learning_rate, state.step - start, per_step, total - start)
         trained.insert(0, Trained(state.policy, state.policy_optimizer, lr=lr))
-    optimize(
-        state, batch, cfg, objective, trained=trained, epochs=cfg.ppo_epochs, num_minibatches=cfg.num_minibatches,
-        shuffle=state.minibatch_generator, mask="loss_mask" if "loss_mask" in batch.keys() else "action_mask",
-    )
+    try:
+        if trained:
+            optimize(
+                state, batch, cfg, objective, trained=trained, epochs=cfg.ppo_epochs,
+                num_minibatches=cfg.num_minibatches, shuffle=state.minibatch_generator, mask=update_mask(batch),
+            )
+    except Exception:
+        if remote:  # the server's update still counts once it is answered: the next request expects it
+            with contextlib.suppress(Exception):
+                pending.result()
+                state.critic_updates += 1
+        raise
+    if remote:
+        state.critic.finish_train(pending, state, policy_trained=state.step >= start)
+    state.critic_updates += 1
     return batch
 
 
@@ -565,6 +662,8 @@ def train(
             with run.step(state):
                 with run.phase("rollout"):  # 1. sample responses
                     batch = rollout(state, state.stream.next_batch(cfg.num_prompts_per_step, run.env), cfg)
+                if state.critic is not None:  # the remote critic's values come while the rewards are scored
+                    state.critic.prefetch_values(batch, state.critic_updates)
                 with run.phase("score"):  # 2. rewards (and the reference policy's, if subtracted)
                     batch = score(state, batch, cfg)
                 with run.phase("reference"):  # 3. reference logprobs
@@ -588,6 +687,11 @@ __all__ = [
     "PPOConfig",
     "State",
     "advantages",
+    "critic_estimates",
+    "critic_lr",
+    "critic_objective",
+    "critic_trained",
+    "critic_with_optimizer",
     "evaluate_run",
     "init_state",
     "kl_control",
@@ -599,6 +703,7 @@ __all__ = [
     "score",
     "train",
     "update",
+    "update_mask",
     "validate",
     "values",
 ]

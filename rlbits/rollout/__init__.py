@@ -45,6 +45,8 @@ _LAZY = {
     "RewardClient": "rlbits.rollout.reward_client",
     # reward_server
     "DEFAULT_MAX_REQUEST_BYTES": "rlbits.rollout.reward_server",
+    "JSONServer": "rlbits.rollout.reward_server",
+    "RequestError": "rlbits.rollout.reward_server",
     "RewardServer": "rlbits.rollout.reward_server",
     "load_reward": "rlbits.rollout.reward_server",
     "serve": "rlbits.rollout.reward_server",

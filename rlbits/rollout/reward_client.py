@@ -92,7 +92,7 @@ class RewardClient:
 
     def health(self) -> dict:
         """``GET /health``; the server's JSON answer (``{"status": "ok"}``)."""
-        return self._request("GET", "/health", None)
+        return self.request("GET", "/health", None)
 
     def __call__(self, prompts: list[str], responses: list[str], **columns: Any) -> list[float]:
         """``POST /score``: one reward per sample, as floats (NaN/inf pass through for ``score`` to name).
@@ -115,7 +115,7 @@ class RewardClient:
         if cols:
             payload["columns"] = cols
         body = json.dumps(payload).encode()
-        answer = self._request("POST", "/score", body)
+        answer = self.request("POST", "/score", body)
         where = f"POST {self.url}/score"
         if not isinstance(answer, dict) or "rewards" not in answer:
             raise RewardServerError(
@@ -141,7 +141,14 @@ class RewardClient:
         # An int beyond float64 becomes +-inf, which ``score`` then rejects naming the sample.
         return [_to_float(r) for r in rewards]
 
-    def _request(self, method: str, path: str, body: bytes | None) -> Any:
+    def request(self, method: str, path: str, body: bytes | None) -> Any:
+        """One exchange with the server, ``method`` on ``url + path`` with the JSON ``body``, with this
+        client's token, deadline, retries and backoff (class docstring): the decoded JSON answer.
+
+        Raises:
+            RewardServerError: unreachable after the retries, a timeout, an HTTP error (the server's message
+                quoted, ``.status`` set), a redirect, or an answer that is not JSON.
+        """
         url = self.url + path
         headers = {"Accept": "application/json"}
         if body is not None:

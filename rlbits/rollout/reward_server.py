@@ -57,13 +57,23 @@ _CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")  # int() would also take "+5", " 5 
 # ------------------------------------------------------------------------------------------------ server
 
 
+class RequestError(Exception):
+    """Raised by a route of a ``JSONServer`` to answer ``status`` with ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
 class _Handler(BaseHTTPRequestHandler):
-    server: RewardServer
+    server: JSONServer
     protocol_version = "HTTP/1.0"  # one request per connection: no idle keep-alive threads to wait for
-    server_version = "rlbits-reward"
+    server_version = "rlbits-json"
 
     def setup(self) -> None:
         self.timeout = self.server.request_timeout  # StreamRequestHandler applies it to the socket
+        self.server_version = f"rlbits-{self.server.kind}"
         super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (name from the base class)
@@ -89,33 +99,36 @@ class _Handler(BaseHTTPRequestHandler):
     def _path(self) -> str:
         return urllib.parse.urlsplit(self.path).path.rstrip("/") or "/"
 
+    def _unknown(self, path: str) -> None:
+        has = ", ".join(f"POST {p}" for p in self.server.post_routes) + " and GET /health"
+        self._send(404, {"error": f"unknown path {path!r}; the server has {has}"})
+
     def do_GET(self) -> None:
         path = self._path()
         if path == "/health":
             self._send(200, {"status": "ok"})
-        elif path == "/score":
-            self._send(405, {"error": "use POST /score"}, {"Allow": "POST"})
+        elif path in self.server.post_routes:
+            self._send(405, {"error": f"use POST {path}"}, {"Allow": "POST"})
         else:
-            self._send(404, {"error": f"unknown path {path!r}; the server has POST /score and GET /health"})
+            self._unknown(path)
 
     def do_POST(self) -> None:
         try:
-            self._score()
+            self._post()
         except Exception as e:  # a bug of the server itself: still one JSON answer, no dropped connection
             self.log_error("POST %s failed: %s: %s", self.path, type(e).__name__, e)
             self.close_connection = True
             with contextlib.suppress(OSError):
-                self._send(500, {"error": f"the reward server failed: {type(e).__name__}"})
+                self._send(500, {"error": f"the {self.server.kind} server failed: {type(e).__name__}"})
 
-    def _score(self) -> None:
+    def _post(self) -> None:
         path = self._path()
-        if path != "/score":
+        route = self.server.post_routes.get(path)
+        if route is None:
             if path == "/health":
                 self._send(405, {"error": "use GET /health"}, {"Allow": "GET"})
             else:
-                self._send(
-                    404, {"error": f"unknown path {path!r}; the server has POST /score and GET /health"}
-                )
+                self._unknown(path)
             return
         length, refusal = _content_length(self.headers.get_all("Content-Length"))
         token = self.server.token
@@ -159,26 +172,12 @@ class _Handler(BaseHTTPRequestHandler):
         except RecursionError:
             self._send(400, {"error": "request body is not valid JSON: it nests too deeply"})
             return
-        error = _check_request(request)
-        if error:
-            self._send(400, {"error": error})
-            return
         try:
-            with self.server.lock:
-                rewards = score_texts(
-                    request["prompts"],
-                    request["responses"],
-                    self.server.reward,
-                    columns=request.get("columns"),
-                    batch_size=self.server.batch_size,
-                )
-        except RewardError as e:  # the reward raised or returned an invalid value
-            self._send(500, {"error": str(e)})
+            answer = route(request)
+        except RequestError as e:
+            self._send(e.status, {"error": e.message})
             return
-        except (ValueError, TypeError) as e:  # the request's columns do not fit (e.g. a reserved name)
-            self._send(400, {"error": str(e)})
-            return
-        self._send(200, {"rewards": rewards.tolist()})
+        self._send(200, answer)
 
     def _drain(self, length: int) -> None:
         # Read (and drop) a refused body, up to a bound, so the client gets the answer instead of a reset.
@@ -235,20 +234,19 @@ def _check_request(request: Any) -> str | None:
     return None
 
 
-class RewardServer(ThreadingHTTPServer):
-    """An HTTP server that scores with ``reward`` (protocol in the module docstring).
+class JSONServer(ThreadingHTTPServer):
+    """An HTTP server of JSON routes with the protocol's rules (module docstring): bearer token checked before
+    the body is read, a size cap, every request answered with JSON, ``GET /health``. A subclass names its
+    ``POST`` routes in ``post_routes`` (path -> ``route(request) -> answer``, the decoded JSON body in, a JSON
+    object out); a route raises ``RequestError(status, message)`` to answer an error. ``RewardServer`` (``POST
+    /score``) and the critic server (``rlbits.loops.critic_server``) are its two kinds.
 
     Args:
-        reward: a callable ``(prompts, responses, **columns) -> rewards``, a ``RewardModel`` or a reward-model
-            folder (anything ``score_texts`` takes). Its output is validated as in ``score``.
         host: address to bind; ``127.0.0.1`` by default. Binding every interface needs an explicit
             ``"0.0.0.0"`` (or ``"::"``); a non-loopback host without a token gives a warning.
         port: TCP port; 0 picks a free one (read it back from ``server.port`` or ``server.url``).
-        token: if set, ``POST /score`` needs ``Authorization: Bearer <token>``.
+        token: if set, every ``POST`` route needs ``Authorization: Bearer <token>``.
         max_request_bytes: larger request bodies get 413.
-        batch_size: at most this many samples per call of ``reward`` (None: one call per request).
-        concurrent: allow concurrent calls of ``reward`` from the request threads; by default calls are
-            serialised (one model on one device; a function need not be thread-safe).
         request_timeout: seconds a connection may sit idle while the request is read.
         log_requests: log each request to stderr (as ``http.server`` does).
 
@@ -258,21 +256,19 @@ class RewardServer(ThreadingHTTPServer):
     Raises:
         ValueError: empty ``host``, a port outside [0, 65535], bad ``max_request_bytes``.
         OSError: the address cannot be bound (port in use, a host this machine does not have).
-        TypeError: ``reward`` is of no supported kind.
     """
 
     daemon_threads = True
+    kind = "json"
+    """The server's name in messages and the ``Server`` header (``rlbits-<kind>``)."""
 
     def __init__(
         self,
-        reward: Any,
         host: str = "127.0.0.1",
         port: int = 8000,
         *,
         token: str | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        batch_size: int | None = None,
-        concurrent: bool = False,
         request_timeout: float = 60.0,
         log_requests: bool = False,
     ):
@@ -287,21 +283,23 @@ class RewardServer(ThreadingHTTPServer):
             raise ValueError(f"max_request_bytes must be a positive int, got {max_request_bytes!r}")
         if token is not None and (not isinstance(token, str) or not token):
             raise ValueError("token must be a non-empty str or None")
-        self.reward, _ = _resolve(reward)
         if not _is_loopback(host) and token is None:
             warnings.warn(
-                f"reward server on {host} accepts requests from other machines without a token; pass token=",
-                stacklevel=2,
+                f"{self.kind} server on {host} accepts requests from other machines without a token; pass token=",
+                stacklevel=3,
             )
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), _Handler)
         self.token = token
         self.max_request_bytes = max_request_bytes
-        self.batch_size = batch_size
-        self.lock = contextlib.nullcontext() if concurrent else threading.Lock()
         self.request_timeout = request_timeout
         self.log_requests = log_requests
         self._thread: threading.Thread | None = None
+
+    @property
+    def post_routes(self) -> dict[str, Callable[[Any], dict]]:
+        """``POST`` path -> ``route(request) -> answer``."""
+        return {}
 
     @property
     def host(self) -> str:
@@ -316,13 +314,13 @@ class RewardServer(ThreadingHTTPServer):
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    def start(self) -> RewardServer:
+    def start(self) -> JSONServer:
         """Serve from a daemon thread; returns ``self``."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self.serve_forever,
                 kwargs={"poll_interval": 0.05},
-                name=f"reward-server:{self.port}",
+                name=f"{self.kind}-server:{self.port}",
                 daemon=True,
             )
             self._thread.start()
@@ -336,11 +334,78 @@ class RewardServer(ThreadingHTTPServer):
             self._thread = None
         self.server_close()
 
-    def __enter__(self) -> RewardServer:
+    def __enter__(self) -> JSONServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+class RewardServer(JSONServer):
+    """An HTTP server that scores with ``reward`` (protocol in the module docstring): ``POST /score``.
+
+    Args:
+        reward: a callable ``(prompts, responses, **columns) -> rewards``, a ``RewardModel`` or a reward-model
+            folder (anything ``score_texts`` takes). Its output is validated as in ``score``.
+        host, port, token, max_request_bytes, request_timeout, log_requests: as ``JSONServer``.
+        batch_size: at most this many samples per call of ``reward`` (None: one call per request).
+        concurrent: allow concurrent calls of ``reward`` from the request threads; by default calls are
+            serialised (one model on one device; a function need not be thread-safe).
+
+    Raises:
+        ValueError: empty ``host``, a port outside [0, 65535], bad ``max_request_bytes``.
+        OSError: the address cannot be bound (port in use, a host this machine does not have).
+        TypeError: ``reward`` is of no supported kind.
+    """
+
+    kind = "reward"
+
+    def __init__(
+        self,
+        reward: Any,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        *,
+        token: str | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        batch_size: int | None = None,
+        concurrent: bool = False,
+        request_timeout: float = 60.0,
+        log_requests: bool = False,
+    ):
+        self.reward, _ = _resolve(reward)
+        super().__init__(
+            host, port, token=token, max_request_bytes=max_request_bytes, request_timeout=request_timeout,
+            log_requests=log_requests,
+        )
+        self.batch_size = batch_size
+        self.lock = contextlib.nullcontext() if concurrent else threading.Lock()
+
+    @property
+    def post_routes(self) -> dict[str, Callable[[Any], dict]]:
+        return {"/score": self._score}
+
+    def _score(self, request: Any) -> dict:
+        error = _check_request(request)
+        if error:
+            raise RequestError(400, error)
+        try:
+            with self.lock:
+                rewards = score_texts(
+                    request["prompts"],
+                    request["responses"],
+                    self.reward,
+                    columns=request.get("columns"),
+                    batch_size=self.batch_size,
+                )
+        except RewardError as e:  # the reward raised or returned an invalid value
+            raise RequestError(500, str(e)) from e
+        except (ValueError, TypeError) as e:  # the request's columns do not fit (e.g. a reserved name)
+            raise RequestError(400, str(e)) from e
+        return {"rewards": rewards.tolist()}
+
+    def __enter__(self) -> RewardServer:
+        return self.start()
 
 
 def serve(
@@ -387,4 +452,12 @@ def load_reward(target: str) -> Callable:
     )
 
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "RewardClient", "RewardServer", "load_reward", "serve"]
+__all__ = [
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "JSONServer",
+    "RequestError",
+    "RewardClient",
+    "RewardServer",
+    "load_reward",
+    "serve",
+]
