@@ -324,3 +324,65 @@ def aligner_rloo_baseline(prompts, reward, mask):
         else:
             baseline[idx] = rloo_mat @ (reward[idx] * mask[idx]) / (mask[idx].sum() - 1)
     return baseline
+
+
+def nemo_rl_std_per_row(rewards, k):
+    """NeMo-RL's ``calculate_baseline_and_std_per_prompt`` std (nemo_rl/algorithms/utils.py, without the
+    leave-one-out baseline, every sample valid), for groups of ``k`` contiguous rows (one prompt each):
+    sqrt((mean(x^2) - mean(x)^2) * n / (n - 1)), NaN -> 0, the same value on every row of a group."""
+    out = []
+    for g in range(len(rewards) // k):
+        xs = [float(r) for r in rewards[g * k : (g + 1) * k]]
+        baseline = sum(xs) / k
+        square = sum(x * x for x in xs) / k
+        var = (square - baseline**2) * (k / (k - 1))
+        std = math.sqrt(var) if var >= 0 else 0.0  # torch: sqrt of a negative is NaN, nan_to_num(0)
+        out += [std] * k
+    return out
+
+
+def nemo_rl_dynamic_sampling(repeated_batch, std, num_gen_batches, num_prompts_per_step, k, max_gen_batches,
+                             batch_cache=None):
+    """NeMo-RL's ``dynamic_sampling`` (nemo_rl/algorithms/grpo.py at 7ea279a) on a dict of per-row lists:
+    keep the rows whose std != 0, append them to ``batch_cache``; short of ``num_prompts_per_step * k`` rows,
+    go on (``is_batch_complete`` False) while ``num_gen_batches <= max_gen_batches``, else raise; full, slice
+    to ``num_prompts_per_step * k`` rows. Returns ``(batch, is_batch_complete, batch_cache, metrics)``."""
+    is_batch_complete = True
+    train_prompts_size = num_prompts_per_step * k
+    metrics = {}
+    non_zero_std_mask = [s != 0.0 for s in std]
+    keep_prompt_indices = [i for i, keep in enumerate(non_zero_std_mask) if keep]
+    filtered = {key: [rows[i] for i in keep_prompt_indices] for key, rows in repeated_batch.items()}
+    if len(keep_prompt_indices) > 0:
+        batch_cache = filtered if batch_cache is None else {key: batch_cache[key] + filtered[key] for key in filtered}
+        filtered = batch_cache
+    filtered_prompts_size = len(filtered["rewards"])
+    if filtered_prompts_size < train_prompts_size:
+        if num_gen_batches <= max_gen_batches:
+            is_batch_complete = False
+        else:
+            raise ValueError(f"Dynamic sampling has reached the maximum allowed number of batches ({max_gen_batches})")
+    else:
+        metrics["dynamic_sampling_num_discarded_valid_samples"] = filtered_prompts_size - train_prompts_size
+        filtered = {key: rows[:train_prompts_size] for key, rows in filtered.items()}
+    return filtered, is_batch_complete, batch_cache, metrics
+
+
+def nemo_rl_dynamic_sampling_step(generation_batches, num_prompts_per_step, k, max_gen_batches):
+    """One step of NeMo-RL's GRPO loop around ``dynamic_sampling`` (grpo.py ``grpo_train``): for each
+    generation batch of ``generation_batches`` (an iterator of dicts with ``rewards``, drawn lazily),
+    ``num_gen_batches += 1``, the std, ``dynamic_sampling``; ``continue`` while incomplete. Returns the batch
+    and the metrics (``dynamic_sampling_num_gen_batches`` added)."""
+    batch_cache, num_gen_batches = None, 0
+    for repeated_batch in generation_batches:
+        num_gen_batches += 1
+        std = nemo_rl_std_per_row(repeated_batch["rewards"], k)
+        batch, complete, batch_cache, metrics = nemo_rl_dynamic_sampling(
+            repeated_batch, std, num_gen_batches, num_prompts_per_step, k, max_gen_batches, batch_cache
+        )
+        if metrics:
+            metrics["dynamic_sampling_num_gen_batches"] = num_gen_batches
+        if not complete:
+            continue
+        return batch, metrics
+    raise AssertionError("the generation batches ran out")

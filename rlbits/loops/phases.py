@@ -12,18 +12,20 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import einops
 import torch
 from tensordict import TensorDictBase
 
 from rlbits.data.stream import prompt_batch
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import is_sharded, unsharded
-from rlbits.distributed.reduce import all_reduce_sum
+from rlbits.distributed.reduce import all_reduce_sum, any_rank
 from rlbits.functional import ROLLOUT_CORRECTIONS, kl_penalty, masked_sum
-from rlbits.loops.config import RunConfig
+from rlbits.loops.config import MAX_ROWS, ConfigError, RunConfig
 from rlbits.loops.metrics import StepMetrics
+from rlbits.loops.run import agreed, in_phase
 from rlbits.loops.runtime import autocast, generator, head_args
 from rlbits.models.forward import HEAD_MEMORY_BUDGET_MB, policy_logprobs
 from rlbits.models.lora import adapters_disabled, is_lora
@@ -480,6 +482,155 @@ def policy_loss_stats(
     return {k: out[k] for k in (*always, *dual) if k in out}
 
 
+# --- dynamic sampling (DAPO; NeMo-RL's use_dynamic_sampling and batch_multiplier) ---------------------------
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[G] bool: True for the groups of ``rewards`` [G * group_size] (groups contiguous) whose rewards are not
+    all equal, the groups whose reward std is not 0 (they carry a learning signal). Compared exactly (max >
+    min), not as a float std."""
+    groups = einops.rearrange(rewards, "(g k) -> g k", k=group_size)
+    return groups.amax(dim=1) > groups.amin(dim=1)
+
+
+def group_reward_stats(metrics: StepMetrics, rewards: torch.Tensor, group_size: int) -> None:
+    """Statistics of one generation batch's ``rewards`` [B]: ``gen_rewards`` (mean over every batch generated
+    this step) and, with ``group_size >= 2``, ``zero_std_frac`` (the fraction of groups whose rewards are all
+    equal)."""
+    metrics.mean("gen_rewards", rewards.sum(), rewards.numel())
+    if group_size >= 2:
+        informative = informative_groups(rewards, group_size)
+        metrics.mean("zero_std_frac", (~informative).sum(), informative.numel())
+
+
+def generation_batch_size(cfg: Any) -> int:
+    """Prompts per rank of one generation batch: ``num_prompts_per_step``, and with ``cfg.dynamic_sampling``
+    ``int(num_prompts_per_step * batch_multiplier)`` (NeMo-RL's dataloader batch size, grpo.py)."""
+    if not getattr(cfg, "dynamic_sampling", False):
+        return cfg.num_prompts_per_step
+    return int(cfg.num_prompts_per_step * cfg.batch_multiplier)
+
+
+def check_dynamic_sampling(cfg: Any) -> None:
+    """The rules across the dynamic sampling fields of a loop's config (``dynamic_sampling``,
+    ``batch_multiplier``, ``num_generations_per_prompt``).
+
+    Raises:
+        ConfigError: ``dynamic_sampling`` with fewer than 2 responses per prompt, ``batch_multiplier`` != 1
+            without ``dynamic_sampling`` (NeMo-RL asserts the same), or a generation batch of more than
+            ``MAX_ROWS`` responses.
+    """
+    if cfg.dynamic_sampling and cfg.num_generations_per_prompt < 2:
+        raise ConfigError("dynamic_sampling needs num_generations_per_prompt >= 2 (a reward spread per group)")
+    if cfg.batch_multiplier != 1 and not cfg.dynamic_sampling:
+        raise ConfigError(
+            f"batch_multiplier={cfg.batch_multiplier} needs dynamic_sampling: true (it sizes the generation "
+            "batches that dynamic sampling filters)"
+        )
+    rows = generation_batch_size(cfg) * cfg.num_generations_per_prompt
+    if rows > MAX_ROWS:
+        raise ConfigError(
+            f"int(num_prompts_per_step * batch_multiplier) * num_generations_per_prompt must be <= {MAX_ROWS} "
+            f"responses per generation batch, got {rows}"
+        )
+
+
+def join_rollout(state: Any, model: torch.nn.Module | None = None) -> None:
+    """Enter the collectives of a rollout of ``model`` (default ``state.policy``) without generating: a rank
+    that has nothing to generate while the others do (dynamic sampling) calls it where they sample. Decoding
+    itself runs no collective (``rlbits.distributed.parallelize.unsharded``); gathering the sharded model
+    for it is the rollout's only one. A no-op on one process."""
+    with unsharded(model if model is not None else state.policy):  # ``generate_rollout`` gathers it so
+        pass
+
+
+def keep_informative_groups(
+    state: Any,
+    batch: TensorDictBase,
+    cfg: Any,
+    *,
+    rollout: Callable[[Any, TensorDictBase, Any], TensorDictBase],
+    score: Callable[[Any, TensorDictBase, Any], TensorDictBase],
+    join: Callable[[Any, Any], None] | None = None,
+    exhausted: Literal["train", "error"] = "train",
+) -> list[TensorDictBase]:
+    """Dynamic sampling (DAPO, Yu 2025; NeMo-RL's ``dynamic_sampling`` in nemo_rl/algorithms/grpo.py): the
+    groups of the scored generation ``batch``, and of more batches of ``generation_batch_size(cfg)`` prompts
+    from ``state.stream`` (``rollout`` then ``score``), whose ``rewards`` are not all equal
+    (``informative_groups``; the raw scores, before any shaping or scaling), until ``cfg.num_prompts_per_step``
+    groups are kept or ``cfg.dynamic_sampling_max_gen_batches`` batches were generated. Returns the kept rows
+    of each batch that gave some, in order: exactly ``num_prompts_per_step * num_generations_per_prompt`` rows
+    in all (the informative groups past those of the batch that fills the step are dropped: NeMo-RL's cache of
+    kept groups, sliced).
+
+    The kept groups live within the step (NeMo-RL empties its cache after each step), so a step is atomic
+    and a resumed run draws as the uninterrupted one (the stream position and sampling RNG are saved at the
+    end of each step).
+
+    Under torchrun each rank fills its own ``num_prompts_per_step`` groups (a group's rewards are on one
+    rank). The ranks agree before every round whether it is drawn (one all-reduce of "this rank still needs
+    groups"), then every rank draws its prompts from the stream, so the stream stays in step across ranks. A
+    rank that is already full does not generate: it enters the collectives of the round's rollout and scoring
+    (``join(state, cfg)``, default ``join_rollout``: the all-gather of the sharded policy; the agreement on a
+    non-finite reward)
+    and keeps nothing. Joining rather than generating and discarding keeps what each rank keeps, its stream
+    position and its sampling RNG the same as when it generates only what it uses.
+
+    When the batches run out with fewer groups kept on some rank: ``exhausted="train"`` returns what each
+    rank kept (a rank that kept none returns the first ``num_prompts_per_step`` groups of its last batch:
+    only a KL loss can move them); ``"error"`` raises on every rank (NeMo-RL). NeMo-RL's
+    ``dynamic_sampling_max_gen_batches`` counts the batches after the first (it raises when batch max + 1
+    leaves the step short); rlbits' counts them all, so NeMo-RL's m is rlbits' m + 1.
+
+    Adds to ``state.metrics``: ``gen_batches`` (the most batches a rank generated; NeMo-RL
+    ``dynamic_sampling_num_gen_batches``), ``kept_groups`` (all ranks) and ``discarded_groups`` (informative
+    groups dropped by the slice, all ranks; NeMo-RL ``dynamic_sampling_num_discarded_valid_samples``, which
+    counts rows).
+
+    Raises:
+        RuntimeError: with ``exhausted="error"``, some rank kept fewer than ``num_prompts_per_step`` groups
+            after ``dynamic_sampling_max_gen_batches`` batches (on every rank).
+    """
+    env, k, n = state.env, cfg.num_generations_per_prompt, cfg.num_prompts_per_step
+    kept, n_kept, n_gen, discarded, last, fresh = [], 0, 1, 0, batch, batch
+    for round_ in range(cfg.dynamic_sampling_max_gen_batches):
+        if round_ > 0:
+            if not any_rank(n_kept < n, env):  # agreed by every rank before any rank draws
+                break
+            prompts = state.stream.next_batch(generation_batch_size(cfg), env)  # every rank draws
+            fresh = None
+            if n_kept >= n:  # full: enter the collectives the other ranks' rollout and scoring run
+                join(state, cfg) if join is not None else join_rollout(state)
+                with agreed(env):
+                    pass
+            else:
+                fresh = rollout(state, prompts, cfg)
+                with agreed(env), in_phase(state.step + 1, "score"):
+                    fresh = score(state, fresh, cfg)
+                n_gen, last = n_gen + 1, fresh
+        if fresh is not None:
+            informative = informative_groups(fresh["rewards"], k).nonzero().flatten()
+            keep = informative[: n - n_kept]  # the cache is sliced to n groups
+            discarded += informative.numel() - keep.numel()
+            if keep.numel():
+                rows = einops.rearrange(keep[:, None] * k + torch.arange(k, device=keep.device), "g k -> (g k)")
+                kept.append(fresh[rows])
+                n_kept += keep.numel()
+    if exhausted == "error" and any_rank(n_kept < n, env):
+        raise RuntimeError(
+            f"dynamic sampling: after dynamic_sampling_max_gen_batches={cfg.dynamic_sampling_max_gen_batches} "
+            f"generation batches of {generation_batch_size(cfg)} prompts a rank kept fewer than the "
+            f"num_prompts_per_step={n} groups whose rewards differ (this rank: {n_kept}); raise "
+            "dynamic_sampling_max_gen_batches or batch_multiplier, or use prompts whose "
+            f"{k} rewards differ more often"
+        )
+    m = state.metrics
+    m.max("gen_batches", float(n_gen))
+    m.sum("kept_groups", float(n_kept))
+    m.sum("discarded_groups", float(discarded))
+    return kept or [last[: n * k]]
+
+
 __all__ = [
     "add_batch_stats",
     "bf16_copy",
@@ -488,7 +639,12 @@ __all__ = [
     "evaluate_policy",
     "evaluate_run",
     "generate_rollout",
+    "generation_batch_size",
     "generation_options",
+    "group_reward_stats",
+    "informative_groups",
+    "join_rollout",
+    "keep_informative_groups",
     "kl_per_sequence",
     "pack_weights",
     "policy_loss_stats",

@@ -4,6 +4,7 @@ Algorithm (Schulman 2017; for language models Ziegler 2019 and Ouyang 2022, eq. 
 
 1. rollout    ``num_generations_per_prompt`` responses for each of ``num_prompts_per_step`` prompts;
 2. score      the sequence reward of each response (``reward_subtract_reference``: minus the reference's);
+   (2b.)      ``dynamic_sampling``: only the groups whose rewards differ, from more batches if needed;
 3. reference  the frozen initial policy's logprobs of the sampled tokens (``ref_logprobs``);
 4. values     the critic's V(s_t) before each response token (``values``);
 5. advantages scaled reward on the last token minus ``kl_coef * KL`` on every token, GAE(gamma, lam)
@@ -28,6 +29,7 @@ from typing import Any, Literal
 import torch
 from tensordict import TensorDictBase
 
+from rlbits.batch import collate
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import unsharded
 from rlbits.distributed.reduce import all_reduce_sum, masked_var
@@ -174,6 +176,22 @@ class PPOConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig
     """Seconds the critic client waits for one answer of the critic server, and for an unreachable server to
     come back (a restart from its checkpoint) before it raises naming the URL."""
 
+    # --- Dynamic sampling (NeMo-RL ``use_dynamic_sampling``, ``dynamic_sampling_max_gen_batches``,
+    # ``batch_multiplier``: nemo_rl/algorithms/grpo.py and ppo.py)
+    dynamic_sampling: bool = False
+    """Keep only the groups whose ``num_generations_per_prompt`` (>= 2) rewards are not all equal (the raw
+    scores, before any shaping or scaling) and generate more batches until ``num_prompts_per_step`` such
+    groups are kept (``dynamic_sampling``; NeMo-RL ``use_dynamic_sampling``). NeMo-RL's ppo.py declares the
+    field and a ``dynamic_sampling`` function but its loop never calls it; this is its GRPO loop's
+    (grpo.py)."""
+    dynamic_sampling_max_gen_batches: int = ranged(4, ge=1, at_most=1024)
+    """Most generation batches one step may use with dynamic_sampling, the first included; a step still
+    short after them raises (NeMo-RL, which counts the batches after the first: its m is this m + 1)."""
+    batch_multiplier: float = ranged(1.0, ge=1, le=1024)
+    """With dynamic_sampling, each generation batch draws ``int(num_prompts_per_step * batch_multiplier)``
+    prompts per rank, and the informative groups past ``num_prompts_per_step`` are dropped (NeMo-RL
+    ``batch_multiplier``). 1 without dynamic_sampling."""
+
     def check(self) -> None:
         """The groups' checks, then PPO's rules across fields. Raises ConfigError naming the field."""
         super().check()
@@ -198,6 +216,7 @@ class PPOConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig
                 f"min_lr ({self.min_lr}) must be <= critic_learning_rate ({critic_lr}): the critic's "
                 f"{self.lr_scheduler} schedule decays from it to min_lr"
             )
+        phases.check_dynamic_sampling(self)
 
     @property
     def uses_ref_logprobs(self) -> bool:
@@ -293,7 +312,9 @@ def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase
     ``reward_subtract_reference`` also ``reference_rewards`` [B], the reward of a response the reference
     policy samples for the same prompt (a second rollout and scoring: on a multi-turn task an episode of the
     reference in a fresh env, rewarded by the env; after ``RewardShapingConfig``'s transforms, its own lengths)."""
-    phases.score_rollout(batch, state.reward)
+    rewards = phases.score_rollout(batch, state.reward)
+    if cfg.dynamic_sampling:  # every generation batch's rewards, before dynamic sampling keeps some
+        phases.group_reward_stats(state.metrics, rewards, cfg.num_generations_per_prompt)
     if cfg.reward_subtract_reference:
         prompts = phases.prompt_batch(list(batch["prompt_text"])[:: cfg.num_generations_per_prompt])
         with phases.reference_model(state) as ref, autocast(ref, cfg):
@@ -303,6 +324,35 @@ def score(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase
             ref_rewards = shape_rewards(ref_rewards.float(), ref_batch.to(ref_rewards.device), cfg)
         batch["reference_rewards"] = ref_rewards
     return batch
+
+
+def dynamic_sampling(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:
+    """Phase 2b (``cfg.dynamic_sampling``; else returns ``batch``): the groups of the scored ``batch`` and of
+    more generation batches (``rollout``, ``score``) whose rewards are not all equal, exactly
+    ``num_prompts_per_step`` of them per rank, joined by ``collate`` (``phases.keep_informative_groups``:
+    the rules under torchrun, the metrics ``gen_batches``, ``kept_groups`` and ``discarded_groups``). A rank
+    that generates nothing in a round also joins the reference's gathering of ``score`` with
+    ``reward_subtract_reference``.
+
+    Raises:
+        RuntimeError: some rank kept fewer than ``num_prompts_per_step`` groups after
+            ``dynamic_sampling_max_gen_batches`` generation batches (NeMo-RL), on every rank.
+    """
+    if not cfg.dynamic_sampling:
+        return batch
+    kept = phases.keep_informative_groups(
+        state, batch, cfg, rollout=rollout, score=score, join=_join_sampling, exhausted="error"
+    )
+    return collate(kept, pad_token_id=state.tokenizer.pad_token_id) if len(kept) > 1 else kept[0]
+
+
+def _join_sampling(state: State, cfg: PPOConfig) -> None:
+    """Enter the collectives of ``rollout`` and ``score`` without generating: the policy's gathering and,
+    with ``reward_subtract_reference``, the reference's."""
+    phases.join_rollout(state)
+    if cfg.reward_subtract_reference:
+        with phases.reference_model(state) as ref:
+            phases.join_rollout(state, ref)
 
 
 reference = phases.reference
@@ -609,7 +659,9 @@ validate = phases.validate_policy
 evaluate_run = phases.evaluate_run
 """``rlbits eval RUN_DIR``: the final policy's test-split reward next to the base model's."""
 
-PHASES = (rollout, score, reference, values, advantages, rollout_correction, update, kl_control, validate)
+PHASES = (
+    rollout, score, dynamic_sampling, reference, values, advantages, rollout_correction, update, kl_control, validate
+)
 """The phases of a step, in order (``validate``: the validation phase), each ``phase(state, batch, cfg) -> batch``."""
 
 
@@ -661,11 +713,14 @@ def train(
         for _ in run.steps(state):
             with run.step(state):
                 with run.phase("rollout"):  # 1. sample responses
-                    batch = rollout(state, state.stream.next_batch(cfg.num_prompts_per_step, run.env), cfg)
-                if state.critic is not None:  # the remote critic's values come while the rewards are scored
+                    batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), run.env), cfg)
+                if state.critic is not None and not cfg.dynamic_sampling:  # values come while rewards are scored
                     state.critic.prefetch_values(batch, state.critic_updates)
                 with run.phase("score"):  # 2. rewards (and the reference policy's, if subtracted)
                     batch = score(state, batch, cfg)
+                if cfg.dynamic_sampling:
+                    with run.phase("rollout"):  # 2b. informative groups only, from more batches if needed
+                        batch = dynamic_sampling(state, batch, cfg)
                 with run.phase("reference"):  # 3. reference logprobs
                     batch = reference(state, batch, cfg)
                 with run.phase("values"):  # 4. critic values
@@ -692,6 +747,7 @@ __all__ = [
     "critic_objective",
     "critic_trained",
     "critic_with_optimizer",
+    "dynamic_sampling",
     "evaluate_run",
     "init_state",
     "kl_control",

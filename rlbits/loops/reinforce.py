@@ -35,8 +35,7 @@ from tensordict import TensorDictBase
 
 from rlbits.batch import collate
 from rlbits.distributed.env import DistEnv
-from rlbits.distributed.parallelize import unsharded
-from rlbits.distributed.reduce import all_reduce_max, all_reduce_sum, any_rank
+from rlbits.distributed.reduce import all_reduce_max, all_reduce_sum
 from rlbits.functional import (
     POLICY_LOSSES,
     aggregate_loss,
@@ -57,7 +56,6 @@ from rlbits.loops.online import initial_policy, online_fields, online_run
 from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.reward_shaping import loss_mask as truncation_mask
 from rlbits.loops.reward_shaping import shape_rewards, truncated_rows
-from rlbits.loops.run import agreed, in_phase
 from rlbits.loops.runtime import Setup, head_args, kernel, prepare, with_lora
 from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
@@ -134,9 +132,16 @@ class ReinforceConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradient
     > 1) switches to the clipped PPO loss."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no signal) and generate more until num_prompts_per_step
-    informative groups are kept (DAPO)."""
+    informative groups are kept (DAPO; NeMo-RL ``use_dynamic_sampling``, nemo_rl/algorithms/grpo.py). When
+    ``dynamic_sampling_max_gen_batches`` run out, the step trains on the groups kept (NeMo-RL raises; the PPO
+    loop does)."""
     dynamic_sampling_max_gen_batches: int = ranged(4, ge=1, at_most=1024)
-    """Most generation batches (of num_prompts_per_step prompts each) one step may use with dynamic_sampling."""
+    """Most generation batches one step may use with dynamic_sampling, the first included (NeMo-RL's
+    ``dynamic_sampling_max_gen_batches`` counts those after the first: its m is this m + 1)."""
+    batch_multiplier: float = ranged(1.0, ge=1, le=1024)
+    """With dynamic_sampling, each generation batch draws ``int(num_prompts_per_step * batch_multiplier)``
+    prompts per rank, and the informative groups past ``num_prompts_per_step`` are dropped (NeMo-RL
+    ``batch_multiplier``, grpo.py). 1 without dynamic_sampling."""
 
     def check(self) -> None:
         """The groups' checks, then REINFORCE's rules across fields. Raises ConfigError naming the field."""
@@ -151,8 +156,7 @@ class ReinforceConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradient
                 f"gamma={self.gamma} has no effect with adv_estimator={self.adv_estimator!r}; it discounts "
                 "reinforce_plus_plus's return to go"
             )
-        if self.dynamic_sampling and self.num_generations_per_prompt < 2:
-            raise ConfigError("dynamic_sampling needs num_generations_per_prompt >= 2 (a reward spread per group)")
+        phases.check_dynamic_sampling(self)
         if self.kl_reward_reduction == "mean" and self.adv_estimator in PER_TOKEN_REWARDS:
             raise ConfigError(
                 f"kl_reward_reduction='mean' does not apply to adv_estimator={self.adv_estimator!r}: its KL stays on "
@@ -221,76 +225,28 @@ def score(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDi
     ``gen_rewards``, ``zero_std_frac`` (groups whose K rewards are all equal) and ``gen_batches`` over every
     batch generated this step (dynamic sampling may generate several)."""
     rewards = phases.score_rollout(batch, state.reward)
-    m = state.metrics
-    m.mean("gen_rewards", rewards.sum(), rewards.numel())
-    if cfg.num_generations_per_prompt >= 2:
-        informative = informative_groups(rewards, cfg.num_generations_per_prompt)
-        m.mean("zero_std_frac", (~informative).sum(), informative.numel())
+    phases.group_reward_stats(state.metrics, rewards, cfg.num_generations_per_prompt)
     return batch
 
 
-def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[G] bool: True for groups whose K rewards are not all equal (they carry a learning signal)."""
-    groups = einops.rearrange(rewards, "(g k) -> g k", k=group_size)
-    return groups.amax(dim=1) > groups.amin(dim=1)
+informative_groups = phases.informative_groups
+"""[G] bool: the groups whose K rewards are not all equal (``phases.informative_groups``)."""
 
 
 def dynamic_sampling(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
-    """Phase 2b (DAPO dynamic sampling): keep only informative groups of the scored ``batch`` and generate and
-    score more batches of prompts from ``state.stream`` until ``num_prompts_per_step`` groups are kept or
-    ``dynamic_sampling_max_gen_batches`` batches ran. Without ``cfg.dynamic_sampling`` returns ``batch``.
-
-    Under torchrun the ranks agree before every round whether it is drawn (one all-reduce of "this rank still
-    needs groups"), then every rank draws its prompts from the stream, so the stream stays in step across
-    ranks. A rank that is already full does not generate: it enters the collectives of the round's rollout
-    (``join_rollout``: the all-gather of the sharded policy) and of its scoring (the agreement on a
-    non-finite reward) and keeps nothing. Generating and discarding would run the same collectives at the
-    cost of a rollout; joining them keeps what each rank keeps, its prompt-stream position and its sampling
-    RNG the same as when it generates only what it uses, so a resumed run draws as the uninterrupted one.
-
-    If no group at all is informative, the last batch is trained on (only a KL loss can move it). Adds
-    ``kept_groups`` (all ranks) and ``gen_batches`` (the most batches a rank generated).
-    """
+    """Phase 2b (DAPO dynamic sampling): the informative groups of the scored ``batch`` and of more
+    generation batches (``rollout``, ``score``) until ``num_prompts_per_step`` groups are kept or
+    ``dynamic_sampling_max_gen_batches`` batches ran (``phases.keep_informative_groups``: the rules under
+    torchrun, the metrics ``gen_batches``, ``kept_groups`` and ``discarded_groups``), joined by ``collate``.
+    When the batches run out, trains on what each rank kept (on the first ``num_prompts_per_step`` groups of
+    the last batch if it kept none: only a KL loss can move them). Without ``cfg.dynamic_sampling`` returns
+    ``batch`` and logs ``gen_batches`` 1 and ``kept_groups``."""
     if not cfg.dynamic_sampling:
         state.metrics.max("gen_batches", 1.0)
         state.metrics.sum("kept_groups", float(batch.batch_size[0] // cfg.num_generations_per_prompt))
         return batch
-    env, k, n = state.env, cfg.num_generations_per_prompt, cfg.num_prompts_per_step
-    kept, n_kept, n_gen, last, fresh = [], 0, 1, batch, batch
-    for round_ in range(cfg.dynamic_sampling_max_gen_batches):
-        if round_ > 0:
-            if not any_rank(n_kept < n, env):  # agreed by every rank before any rank draws
-                break
-            prompts = state.stream.next_batch(n, env)  # every rank draws: the stream stays in step
-            fresh = None
-            if n_kept >= n:  # full: enter the collectives the other ranks' rollout and scoring run
-                join_rollout(state, cfg)
-                with agreed(env):
-                    pass
-            else:
-                fresh = rollout(state, prompts, cfg)
-                with agreed(env), in_phase(state.step + 1, "score"):
-                    fresh = score(state, fresh, cfg)
-                n_gen, last = n_gen + 1, fresh
-        if fresh is not None:
-            keep = informative_groups(fresh["rewards"], k).nonzero().flatten()[: n - n_kept]
-            if keep.numel():
-                rows = einops.rearrange(keep[:, None] * k + torch.arange(k, device=keep.device), "g k -> (g k)")
-                kept.append(fresh[rows])
-                n_kept += keep.numel()
-    kept = kept or [last]
-    state.metrics.max("gen_batches", float(n_gen))
-    state.metrics.sum("kept_groups", float(n_kept))
+    kept = phases.keep_informative_groups(state, batch, cfg, rollout=rollout, score=score, exhausted="train")
     return collate(kept, pad_token_id=state.tokenizer.pad_token_id) if len(kept) > 1 else kept[0]
-
-
-def join_rollout(state: State, cfg: ReinforceConfig) -> None:
-    """Enter the collectives of a ``rollout`` without generating: a rank that has nothing to generate while
-    the others do (dynamic sampling) calls it where they call ``rollout``. Decoding itself runs no collective
-    (``rlbits.distributed.parallelize.unsharded``); gathering the sharded policy for it is the rollout's only
-    one. A no-op on one process."""
-    with unsharded(state.policy):  # under torchrun the policy is sharded: ``rollout`` gathers it so
-        pass
 
 
 reference = phases.reference
@@ -525,7 +481,7 @@ def train(
         for _ in run.steps(state):
             with run.step(state):
                 with run.phase("rollout"):  # 1. K responses per prompt
-                    batch = rollout(state, state.stream.next_batch(cfg.num_prompts_per_step, run.env), cfg)
+                    batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), run.env), cfg)
                 with run.phase("score"):  # 2. sequence rewards
                     batch = score(state, batch, cfg)
                 with run.phase("rollout"):  # 2b. dynamic sampling: informative groups only, more batches
@@ -559,7 +515,6 @@ __all__ = [
     "greedy_baseline",
     "informative_groups",
     "init_state",
-    "join_rollout",
     "objective",
     "reference",
     "rollout",
