@@ -229,10 +229,6 @@ def score(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDi
     return batch
 
 
-informative_groups = phases.informative_groups
-"""[G] bool: the groups whose K rewards are not all equal (``phases.informative_groups``)."""
-
-
 def dynamic_sampling(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -> TensorDictBase:
     """Phase 2b (DAPO dynamic sampling): the informative groups of the scored ``batch`` and of more
     generation batches (``rollout``, ``score``) until ``num_prompts_per_step`` groups are kept or
@@ -513,7 +509,6 @@ __all__ = [
     "dynamic_sampling",
     "evaluate_run",
     "greedy_baseline",
-    "informative_groups",
     "init_state",
     "objective",
     "reference",

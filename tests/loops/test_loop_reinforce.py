@@ -18,9 +18,9 @@ from rlbits.functional import POLICY_LOSSES
 from rlbits.loops import reinforce
 from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops.metrics import StepMetrics
+from rlbits.loops.phases import informative_groups
 from rlbits.loops.reinforce import (
     ReinforceConfig,
-    informative_groups,
     init_state,
     objective,
     train,
