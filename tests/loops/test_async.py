@@ -14,7 +14,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from rlbits.distributed.env import DistEnv
-from rlbits.loops import phases, ppo, reinforce
+from rlbits.loops import ppo, reinforce
 from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.run import read_metrics
