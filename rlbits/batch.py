@@ -103,6 +103,7 @@ SCHEMA: dict[str, KeySpec] = {
     "ref_logps": KeySpec(_B, _F, "sum of ref_logprobs over a response's action tokens (preference pair batches)"),
     "truncated": KeySpec(_B, _M, "stopped by the token budget or context, not a stop token (overlong)"),
     "group": KeySpec(_B, _I, "which prompt a sample came from; samples of one prompt are contiguous"),
+    "policy_version": KeySpec(_B, _I, "steps the policy that sampled the row had taken (async: its version)"),
     "num_turns": KeySpec(_B, _I, "episodes: policy turns taken"),
     "retokenized": KeySpec(_B, _M, "torchrl episodes: some assistant turn's ids were re-tokenised from text"),
     "prompt_text": KeySpec(_B, str, "decoded prompt (non-tensor)"),

@@ -578,9 +578,23 @@ class PolicyGradientConfig(OnlineConfig):
     ``sequence``), ``threshold`` and ``threshold_low`` default to the mode's. When on, the trainer's policy
     recomputes ``old_logprobs`` before the update, the loss takes them as its old policy and multiplies by
     the correction's weights, and rejected tokens leave ``loss_mask``."""
+    async_mode: Literal["off", "simulated"] = "off"
+    """Asynchronous RL (docs/async.md): ``off``, the synchronous loop (each step trains on rows its own policy
+    sampled); ``simulated``, one process trains step t on the rows the policy of version max(0, t -
+    max_staleness) sampled, exactly as rollout workers generating ahead through a queue of ``max_staleness``
+    batches would (``rlbits.loops.staleness``)."""
+    max_staleness: int = ranged(0, ge=0, at_most=1024)
+    """The most policy versions (steps) a row may lag the policy it trains when it is trained on (verl's
+    ``staleness_threshold``, AReaL's ``max_head_offpolicyness``); 0 is the synchronous loop. Needs
+    ``async_mode: simulated`` when > 0."""
 
     def check(self) -> None:
         super().check()
+        if self.max_staleness > 0 and self.async_mode == "off":
+            raise ConfigError(
+                f"max_staleness={self.max_staleness} needs async_mode: simulated (with async_mode: off every row "
+                "is trained on by the policy that sampled it)"
+            )
         if self.num_minibatches > self.num_prompts_per_step:
             raise ConfigError(
                 f"num_minibatches ({self.num_minibatches}) must be <= num_prompts_per_step "

@@ -65,6 +65,7 @@ from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.reward_shaping import loss_mask as truncation_mask
 from rlbits.loops.reward_shaping import shape_rewards
 from rlbits.loops.runtime import Setup, autocast, head_args, kernel, load_critic, prepare, with_lora
+from rlbits.loops.staleness import RolloutQueue, next_rollouts
 from rlbits.loops.state import OnlineState, optimizer_of, runtime
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import critic_values, policy_logprobs
@@ -245,6 +246,8 @@ class State(OnlineState):
     """AdamW over the policy's trainable parameters (all, or its LoRA adapters)."""
     value_optimizer: torch.optim.Optimizer = optimizer_of("value_model")
     """AdamW over the critic's trainable parameters (all, or its backbone's LoRA adapters and the value head)."""
+    rollout_queue: RolloutQueue = dataclasses.field(default_factory=RolloutQueue)
+    """The rollouts produced ahead of the trainer (``async_mode: simulated``; ``rlbits.loops.staleness``)."""
     kl_coef: float
     """Current coefficient of the active KL term (changes only with ``adaptive_kl``)."""
     critic: CriticClient | None = runtime(default=None)
@@ -710,17 +713,24 @@ def train(
     ) as (run, state):
         if state.step == 0 and cfg.critic_warmup_steps:
             critic_warmup(run, state, cfg)
+
+        def produce() -> TensorDictBase:  # the rollout side, with the policy as it is now
+            with run.phase("rollout"):  # 1. sample responses
+                batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), run.env), cfg)
+            if state.critic is not None and cfg.async_mode == "off" and not cfg.dynamic_sampling:
+                state.critic.prefetch_values(batch, state.critic_updates)  # values while the rewards are scored
+            with run.phase("score"):  # 2. rewards (and the reference policy's, if subtracted)
+                batch = score(state, batch, cfg)
+            if cfg.dynamic_sampling:
+                with run.phase("rollout"):  # 2b. informative groups only, from more batches if needed
+                    batch = dynamic_sampling(state, batch, cfg)
+            return batch
+
         for _ in run.steps(state):
             with run.step(state):
-                with run.phase("rollout"):  # 1. sample responses
-                    batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), run.env), cfg)
-                if state.critic is not None and not cfg.dynamic_sampling:  # values come while rewards are scored
+                batch = next_rollouts(state, cfg, produce)  # 1-2, this step's or k steps earlier (async_mode)
+                if state.critic is not None and cfg.async_mode != "off":  # the critic of this step values them
                     state.critic.prefetch_values(batch, state.critic_updates)
-                with run.phase("score"):  # 2. rewards (and the reference policy's, if subtracted)
-                    batch = score(state, batch, cfg)
-                if cfg.dynamic_sampling:
-                    with run.phase("rollout"):  # 2b. informative groups only, from more batches if needed
-                        batch = dynamic_sampling(state, batch, cfg)
                 with run.phase("reference"):  # 3. reference logprobs
                     batch = reference(state, batch, cfg)
                 with run.phase("values"):  # 4. critic values

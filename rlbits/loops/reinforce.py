@@ -57,6 +57,7 @@ from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.reward_shaping import loss_mask as truncation_mask
 from rlbits.loops.reward_shaping import shape_rewards, truncated_rows
 from rlbits.loops.runtime import Setup, head_args, kernel, prepare, with_lora
+from rlbits.loops.staleness import RolloutQueue, next_rollouts
 from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import policy_logprobs
@@ -191,6 +192,8 @@ class State(OnlineState):
 
     optimizer: torch.optim.Optimizer = optimizer_of("policy")
     """AdamW over the parameters that train: all of the policy's, or only its LoRA adapters."""
+    rollout_queue: RolloutQueue = dataclasses.field(default_factory=RolloutQueue)
+    """The rollouts produced ahead of the trainer (``async_mode: simulated``; ``rlbits.loops.staleness``)."""
 
 
 def init_state(
@@ -474,17 +477,22 @@ def train(
         cfg, init_state, validate, reward=reward, prompts=prompts, val_prompts=val_prompts, callbacks=callbacks,
         resume=resume, force=force,
     ) as (run, state):
+
+        def produce() -> TensorDictBase:  # the rollout side, with the policy as it is now
+            with run.phase("rollout"):  # 1. K responses per prompt
+                batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), run.env), cfg)
+            with run.phase("score"):  # 2. sequence rewards
+                batch = score(state, batch, cfg)
+            with run.phase("rollout"):  # 2b. dynamic sampling: informative groups only, more batches
+                batch = dynamic_sampling(state, batch, cfg)
+            if cfg.adv_estimator == "remax":
+                with run.phase("greedy"):  # 2c. ReMax: a greedy response per prompt, its reward the baseline
+                    batch = greedy_baseline(state, batch, cfg)
+            return batch
+
         for _ in run.steps(state):
             with run.step(state):
-                with run.phase("rollout"):  # 1. K responses per prompt
-                    batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), run.env), cfg)
-                with run.phase("score"):  # 2. sequence rewards
-                    batch = score(state, batch, cfg)
-                with run.phase("rollout"):  # 2b. dynamic sampling: informative groups only, more batches
-                    batch = dynamic_sampling(state, batch, cfg)
-                if cfg.adv_estimator == "remax":
-                    with run.phase("greedy"):  # 2c. ReMax: a greedy response per prompt, its reward the baseline
-                        batch = greedy_baseline(state, batch, cfg)
+                batch = next_rollouts(state, cfg, produce)  # 1-2c, this step's or k steps earlier (async_mode)
                 with run.phase("reference"):  # 3. reference logprobs
                     batch = reference(state, batch, cfg)
                 with run.phase("advantages"):  # 4. the advantage estimator (group baseline, broadcast over tokens)

@@ -621,8 +621,8 @@ def write_best(run_dir: Path, best: list[dict[str, Any]], cfg: RunConfig) -> Non
 def sample_rows(
     batch: TensorDictBase | None, n: int, split: str | None = None, tokenizer: Any = None
 ) -> list[dict[str, Any]]:
-    """The first ``n`` rows of a batch as dicts (prompt, response, reward) for ``samples.jsonl``, each tagged
-    ``split`` when given (``"test"``: a validation batch).
+    """The first ``n`` rows of a batch as dicts (prompt, response, reward, policy_version) for ``samples.jsonl``,
+    each tagged ``split`` when given (``"test"``: a validation batch).
 
     An episode batch (``generate_episodes``: it has ``turn_index``) adds ``num_turns``, ``stop_reason`` and,
     given the ``tokenizer``, ``turns``: ``episode_turns`` of the row (each turn's action and observation text
@@ -636,6 +636,8 @@ def sample_rows(
         row.update(prompt=batch["prompt_text"][i], response=batch["response_text"][i])
         if "rewards" in batch.keys():
             row["reward"] = float(batch["rewards"][i])
+        if "policy_version" in batch.keys():
+            row["policy_version"] = int(batch["policy_version"][i])
         if episodes:
             row["num_turns"] = int(batch["num_turns"][i])
             row["stop_reason"] = str(batch["stop_reason"][i])
