@@ -44,6 +44,7 @@ from rlbits.functional.losses import (
     value_loss,
 )
 from rlbits.functional.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlbits.functional.packing import balanced_partition, pack_index, token_budget_partitions
 from rlbits.functional.policy_losses import (
     POLICY_LOSSES,
     cispo_loss,
@@ -129,6 +130,7 @@ __all__ = [
     "adaptive_kl_coef",
     "aggregate_loss",
     "awac_loss",
+    "balanced_partition",
     "bradley_terry_loss",
     "cql_loss",
     "dpo_loss",
@@ -146,6 +148,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "next_action_values",
+    "pack_index",
     "pointwise_reward_loss",
     "positive_example_nll_loss",
     "ppo_loss",
@@ -153,6 +156,7 @@ __all__ = [
     "reinforce_loss",
     "rloo_baseline",
     "sequence_logprobs",
+    "token_budget_partitions",
     "token_rewards",
     "value_loss",
 ]
