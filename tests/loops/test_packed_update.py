@@ -213,3 +213,24 @@ def test_an_objective_that_does_not_pack_refuses_pack_sequences():
 
     with pytest.raises(ValueError, match="pack_sequences=True but the update objective ran no packed forward"):
         optimize(state, batch, cfg, objective, trained=[Trained(model, torch.optim.SGD(model.parameters(), lr=0.1))])
+
+
+def test_token_budget_keeps_per_row_statistics_in_row_order():
+    """``optimize`` returns the per-row statistics in the minibatch's row order whatever rows share a
+    microbatch (the token budget regroups them by length)."""
+    model = torch.nn.Linear(2, 1)
+    lengths = torch.tensor([7, 1, 5, 2, 8, 3])
+    batch = TensorDict(
+        {"x": torch.randn(6, 2), "attention_mask": torch.arange(8)[None] < lengths[:, None]}, [6]
+    )
+    batch["action_mask"] = batch["attention_mask"]
+    cfg = SimpleNamespace(
+        microbatch_size=2, max_grad_norm=0.0, precision="fp32", max_tokens_per_microbatch=10, pack_sequences=False
+    )
+    state = SimpleNamespace(env=DistEnv(), metrics=StepMetrics(), step=0)
+
+    def objective(state, micro, cfg, den):
+        return model(micro["x"]).sum() / den.num_rows, {"first": micro["x"][:, 0]}
+
+    out = optimize(state, batch, cfg, objective, trained=[Trained(model, torch.optim.SGD(model.parameters(), lr=0.1))])
+    torch.testing.assert_close(out["first"], batch["x"][:, 0])
