@@ -4,7 +4,8 @@ Both read the batch layout of docs/design.md (``input_ids = cat(prompts, respons
 P, responses right-padded to R) and use the position ids ``generate`` used, so that
 ``policy_logprobs(policy, generate(policy, ...))`` reproduces the sampler's ``logprobs``. The logits at
 position ``P - 1 + t`` predict response token ``t``; only those R positions go through the LM head
-(``logits_to_keep``), which at R << P saves most of the [B, P + R, V] logits.
+(``logits_to_keep``), which at R << P saves most of the [B, P + R, V] logits. With ``pack=True`` (or inside
+``packed_sequences``) each microbatch runs as one row of its real tokens instead (``policy_logprobs``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -189,6 +191,24 @@ def _packing(pack: bool | None) -> bool:
     return on
 
 
+@functools.cache
+def _check_packed_attention() -> None:
+    """Packed rows rely on transformers confining attention to each row from restarting position ids
+    (``masking_utils.find_packed_sequence_indices``); without it attention would cross rows silently.
+
+    Raises:
+        RuntimeError: the installed transformers has no ``find_packed_sequence_indices``.
+    """
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(
+            "packed forward passes (pack_sequences) need a transformers whose masking_utils has "
+            "find_packed_sequence_indices (it reads row boundaries off the position ids); upgrade transformers "
+            "or set pack_sequences=False"
+        ) from e
+
+
 def _packed_rows(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor, response_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -201,7 +221,9 @@ def _packed_rows(
 
     Raises:
         ValueError: an action token whose predicting column (``P - 1 + t``) is padding.
+        RuntimeError: transformers cannot confine attention to packed rows (``_check_packed_attention``).
     """
+    _check_packed_attention()
     b, t = input_ids.shape
     flat, positions, packed_at = pack_index(attention_mask)
     p = t - response_len
@@ -436,7 +458,9 @@ def policy_logprobs(
     Packed (``pack``): each microbatch's rows are concatenated without padding into one row, the position ids
     restarting at 0 on each row, and the model runs with no attention mask, so transformers confines
     attention to each row (it reads the row boundaries off the position ids: a block-diagonal causal mask
-    under ``sdpa``/``eager``, variable-length kernels under ``flash_attention_2``; transformers >= 4.53);
+    under ``sdpa``/``eager``, variable-length kernels under ``flash_attention_2``: transformers'
+    ``masking_utils.find_packed_sequence_indices``, in the models whose code builds its mask with
+    ``create_causal_mask``, as GPT-2, Llama, Mistral and Qwen2/3 do in transformers 5);
     the output layer then runs on the action tokens only. Values and gradients equal the padded pass's to
     float rounding; padding costs nothing.
 
