@@ -4,8 +4,8 @@ one row per microbatch, where each forward pass sees one row cut to its own toke
 
 Each optimizer step's gradients (recorded before the step) and the logged losses agree to 1e-5 relative, for
 PPO (policy and critic), REINFORCE (RLOO), the preference loop (DPO), multi-turn episodes (observation tokens
-inside the response: ``action_mask`` False, attention on) and a LoRA policy. FSDP2 at 2 ranks:
-tests/distributed/test_packed_dist.py.
+inside the response: ``action_mask`` False, attention on) and a LoRA policy; ILQL's token budget (its
+objective does not pack). FSDP2 at 2 ranks: tests/distributed/test_packed_dist.py.
 """
 
 from __future__ import annotations
@@ -234,3 +234,29 @@ def test_token_budget_keeps_per_row_statistics_in_row_order():
 
     out = optimize(state, batch, cfg, objective, trained=[Trained(model, torch.optim.SGD(model.parameters(), lr=0.1))])
     torch.testing.assert_close(out["first"], batch["x"][:, 0])
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_ilql_token_budget_equals_one_row_microbatches_and_refuses_packing(pack):
+    """ILQL through the engine: a token budget gives the one-row-per-microbatch step; its objective calls
+    its model itself, so ``pack_sequences`` is refused."""
+    from test_loop_ilql import _dataset
+
+    from rlbits.loops import ilql
+    from rlbits.models.heads import ILQLModel
+
+    data = _dataset()
+    longest = int(data["attention_mask"].sum(-1).max())
+
+    def step(**fields):
+        model = ILQLModel(tiny_causal_lm(vocab_size=64, seed=0), head_layers=1, seed=0)
+        opt = RecordingSGD(model.parameters(), lr=0.1)
+        state = SimpleNamespace(env=DistEnv(), metrics=StepMetrics(), step=0, model=model)
+        optimize(state, data, ilql.ILQLConfig(**fields), ilql.objective, trained=[Trained(model, opt)])
+        return opt.grads
+
+    if pack:
+        with pytest.raises(ValueError, match="pack_sequences=True but the update objective"):
+            step(pack_sequences=True)
+        return
+    assert_grads_equal(step(microbatch_size=1), step(max_tokens_per_microbatch=2 * longest))
