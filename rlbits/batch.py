@@ -4,7 +4,7 @@ Prompts are left-padded to a common length P, responses right-padded to a common
 per-token quantity is aligned with the response (docs/batch.md draws the layout and explains every key).
 ``SCHEMA`` lists every key with its named-dim shape, dtype, padding value and meaning; ``check`` validates a
 batch against it. Verbs: ``build_batch``; ``pad_left`` / ``pad_right`` / ``collate`` / ``trim_padding``;
-``split_microbatches`` / ``split_minibatches``; ``group_ids`` / ``repeat_interleave_prompts``. Text in and out
+``split_microbatches`` / ``split_microbatches_by_tokens`` / ``split_minibatches``; ``group_ids`` / ``repeat_interleave_prompts``. Text in and out
 of a batch (``tokenize_prompts``, ``chat_prompts``, ``make_prompts``, ``decode``) is ``rlbits.text``. None of
 them syncs with the device except where its docstring says so.
 """
@@ -18,6 +18,8 @@ import einops
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase, is_non_tensor
 from torch.nn.utils.rnn import pad_sequence
+
+from rlbits.functional.packing import token_budget_partitions
 
 __all__ = [
     "PER_TOKEN_KEYS",
@@ -34,6 +36,7 @@ __all__ = [
     "repeat_interleave_prompts",
     "response_mask",
     "split_microbatches",
+    "split_microbatches_by_tokens",
     "split_minibatches",
     "trim_padding",
 ]
@@ -518,6 +521,36 @@ def split_microbatches(
         order = torch.sort(lengths, stable=True).indices
         batch = batch[order.to(batch.device)]
     return list(batch.split(microbatch_size, dim=0))
+
+
+def split_microbatches_by_tokens(
+    batch: TensorDictBase, max_tokens: int, *, padded: bool = False, min_count: int = 1
+) -> tuple[list[TensorDictBase], list[torch.Tensor]]:
+    """Microbatches formed by a token budget instead of a row count (verl's ``use_dynamic_bsz`` with
+    ``ppo_max_token_len_per_gpu``), the rows balanced by length
+    (``rlbits.functional.packing.token_budget_partitions``).
+
+    A row's tokens are the True entries of its ``attention_mask`` (all its texts for a [B, k, T] mask).
+    ``padded=False`` (packed forward passes): each microbatch holds at most ``max_tokens`` real tokens, in
+    the fewest microbatches (at least ``min_count``) whose token counts Karmarkar-Karp keeps within the
+    budget, about equal. ``padded=True``: a microbatch's rows times its longest row is at most
+    ``max_tokens``; rows of similar length go together. Deterministic (lengths and row order only); each
+    microbatch keeps its rows in batch order. Reads the lengths on the host (one device sync).
+
+    Returns:
+        ``(micros, rows)``: the microbatches (copies) and, for each, the [b] int64 indices of its rows in
+        ``batch``; together every row once. ``([], [])`` for an empty batch.
+
+    Raises:
+        ValueError: no ``attention_mask``, ``max_tokens < 1``, or a row longer than ``max_tokens``.
+    """
+    if "attention_mask" not in batch.keys():
+        raise ValueError("split_microbatches_by_tokens needs 'attention_mask' in the batch to count each row's tokens")
+    mask = batch.get("attention_mask")
+    lengths = mask.reshape(mask.shape[0], -1).sum(-1).tolist()
+    parts = token_budget_partitions(lengths, max_tokens, padded=padded, min_count=min_count)
+    rows = [torch.tensor(p, dtype=torch.long, device=mask.device) for p in parts]
+    return [batch[r] for r in rows], rows
 
 
 def split_minibatches(

@@ -1,8 +1,9 @@
 """One PPO or RLOO step's advantages and update on a fixed batch, run by tests/distributed/test_dist.py with or without
 torchrun.
 
-``python tests/dist_worker.py {ppo,rloo,reinforce_plus_plus} OUT`` (REINFORCE's ``adv_estimator``: rloo, or
-reinforce_plus_plus, whose whitening spans the ranks) runs the phases on the whole batch in one process;
+``python tests/dist_worker.py {ppo,rloo,reinforce_plus_plus} OUT [FIELD=JSON ...]`` (REINFORCE's
+``adv_estimator``: rloo, or reinforce_plus_plus, whose whitening spans the ranks; config fields to override, e.g.
+``pack_sequences=true``) runs the phases on the whole batch in one process;
 ``torchrun --nproc_per_node N tests/dist_worker.py ALGO OUT`` shards the models (FSDP2) and gives each
 rank its B/N rows. The phases are the loops' own (``phase(state, batch, cfg) -> batch``): PPO's
 ``advantages``, ``update`` and ``kl_control``, REINFORCE's ``advantages`` and ``update``. Rank 0 writes the
@@ -12,6 +13,7 @@ updated weights (full tensors) to OUT with ``torch.save`` and the step's logged 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -51,7 +53,7 @@ def fixed_batch(policy: torch.nn.Module) -> torch.Tensor:
     return batch
 
 
-def main(algo: str, out: str) -> None:
+def main(algo: str, out: str, overrides: dict | None = None) -> None:
     env = init("cpu")
     torch.manual_seed(0)
     policy = disable_dropout(tiny_causal_lm("gpt2", V, seed=0)).train()
@@ -66,6 +68,7 @@ def main(algo: str, out: str) -> None:
             ppo_epochs=2, num_minibatches=1, microbatch_size=3, clip_eps=0.1, value_clip_eps=0.2,
             entropy_coef=0.01, kl_in_reward=False, kl_loss_coef=0.05, learning_rate=0.5, max_grad_norm=0.5,
         )
+        cfg = dataclasses.replace(cfg, **(overrides or {}))
         policy, value_model = prepare(policy, cfg, env), prepare(value_model, cfg, env)
         state = ppo.State(
             env=env, policy=policy, value_model=value_model,
@@ -83,6 +86,7 @@ def main(algo: str, out: str) -> None:
             adv_estimator=algo, num_generations_per_prompt=K, num_prompts_per_step=2, num_iterations=1, num_minibatches=1,
             microbatch_size=3, kl_loss_coef=0.05, learning_rate=0.5, max_grad_norm=0.5,
         )
+        cfg = dataclasses.replace(cfg, **(overrides or {}))
         policy = prepare(policy, cfg, env)
         state = reinforce.State(
             env=env, policy=policy, optimizer=torch.optim.SGD(policy.parameters(), lr=cfg.learning_rate),
@@ -104,4 +108,4 @@ def main(algo: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], {k: json.loads(v) for k, v in (a.split("=", 1) for a in sys.argv[3:])})

@@ -45,6 +45,7 @@ from rlbits.functional.losses import (
     value_loss,
 )
 from rlbits.functional.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlbits.functional.packing import balanced_partition, pack_index, token_budget_partitions
 from rlbits.functional.policy_losses import (
     POLICY_LOSSES,
     cispo_loss,
@@ -130,6 +131,7 @@ __all__ = [
     "adaptive_kl_coef",
     "aggregate_loss",
     "awac_loss",
+    "balanced_partition",
     "bradley_terry_loss",
     "cql_loss",
     "dpo_loss",
@@ -148,6 +150,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "next_action_values",
+    "pack_index",
     "pointwise_reward_loss",
     "positive_example_nll_loss",
     "ppo_loss",
@@ -155,6 +158,7 @@ __all__ = [
     "reinforce_loss",
     "rloo_baseline",
     "sequence_logprobs",
+    "token_budget_partitions",
     "token_rewards",
     "value_loss",
 ]

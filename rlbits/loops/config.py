@@ -108,6 +108,23 @@ class RunConfig:
     """Gradient clipping by global norm (<= 0 disables it)."""
     microbatch_size: int = ranged(16, ge=1, at_most=MAX_ROWS)
     """Rows per forward/backward pass; gradients accumulate over microbatches."""
+    max_tokens_per_microbatch: int | None = ranged(None, ge=1)
+    """Form the update's microbatches by a token budget instead of ``microbatch_size`` rows (verl
+    ``actor.ppo_max_token_len_per_gpu`` with ``use_dynamic_bsz``): rows are balanced by length into the
+    fewest microbatches within the budget (``rlbits.batch.split_microbatches_by_tokens``). A row's tokens are
+    its prompt plus response (``attention_mask``); with ``pack_sequences`` a microbatch holds at most this
+    many real tokens (Karmarkar-Karp partitions of about equal tokens), without it at most this many of
+    rows x longest row. Must be at least the longest row. The losses' denominators are the minibatch's
+    global counts either way, so the loss and gradients equal the row-count split's to float rounding.
+    None: ``microbatch_size`` rows (it still sizes the no-gradient forward passes of the other phases)."""
+    pack_sequences: bool = False
+    """Packed updates: each microbatch's rows [b, T] are concatenated without padding into one row [1, N]
+    (N real tokens), position ids restarting per row and attention confined to each row (transformers reads
+    the rows off the position ids: a block-diagonal causal mask under sdpa/eager, variable-length kernels
+    under flash_attention_2), and the logprobs, entropies and values are scattered back to [b, R]
+    (``rlbits.models.forward.policy_logprobs(pack=True)``). The loss and gradients equal the padded update's
+    to float rounding. For PPO, REINFORCE and the preference loop (their objectives' ``policy_logprobs`` /
+    ``critic_values``); ILQL and the reward model refuse it (a ValueError at the first update)."""
     val_period: int = ranged(10, ge=0)
     """Validate every this many steps (0 disables periodic validation)."""
     val_at_start: bool = True

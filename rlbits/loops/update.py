@@ -8,8 +8,10 @@ of its models on one microbatch and the loss, one expression over the global ``D
         minibatches (whole groups, shuffled by `shuffle`; or the batch as it is)
         for each minibatch:
             den = global token / sequence / row counts of the minibatch, over all ranks
-            for each microbatch of cfg.microbatch_size rows (as many on every rank):
-                loss, stats = objective(state, micro, cfg, den)      under autocast
+            for each microbatch (as many on every rank): cfg.microbatch_size rows, or rows balanced by
+                    length within cfg.max_tokens_per_microbatch tokens
+                loss, stats = objective(state, micro, cfg, den)      under autocast; packed with
+                                                                       cfg.pack_sequences
                 a non-finite loss on any rank -> NonFiniteError on every rank
                 loss.backward()
             clip each model's gradient norm (cfg.max_grad_norm); a non-finite norm -> NonFiniteError
@@ -20,6 +22,11 @@ one rank or N. On a ``NonFiniteError`` (its message names the step, the phase an
 gradient is zeroed and no optimizer steps; ``Run`` then stops or skips the step (``on_nonfinite``).
 
 Statistics: each value of ``stats`` says how it is reduced (``log_stats``).
+
+Packed updates (``cfg.pack_sequences``): each objective runs inside ``rlbits.models.forward.packed_sequences``,
+so its ``policy_logprobs`` and ``critic_values`` concatenate the microbatch's rows into one row without
+padding and scatter the results back to [b, R]: the objectives and losses are unchanged (docs/design.md,
+"Packed updates").
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from rlbits.batch import split_microbatches, split_minibatches
+from rlbits.batch import split_microbatches, split_microbatches_by_tokens, split_minibatches
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import grad_norm_and_clip
 from rlbits.distributed.reduce import all_reduce_max, all_reduce_sum, any_rank
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.run import NonFiniteError
 from rlbits.loops.runtime import autocast
+from rlbits.models.forward import packed_sequences
 
 MASKS = ("action_mask", "loss_mask")
 """The loss masks a padding microbatch (``pad_microbatches``) has all False."""
@@ -100,6 +108,38 @@ def denominators(minibatch: TensorDictBase, mask: str | None, env: DistEnv) -> D
         counts = torch.stack([m.sum().float(), m.any(-1).sum().float(), rows.to(m.device)])
     tokens, seqs, rows = all_reduce_sum(counts, env).unbind()
     return Denominators(num_tokens=tokens.clamp(min=1), num_seqs=seqs.clamp(min=1), num_rows=rows)
+
+
+def microbatches(
+    minibatch: TensorDictBase, cfg: Any, env: DistEnv
+) -> tuple[list[TensorDictBase], list[torch.Tensor] | None]:
+    """This rank's microbatches of ``minibatch`` and the rows of each (None: consecutive slices in order).
+
+    ``cfg.max_tokens_per_microbatch`` None: slices of ``cfg.microbatch_size`` rows (``split_microbatches``).
+    Else rows balanced by length under that token budget (``split_microbatches_by_tokens``; packed: real
+    tokens, with ``cfg.pack_sequences``; padded: rows x longest row, without), at least as many as the
+    rank needing the most (one all-reduce: every rank's microbatches get about the same tokens). Every
+    rank must call it. The losses' denominators do not depend on the split (``denominators``).
+    """
+    budget = cfg.max_tokens_per_microbatch
+    if budget is None:
+        return split_microbatches(minibatch, cfg.microbatch_size), None
+    count = 1
+    if cfg.pack_sequences and env.world_size > 1 and "attention_mask" in minibatch.keys():
+        tokens = minibatch["attention_mask"].sum()
+        count = int(all_reduce_max(torch.ceil(tokens.float() / budget), env).item())
+    return split_microbatches_by_tokens(minibatch, budget, padded=not cfg.pack_sequences, min_count=count)
+
+
+def _in_row_order(values: list[torch.Tensor], rows: list[torch.Tensor] | None) -> torch.Tensor:
+    """The per-row statistics of one minibatch's microbatches, back in the minibatch's row order (those of
+    padding microbatches, past ``len(rows)``, after them)."""
+    if rows is None:
+        return torch.cat(values)
+    real = torch.cat(values[: len(rows)])
+    ordered = torch.empty_like(real)
+    ordered[torch.cat(rows).to(real.device)] = real
+    return torch.cat([ordered, *values[len(rows) :]])
 
 
 def pad_microbatches(micros: list[TensorDictBase], env: DistEnv) -> list[TensorDictBase]:
@@ -205,7 +245,8 @@ def optimize(
     Args:
         state: the loop's state (``env``, ``metrics``, ``step``); passed on to ``objective``.
         batch: the step's rows, batch_size [B].
-        cfg: the loop's config (``microbatch_size``, ``max_grad_norm``, ``precision``); passed on.
+        cfg: the loop's config (``microbatch_size``, ``max_tokens_per_microbatch``, ``pack_sequences``,
+            ``max_grad_norm``, ``precision``); passed on.
         objective: ``objective(state, micro, cfg, den) -> (loss, stats)``; ``stats`` as ``log_stats`` reads them.
         trained: the models that train and their optimizers, stepped in this order after every minibatch;
             the first one's precision sets the autocast.
@@ -218,10 +259,12 @@ def optimize(
         phase: the phase named in a ``NonFiniteError``.
 
     Returns:
-        The 1-D statistics (one value per row) of every microbatch, concatenated in order.
+        The 1-D statistics (one value per row) of every minibatch, concatenated in order, each minibatch's in
+        its row order.
 
     Raises:
-        ValueError: ``num_minibatches > 1`` without ``shuffle``.
+        ValueError: ``num_minibatches > 1`` without ``shuffle``; ``pack_sequences`` with an objective that
+            runs no packed forward pass (ILQL's, the reward model's); a row over ``max_tokens_per_microbatch``.
         NonFiniteError: a non-finite loss (checked before each backward and agreed over ranks) or gradient
             norm, naming step, phase, where and the values; every gradient is zeroed and no optimizer steps.
     """
@@ -237,18 +280,26 @@ def optimize(
         for index, minibatch in enumerate(minibatches):
             den = denominators(minibatch, mask, env)
             where = f"step {state.step + 1}, phase {phase}, epoch {epoch}, minibatch {index}"
-            for j, micro in enumerate(
-                pad_microbatches(split_microbatches(minibatch, cfg.microbatch_size), env)
-            ):
-                with autocast(trained[0].model, cfg):
+            micros, micro_rows = microbatches(minibatch, cfg, env)
+            minibatch_rows: dict[str, list] = {}
+            for j, micro in enumerate(pad_microbatches(micros, env)):
+                with autocast(trained[0].model, cfg), packed_sequences(cfg.pack_sequences) as packed:
                     loss, stats = objective(state, micro, cfg, den)
+                if packed is not None and packed.count == 0:
+                    raise ValueError(
+                        f"pack_sequences=True but the {phase} objective ran no packed forward pass (only "
+                        "policy_logprobs and critic_values pack: PPO, REINFORCE, the preference loop); set "
+                        "pack_sequences=False"
+                    )
                 if any_rank(~torch.isfinite(loss.detach()), env):  # every rank raises together
                     _zero_grads(trained)
                     raise NonFiniteError(
                         f"{where}, microbatch {j}: non-finite loss {float(loss.detach())} ({_values(stats)})"
                     )
                 loss.backward()
-                log_stats(metrics, stats, num_updates, rows)
+                log_stats(metrics, stats, num_updates, minibatch_rows)
+            for name, values in minibatch_rows.items():
+                rows.setdefault(name, []).append(_in_row_order(values, micro_rows))
             step_optimizers(
                 trained, cfg.max_grad_norm, metrics, num_updates, where, update=epoch * num_minibatches + index
             )
@@ -261,6 +312,7 @@ __all__ = [
     "Trained",
     "denominators",
     "log_stats",
+    "microbatches",
     "optimize",
     "pad_microbatches",
     "step_optimizers",

@@ -4,12 +4,16 @@ Both read the batch layout of docs/design.md (``input_ids = cat(prompts, respons
 P, responses right-padded to R) and use the position ids ``generate`` used, so that
 ``policy_logprobs(policy, generate(policy, ...))`` reproduces the sampler's ``logprobs``. The logits at
 position ``P - 1 + t`` predict response token ``t``; only those R positions go through the LM head
-(``logits_to_keep``), which at R << P saves most of the [B, P + R, V] logits.
+(``logits_to_keep``), which at R << P saves most of the [B, P + R, V] logits. With ``pack=True`` (or inside
+``packed_sequences``) each microbatch runs as one row of its real tokens instead (``policy_logprobs``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
+import functools
 import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -18,6 +22,7 @@ import torch
 
 from rlbits.functional import entropy_from_logits, logprobs_from_logits
 from rlbits.functional.logprobs import logprobs_from_hidden
+from rlbits.functional.packing import pack_index
 
 _BATCH_KEYS = ("input_ids", "attention_mask", "responses", "action_mask")
 # Model types whose causal-LM logits are exactly ``lm_head(backbone(...).last_hidden_state)`` (no logit
@@ -148,6 +153,116 @@ def sparse_tied_embedding_grad(model: torch.nn.Module) -> Iterator[bool]:
         yield True
     finally:
         emb.sparse = False
+
+
+@dataclasses.dataclass
+class PackedForwards:
+    """What a ``packed_sequences`` block saw: ``count`` packed forward passes ran in it."""
+
+    count: int = 0
+
+
+_PACKING: contextvars.ContextVar[PackedForwards | None] = contextvars.ContextVar("rlbits_packing", default=None)
+
+
+@contextlib.contextmanager
+def packed_sequences(enabled: bool = True) -> Iterator[PackedForwards | None]:
+    """Within the block, ``policy_logprobs`` and ``critic_values`` called without ``pack`` run each
+    microbatch packed (``pack=True``); yields the block's ``PackedForwards`` (None when not ``enabled``:
+    the block changes nothing). The update engine wraps each objective in it (``pack_sequences``)."""
+    if not enabled:
+        yield None
+        return
+    seen = PackedForwards()
+    token = _PACKING.set(seen)
+    try:
+        yield seen
+    finally:
+        _PACKING.reset(token)
+
+
+def _packing(pack: bool | None) -> bool:
+    """Whether to pack: ``pack`` itself, or (None) whether a ``packed_sequences`` block is active; counts
+    a packed pass in the block's ``PackedForwards``."""
+    seen = _PACKING.get()
+    on = seen is not None if pack is None else pack
+    if on and seen is not None:
+        seen.count += 1
+    return on
+
+
+@functools.cache
+def _check_packed_attention() -> None:
+    """Packed rows rely on transformers confining attention to each row from restarting position ids
+    (``masking_utils.find_packed_sequence_indices``); without it attention would cross rows silently.
+
+    Raises:
+        RuntimeError: the installed transformers has no ``find_packed_sequence_indices``.
+    """
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(
+            "packed forward passes (pack_sequences) need a transformers whose masking_utils has "
+            "find_packed_sequence_indices (it reads row boundaries off the position ids); upgrade transformers "
+            "or set pack_sequences=False"
+        ) from e
+
+
+def _packed_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor, response_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One microbatch as one packed row: ``(ids [1, N], position_ids [1, N], at [M], where [b, R])``.
+
+    The N real tokens of the rows (``attention_mask``) are concatenated in order, the position ids restart
+    at 0 on each row (``rlbits.functional.packing.pack_index``); ``where`` is ``action_mask`` and ``at`` the
+    packed index of the output that predicts each of its M True entries (the token before it, as column
+    ``P - 1 + t`` in the padded layout). Reads the mask on the host (one sync).
+
+    Raises:
+        ValueError: an action token whose predicting column (``P - 1 + t``) is padding.
+        RuntimeError: transformers cannot confine attention to packed rows (``_check_packed_attention``).
+    """
+    _check_packed_attention()
+    b, t = input_ids.shape
+    flat, positions, packed_at = pack_index(attention_mask)
+    p = t - response_len
+    predictor = packed_at[:, p - 1 : p - 1 + response_len]
+    where = action_mask.bool()
+    if bool((where & (predictor < 0)).any()):
+        raise ValueError(
+            "an action token follows a padding column (attention_mask False at column P - 1 + t): a packed "
+            "forward needs each row's real tokens contiguous up to its last action token"
+        )
+    return input_ids.flatten()[flat][None], positions[None], predictor[where], where
+
+
+def _scatter(where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[b, R]: ``values`` [M] at the True entries of ``where`` [b, R], 0 elsewhere (differentiable)."""
+    return torch.zeros(where.shape, dtype=values.dtype, device=values.device).masked_scatter(where, values)
+
+
+def _packed_logprobs(
+    model, split, input_ids, attention_mask, responses, action_mask, r, temperature, head, budget_mb,
+    return_entropy, entropy_grad,
+):
+    """``(logprobs [b, R], entropy [b, R] or None)`` of one microbatch from one packed forward pass: the
+    output layer runs on the action tokens only; 0 elsewhere."""
+    ids, positions, at, where = _packed_rows(input_ids, attention_mask, action_mask, r)
+    tokens = responses[where][None]  # [1, M]
+    kwargs = dict(input_ids=ids, position_ids=positions, use_cache=False)  # no attention mask: packed
+    if split is None:
+        logits = model(**kwargs).logits[:, at]  # [1, M, V]
+        lp, ent = _logprobs_and_entropy(logits, tokens, temperature, return_entropy, entropy_grad)
+    else:
+        backbone, lm_head = split
+        hidden = backbone(**kwargs).last_hidden_state[:, at]  # [1, M, H]
+        if choose_head(head, 1, hidden.shape[1], lm_head.weight.shape[0], budget_mb) == "fused":
+            lp, ent = logprobs_from_hidden(hidden, lm_head.weight, tokens, temperature, return_entropy=True)
+        else:
+            logits = torch.nn.functional.linear(hidden[0], lm_head.weight)[None]
+            lp, ent = _logprobs_and_entropy(logits, tokens, temperature, return_entropy, entropy_grad)
+    return _scatter(where, lp[0]), (_scatter(where, ent[0]) if return_entropy else None)
 
 
 def _read_batch(batch: Mapping) -> tuple[torch.Tensor, ...]:
@@ -314,6 +429,7 @@ def policy_logprobs(
     entropy_grad: bool = True,
     head: str = "auto",
     head_memory_budget_mb: float = HEAD_MEMORY_BUDGET_MB,
+    pack: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each response token under ``model`` at ``temperature``, teacher-forced.
 
@@ -339,6 +455,15 @@ def policy_logprobs(
     With gradients, a tied input embedding's gradient is built sparse and added onto the output layer's
     dense one (``sparse_tied_embedding_grad``): no [V, H] zero-fill and add per backward.
 
+    Packed (``pack``): each microbatch's rows are concatenated without padding into one row, the position ids
+    restarting at 0 on each row, and the model runs with no attention mask, so transformers confines
+    attention to each row (it reads the row boundaries off the position ids: a block-diagonal causal mask
+    under ``sdpa``/``eager``, variable-length kernels under ``flash_attention_2``: transformers'
+    ``masking_utils.find_packed_sequence_indices``, in the models whose code builds its mask with
+    ``create_causal_mask``, as GPT-2, Llama, Mistral and Qwen2/3 do in transformers 5);
+    the output layer then runs on the action tokens only. Values and gradients equal the padded pass's to
+    float rounding; padding costs nothing.
+
     Microbatching bounds the peak memory of the forward pass under ``torch.no_grad()``. With gradients it
     saves nothing (every microbatch's graph is kept until backward): split the batch yourself and
     accumulate gradients instead.
@@ -357,14 +482,15 @@ def policy_logprobs(
             threads); the values agree to float rounding. The fused head's entropy is differentiable either way.
         head: ``"auto"``, ``"fused"`` or ``"unfused"`` (see above).
         head_memory_budget_mb: MiB the unfused head may use per microbatch under ``"auto"``.
+        pack: run each microbatch packed (above); None: packed inside a ``packed_sequences`` block.
 
     Returns:
         logprobs [B, R] float32, 0 where ``action_mask`` is False; with ``return_entropy``,
         ``(logprobs, entropy)``, entropy [B, R] float32 and 0 where ``action_mask`` is False.
 
     Raises:
-        ValueError: a key is missing, shapes disagree, ``temperature <= 0``, a bad ``microbatch_size`` or
-            an unknown ``head``.
+        ValueError: a key is missing, shapes disagree, ``temperature <= 0``, a bad ``microbatch_size``,
+            an unknown ``head``, or (packed) an action token after a padding column.
     """
     input_ids, attention_mask, responses, action_mask = _read_batch(batch)
     if not temperature > 0:
@@ -374,13 +500,20 @@ def policy_logprobs(
     r = responses.shape[1]
     mask = action_mask.bool()
     split = split_head(model)
+    packed = _packing(pack)
     logps, ents = [], []
     with sparse_tied_embedding_grad(model):
         for mb in _microbatches(input_ids.shape[0], microbatch_size):
-            args = (input_ids[mb], attention_mask[mb], responses[mb], r, temperature)
-            lp, ent = _microbatch_logprobs(
-                model, split, *args, head, head_memory_budget_mb, return_entropy, entropy_grad
-            )
+            if packed:
+                args = (input_ids[mb], attention_mask[mb], responses[mb], action_mask[mb], r, temperature)
+                lp, ent = _packed_logprobs(
+                    model, split, *args, head, head_memory_budget_mb, return_entropy, entropy_grad
+                )
+            else:
+                args = (input_ids[mb], attention_mask[mb], responses[mb], r, temperature)
+                lp, ent = _microbatch_logprobs(
+                    model, split, *args, head, head_memory_budget_mb, return_entropy, entropy_grad
+                )
             logps.append(_pad_right(lp, r))
             if return_entropy:
                 ents.append(_pad_right(ent, r))
@@ -392,7 +525,7 @@ def policy_logprobs(
 
 
 def critic_values(
-    value_model: torch.nn.Module, batch: Mapping, *, microbatch_size: int | None = None
+    value_model: torch.nn.Module, batch: Mapping, *, microbatch_size: int | None = None, pack: bool | None = None
 ) -> torch.Tensor:
     """Critic values V(s_t) of the state before each response token t: the value output at ``P - 1 + t``.
 
@@ -401,16 +534,29 @@ def critic_values(
             returning [B, P + R] values, one per position (``rlbits.models.heads.ValueModel``).
         batch: TensorDict (or dict) with ``input_ids``, ``attention_mask``, ``responses``, ``action_mask``.
         microbatch_size: rows per forward pass; None for one pass (see ``policy_logprobs`` on gradients).
+        pack: run each microbatch as one packed row (``policy_logprobs``), ``value_model`` called with
+            ``attention_mask=None``; None: packed inside a ``packed_sequences`` block.
 
     Returns:
         [B, R] float32, 0 where ``action_mask`` is False; differentiable.
 
     Raises:
-        ValueError: a key is missing, shapes disagree, or the model returns a tensor that is not [B, P + R].
+        ValueError: a key is missing, shapes disagree, the model returns a tensor that is not [B, P + R]
+            ([1, N] packed), or (packed) an action token after a padding column.
     """
     input_ids, attention_mask, responses, action_mask = _read_batch(batch)
     r = responses.shape[1]
     parts = []
+    if _packing(pack):
+        for mb in _microbatches(input_ids.shape[0], microbatch_size):
+            ids, positions, at, where = _packed_rows(input_ids[mb], attention_mask[mb], action_mask[mb], r)
+            values = value_model(ids, attention_mask=None, position_ids=positions)
+            if values.shape != ids.shape:
+                raise ValueError(
+                    f"value_model returned shape {tuple(values.shape)}; expected [1, N] = {tuple(ids.shape)}"
+                )
+            parts.append(_scatter(where, values[0, at].float()))
+        return torch.cat(parts)
     for mb in _microbatches(input_ids.shape[0], microbatch_size):
         cols, kept = _trim(input_ids[mb], attention_mask[mb], r)
         ids, att = input_ids[mb, cols], attention_mask[mb, cols]
@@ -428,9 +574,11 @@ __all__ = [
     "HEADS",
     "HEAD_MEMORY_BUDGET_MB",
     "PLAIN_HEAD_MODEL_TYPES",
+    "PackedForwards",
     "accepts_logits_to_keep",
     "choose_head",
     "critic_values",
+    "packed_sequences",
     "policy_logprobs",
     "position_ids_from_mask",
     "response_hidden",

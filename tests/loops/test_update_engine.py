@@ -41,7 +41,10 @@ def state_for(*models: torch.nn.Module) -> SimpleNamespace:
 
 
 def cfg_for(microbatch_size: int, max_grad_norm: float = 0.0) -> SimpleNamespace:
-    return SimpleNamespace(microbatch_size=microbatch_size, max_grad_norm=max_grad_norm, precision="fp32")
+    return SimpleNamespace(
+        microbatch_size=microbatch_size, max_grad_norm=max_grad_norm, precision="fp32",
+        max_tokens_per_microbatch=None, pack_sequences=False,
+    )
 
 
 def squared_error(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:

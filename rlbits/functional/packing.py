@@ -1,0 +1,150 @@
+"""Packing rows into microbatches: balanced partitions by length, token budgets, and the index maps of a
+packed row.
+
+Pure functions of lengths (Python ints) and masks (tensors). ``balanced_partition`` is the largest
+differencing method of Karmarkar and Karp (1982, "The differencing method of set partitioning"), the
+algorithm verl's ``get_seqlen_balanced_partitions`` (``verl/utils/seqlen_balancing.py``) uses to give
+every microbatch and rank about the same number of tokens; ``token_budget_partitions`` forms microbatches
+by a token budget as verl's ``rearrange_micro_batches`` does for ``ppo_max_token_len_per_gpu``.
+Every result is deterministic: ties are broken by row index, so a resumed run forms the same microbatches.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["balanced_partition", "pack_index", "token_budget_partitions"]
+
+
+def _check_lengths(lengths: Sequence[int]) -> list[int]:
+    out = [int(x) for x in lengths]
+    if any(x < 0 for x in out):
+        raise ValueError(f"lengths must be >= 0, got {out}")
+    return out
+
+
+def balanced_partition(lengths: Sequence[int], k: int) -> list[list[int]]:
+    """Split rows ``0 .. n-1`` into ``k`` sets whose summed ``lengths`` are about equal (Karmarkar-Karp).
+
+    Each row starts as a k-way partial partition (itself in one set, k - 1 empty sets); repeatedly the two
+    partial partitions with the largest spread (largest sum minus smallest) are merged, the heaviest set of
+    one joined with the lightest of the other, until one partition remains. Ties go to the lower row index,
+    so the result depends on ``lengths`` only.
+
+    Args:
+        lengths: n non-negative ints, the cost of each row (its tokens).
+        k: number of sets, >= 1.
+
+    Returns:
+        ``k`` lists of row indices, each sorted ascending, the lists ordered by their first index (empty
+        lists, when n < k, last). Every row is in exactly one list.
+
+    Raises:
+        ValueError: ``k < 1`` or a negative length.
+    """
+    lengths = _check_lengths(lengths)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if not lengths:
+        return [[] for _ in range(k)]
+    # A heap entry: (-spread, tie-break, sets); sets is a list of (sum, rows) sorted by sum descending.
+    heap = []
+    for i, x in enumerate(lengths):
+        sets = [(x, [i])] + [(0, []) for _ in range(k - 1)]
+        heapq.heappush(heap, (-x, i, sets))
+    while len(heap) > 1:
+        _, tie_a, a = heapq.heappop(heap)
+        _, tie_b, b = heapq.heappop(heap)
+        # the heaviest set of a with the lightest of b, and so on down
+        merged = [(sa + sb, ra + rb) for (sa, ra), (sb, rb) in zip(a, reversed(b), strict=True)]
+        merged.sort(key=lambda s: (-s[0], min(s[1], default=math.inf)))
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], min(tie_a, tie_b), merged))
+    parts = [sorted(rows) for _, rows in heap[0][2]]
+    return sorted(parts, key=lambda rows: rows[0] if rows else math.inf)
+
+
+def token_budget_partitions(
+    lengths: Sequence[int], max_tokens: int, *, padded: bool = False, min_count: int = 1
+) -> list[list[int]]:
+    """Microbatches of rows under a token budget: each holds at most ``max_tokens`` tokens.
+
+    Packed (``padded=False``): a microbatch's tokens are the sum of its rows' lengths. The fewest sets
+    ``k >= max(min_count, ceil(sum / max_tokens))`` for which ``balanced_partition(lengths, k)`` keeps every
+    set within the budget (verl ``rearrange_micro_batches``), so the microbatches also hold about the same
+    number of tokens. Padded (``padded=True``): a microbatch costs its row count times its longest row; rows
+    sorted by length (longest first, ties by index) are cut greedily into runs within the budget (rows of
+    similar length together: little padding). ``min_count`` is not used there.
+
+    Args:
+        lengths: n non-negative ints, each row's tokens.
+        max_tokens: the budget, >= the longest row.
+        padded: the cost rule (above).
+        min_count: packed: at least this many sets (e.g. the count agreed over ranks), as long as there are
+            rows to fill them.
+
+    Returns:
+        The non-empty microbatches, each a list of row indices sorted ascending, ordered by first index;
+        every row in exactly one. ``[]`` for no rows.
+
+    Raises:
+        ValueError: ``max_tokens < 1``, a row longer than ``max_tokens``, a negative length.
+    """
+    lengths = _check_lengths(lengths)
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not lengths:
+        return []
+    longest = max(lengths)
+    if longest > max_tokens:
+        raise ValueError(
+            f"a row has {longest} tokens, more than the budget max_tokens={max_tokens}; raise the budget to at "
+            "least the longest row (prompt plus response)"
+        )
+    if padded:
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        runs: list[list[int]] = []
+        for i in order:  # the run's first row is its longest
+            if runs and (len(runs[-1]) + 1) * lengths[runs[-1][0]] <= max_tokens:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return sorted((sorted(r) for r in runs), key=lambda r: r[0])
+    k = min(len(lengths), max(min_count, math.ceil(sum(lengths) / max_tokens), 1))
+    while True:  # ends at k = n at the latest (each row alone fits)
+        parts = [p for p in balanced_partition(lengths, k) if p]
+        if max(sum(lengths[i] for i in p) for p in parts) <= max_tokens:
+            return parts
+        k += 1
+
+
+def pack_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each real token of a padded [B, T] batch goes in one packed row of its N real tokens.
+
+    Packing keeps the rows' order and each row's real tokens in order (padding may sit anywhere); a token's
+    position id counts the real tokens before it in its row, so it restarts at 0 on every row, as the
+    padded forward's ``cumsum(mask) - 1``.
+
+    Args:
+        mask: [B, T] bool (or 0/1), True on real tokens.
+
+    Returns:
+        ``(flat, positions, packed_at)``: ``flat`` [N] int64, the indices into ``mask.flatten()`` of the real
+        tokens in packed order (``x.flatten(0, 1)[flat]`` packs any [B, T, ...] tensor); ``positions`` [N]
+        int64, the position ids of the packed row; ``packed_at`` [B, T] int64, each real token's index in
+        the packed row, -1 on padding.
+
+    Raises:
+        ValueError: ``mask`` is not 2-D.
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T] (2-D) but has shape {tuple(mask.shape)}")
+    m = mask.bool()
+    flat = m.flatten().nonzero().squeeze(-1)
+    positions = (m.long().cumsum(-1) - 1).flatten()[flat]
+    packed_at = torch.full(m.shape, -1, dtype=torch.long, device=m.device)
+    packed_at.view(-1)[flat] = torch.arange(flat.numel(), device=m.device)
+    return flat, positions, packed_at
