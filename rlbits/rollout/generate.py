@@ -255,7 +255,8 @@ def decode_n_tokens(
     device, B = logits.device, logits.shape[0]
     check_every = _EOS_CHECK_EVERY_CPU if device.type == "cpu" else _EOS_CHECK_EVERY
     min_rows = _COMPILED_MIN_ROWS if decoder.compiled is not None else 1
-    part, rows = out, None  # the decode batch: rows ``rows`` of ``out`` (None: all of them, ``part`` is ``out``)
+    # The decode batch: ``part``, the rows ``rows`` of ``out`` (None: all of them, ``part`` is ``out``).
+    part, rows = out, None
     steps = 0
     for t in range(max_new_tokens):
         banned = stop if t < min_new_tokens and stop.numel() else None
