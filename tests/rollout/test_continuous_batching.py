@@ -292,3 +292,60 @@ def test_multi_turn_episodes_are_the_same():
         if isinstance(off[key], torch.Tensor):
             assert torch.equal(off[key], on[key]), key
     assert off["num_turns"].max() > 1
+
+
+@pytest.mark.parametrize("shared_trunk", [True, False])
+def test_steered_policy_with_its_own_trunk_cache(shared_trunk):
+    """``SteeredPolicy`` with a separate trunk keeps a second KV cache: ``select_cache_rows`` compacts it too."""
+    from rlbits.models import ILQLModel
+    from rlbits.models.steered import SteeredPolicy
+
+    model = ILQLModel(tiny_causal_lm(vocab_size=V, seed=4), shared_trunk=shared_trunk, seed=2).eval()
+    with torch.no_grad():  # make the heads matter
+        for p in list(model.target_q1.parameters()) + list(model.target_q2.parameters()):
+            p.mul_(30.0)
+    kw = _kw(logits_processor=_eos_processor(PROMPTS["prompts"].shape[1]))
+    off, on = _both(SteeredPolicy(model, 2.0), PROMPTS, 3, **kw)
+    _assert_same(off, on)
+    assert off["action_mask"].sum(1).min() < N // 2
+
+
+def test_the_config_field_reaches_generate(monkeypatch):
+    """``continuous_batching`` of an online loop's config goes to every ``generate`` call of a rollout."""
+    import types
+
+    from rlbits.loops import phases
+    from rlbits.loops.reinforce import ReinforceConfig
+
+    seen = []
+    monkeypatch.setattr(phases, "generate_texts", lambda *a, **kw: seen.append(kw["continuous_batching"]))
+    batch = TensorDict({"prompt_text": ["a", "b"]}, batch_size=[2])
+    state = types.SimpleNamespace(make_env=None, tokenizer=None, sampling_generator=None)
+    for flag in (False, True):
+        cfg = ReinforceConfig(loop="reinforce", continuous_batching=flag)
+        phases.sample(state, batch, cfg, torch.nn.Linear(1, 1))
+    assert seen == [False, True]
+
+
+@pytest.mark.slow
+def test_compiled_step_with_compaction(models, monkeypatch):
+    """``compile=True``: the compiled step runs at 32 rows, then 16, then 8 (``_COMPILED_MIN_ROWS``, never
+    fewer), and samples what the eager uncompacted decode samples."""
+    from rlbits.rollout import decoder as decoder_mod
+
+    td = _prompts(list(range(1, 17)), seed=1)
+    kw = _kw(num_samples=2, logits_processor=_eos_processor(td["prompts"].shape[1]), temperature=0.8)
+    eager = generate(models["llama"], td, generator=_gen(3), **kw)
+    rows = []
+    original = decoder_mod.compiled_decode_step
+
+    def spy(device_type="cpu"):
+        step = original(device_type)
+        return lambda *args: rows.append(args[2].shape[0]) or step(*args)
+
+    monkeypatch.setattr(decoder_mod, "compiled_decode_step", spy)
+    compiled = generate(models["llama"], td, generator=_gen(3), compile=True, continuous_batching=True, **kw)
+    assert torch.equal(eager["responses"], compiled["responses"])
+    torch.testing.assert_close(eager["logprobs"], compiled["logprobs"], atol=1e-5, rtol=0)
+    assert rows[0] == 32 and min(rows) == 8 and set(rows) <= {32, 16, 8}
+    assert rows == sorted(rows, reverse=True)
