@@ -8,7 +8,8 @@ the caller's generator, logprob; then ``decode_one_token`` from the cache) -> ``
 loop reads a value on the host except one "have all rows finished?" check per step on CPU (every
 ``_EOS_CHECK_EVERY`` steps on an accelerator, where a sync per step would stall the launch queue). A step
 whose distribution holds NaN gets a NaN logprob, and ``generate`` raises ``FloatingPointError`` once after
-the loop.
+the loop. With ``continuous_batching`` the finished rows leave the decode batch at those checks (the
+rows still decoding, compacted with their KV cache rows to a power of two; the same noise per row).
 
 On CPU the eager steps run every linear layer through oneDNN on weights reordered once per call
 (``pack_weights``, ``rlbits.models.packed.packed_linears``): at 16 rows MKL's ``F.linear`` ran SmolLM2-135M's
