@@ -74,6 +74,12 @@ class SteeredPolicy(torch.nn.Module):
     def _can_compile_fullgraph(self) -> bool:  # read by generate: a StaticCache only with one trunk
         return self.model.trunk is None and bool(getattr(self.model.policy, "_can_compile_fullgraph", False))
 
+    def select_cache_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` [A] int64 of the separate trunk's KV cache (``generate`` calls it when it drops
+        finished rows from the decode batch: ``rlbits.rollout.decoder.select_rows``)."""
+        if self._trunk_cache is not None:
+            self._trunk_cache.batch_select_indices(rows)
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -78,6 +78,34 @@ def _repeat_rows(cache, k: int) -> None:
             layer.batch_repeat_interleave(k)
 
 
+def _select_cache_rows(cache, rows: torch.Tensor) -> None:
+    """Keep only ``rows`` [A] int64 of a KV cache, in that order, in place (new tensors of A rows)."""
+    from transformers.cache_utils import StaticLayer
+
+    for layer in cache.layers:
+        if isinstance(layer, StaticLayer):
+            if not getattr(layer, "is_initialized", True):
+                continue
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+            layer.batch_size = layer.keys.shape[0]
+            torch._dynamo.mark_static_address(layer.keys)  # the compiled step updates them in place
+            torch._dynamo.mark_static_address(layer.values)
+        else:
+            layer.batch_select_indices(rows)
+
+
+def select_rows(decoder: Decoder, rows: torch.Tensor) -> None:
+    """Keep only ``rows`` [A] int64 (indices into the current rows, ascending) of the decoder's KV cache, so
+    the next ``decode_one_token`` runs on A rows (``generate``'s ``continuous_batching`` drops finished rows
+    so). A policy that holds a cache of its own besides the one it is passed (``SteeredPolicy`` with a
+    separate trunk) has its ``select_cache_rows(rows)`` called too."""
+    _select_cache_rows(decoder.cache, rows)
+    hook = getattr(decoder.policy, "select_cache_rows", None)
+    if hook is not None:
+        hook(rows)
+
+
 def _small_batch_head(policy: torch.nn.Module, batch_size: int, device: torch.device):
     """``(backbone, lm_head)`` when the decode step should apply the LM head itself, to the last position.
 
@@ -262,4 +290,4 @@ def decode_one_token(
     return _forward_last(decoder, new_ids, mask, position_ids)
 
 
-__all__ = ["Decoder", "compiled_decode_step", "decode_one_token", "prefill", "setup_decoder"]
+__all__ = ["Decoder", "compiled_decode_step", "decode_one_token", "prefill", "select_rows", "setup_decoder"]

@@ -8,7 +8,8 @@ the caller's generator, logprob; then ``decode_one_token`` from the cache) -> ``
 loop reads a value on the host except one "have all rows finished?" check per step on CPU (every
 ``_EOS_CHECK_EVERY`` steps on an accelerator, where a sync per step would stall the launch queue). A step
 whose distribution holds NaN gets a NaN logprob, and ``generate`` raises ``FloatingPointError`` once after
-the loop.
+the loop. With ``continuous_batching`` the finished rows leave the decode batch at those checks (the
+rows still decoding, compacted with their KV cache rows to a power of two; the same noise per row).
 
 On CPU the eager steps run every linear layer through oneDNN on weights reordered once per call
 (``pack_weights``, ``rlbits.models.packed.packed_linears``): at 16 rows MKL's ``F.linear`` ran SmolLM2-135M's
@@ -39,7 +40,7 @@ from rlbits.batch import build_batch, group_ids
 from rlbits.functional import entropy_from_logits
 from rlbits.models.forward import context_length
 from rlbits.models.packed import packed_linears
-from rlbits.rollout.decoder import Decoder, decode_one_token, prefill, setup_decoder
+from rlbits.rollout.decoder import Decoder, decode_one_token, prefill, select_rows, setup_decoder
 from rlbits.rollout.sampling import LogitsProcessor, next_token
 from rlbits.text import decode, tokenize_prompts
 
@@ -48,6 +49,9 @@ from rlbits.text import decode, tokenize_prompts
 # the check is free.
 _EOS_CHECK_EVERY = 8
 _EOS_CHECK_EVERY_CPU = 1
+# Fewest rows ``continuous_batching`` compacts the compiled step's batch to: each row count is one more
+# compiled graph (and CUDA graph), so the counts are the powers of two from here up.
+_COMPILED_MIN_ROWS = 8
 # Fewest new tokens for which ``pack_weights=None`` packs the weights (see ``generate``).
 _PACK_MIN_NEW_TOKENS = 4
 
@@ -187,6 +191,36 @@ def _new_samples(
     )
 
 
+def _take(part: _Samples, keep: torch.Tensor) -> _Samples:
+    """The rows ``keep`` [A] int64 of ``part``, as a new ``_Samples``."""
+    take = lambda x: None if x is None else x.index_select(0, keep)  # noqa: E731
+    return dataclasses.replace(
+        part,
+        input_ids=take(part.input_ids),
+        attention_mask=take(part.attention_mask),
+        logprobs=take(part.logprobs),
+        entropy=take(part.entropy),
+        finished=take(part.finished),
+        position=take(part.position),
+    )
+
+
+def _put(out: _Samples, part: _Samples, rows: torch.Tensor) -> None:
+    """Write ``part`` (the rows ``rows`` [A] int64 of ``out``) back into ``out``, in place."""
+    out.input_ids.index_copy_(0, rows, part.input_ids)
+    out.attention_mask.index_copy_(0, rows, part.attention_mask)
+    out.logprobs.index_copy_(0, rows, part.logprobs)
+    if out.entropy is not None:
+        out.entropy.index_copy_(0, rows, part.entropy)
+    out.finished = out.finished.index_copy(0, rows, part.finished)
+
+
+def _compacted_size(alive: int, rows: int, minimum: int) -> int:
+    """Rows the decode batch keeps when ``alive`` of its ``rows`` rows still decode: the smallest power of two
+    >= ``alive``, at least ``minimum``, at most ``rows`` (few distinct shapes for the compiled step)."""
+    return min(rows, max(minimum, 1 << max(alive - 1, 0).bit_length()))
+
+
 def decode_n_tokens(
     decoder: Decoder,
     logits: torch.Tensor,
@@ -197,6 +231,7 @@ def decode_n_tokens(
     stopping: StoppingFn | None,
     pad_token_id: int,
     min_new_tokens: int = 0,
+    compact: bool = False,
     **sampling: Any,
 ) -> int:
     """Sample up to ``max_new_tokens`` tokens per row from the prefill's ``logits`` on, writing ``out``.
@@ -205,40 +240,77 @@ def decode_n_tokens(
     ``top_p``, ``logits_processor``, ``generator``, ``repetition_penalty``), then the next logits from
     ``decode_one_token``. A row finishes on a ``stop`` id [S] int64 or where ``stopping`` says so; finished
     rows keep decoding, their new tokens masked out and set to ``pad_token_id``. For the first
-    ``min_new_tokens`` steps the ``stop`` ids cannot be sampled and ``stopping`` is not asked. The loop ends after ``max_new_tokens`` steps, or once every
-    row has finished (checked on the host every ``_EOS_CHECK_EVERY`` steps on an accelerator, every step on
-    CPU). Returns the number of steps taken.
+    ``min_new_tokens`` steps the ``stop`` ids cannot be sampled and ``stopping`` is not asked. The loop ends
+    after ``max_new_tokens`` steps, or once every row has finished (checked on the host every
+    ``_EOS_CHECK_EVERY`` steps on an accelerator, every step on CPU). Returns the number of steps taken.
+
+    With ``compact``, at each of those checks the rows still decoding are kept and the finished ones dropped
+    from the decode batch (its KV cache rows included: ``rlbits.rollout.decoder.select_rows``) once they fit
+    a batch of fewer rows: the next power of two, at least ``_COMPILED_MIN_ROWS`` for the compiled step
+    (finished rows fill the rest). The noise stays the same: every step draws ``torch.rand(B, 1)`` for the
+    whole batch, as without ``compact``, and the rows still in the batch sample with their own draws.
+    ``stopping`` sees the whole batch as without ``compact``; ``logits_processor`` sees the rows in the
+    decode batch only.
     """
     P, temperature = out.prompt_len, sampling["temperature"]
-    check_every = _EOS_CHECK_EVERY_CPU if logits.device.type == "cpu" else _EOS_CHECK_EVERY
+    device, B = logits.device, logits.shape[0]
+    check_every = _EOS_CHECK_EVERY_CPU if device.type == "cpu" else _EOS_CHECK_EVERY
+    min_rows = _COMPILED_MIN_ROWS if decoder.compiled is not None else 1
+    # The decode batch: ``part``, the rows ``rows`` of ``out`` (None: all of them, ``part`` is ``out``).
+    part, rows = out, None
     steps = 0
     for t in range(max_new_tokens):
         banned = stop if t < min_new_tokens and stop.numel() else None
+        uniforms = None
+        if rows is not None and temperature > 0:
+            uniforms = torch.rand(B, 1, generator=sampling["generator"], device=device).index_select(0, rows)
         tokens, lp = next_token(
             logits,
-            out.input_ids[:, : P + t],
-            input_mask=out.attention_mask[:, : P + t],
+            part.input_ids[:, : P + t],
+            input_mask=part.attention_mask[:, : P + t],
             banned=banned,
+            uniforms=uniforms,
             **sampling,
         )
-        alive = ~out.finished
-        out.input_ids[:, P + t] = torch.where(alive, tokens, pad_token_id)
-        out.attention_mask[:, P + t] = alive
-        out.logprobs[:, t] = torch.where(alive, lp, 0.0)
-        if out.entropy is not None:
+        alive = ~part.finished
+        part.input_ids[:, P + t] = torch.where(alive, tokens, pad_token_id)
+        part.attention_mask[:, P + t] = alive
+        part.logprobs[:, t] = torch.where(alive, lp, 0.0)
+        if part.entropy is not None:
             ent = entropy_from_logits(logits, temperature if temperature > 0 else 1.0)
-            out.entropy[:, t] = torch.where(alive, ent, 0.0)
+            part.entropy[:, t] = torch.where(alive, ent, 0.0)
         if stop.numel():
-            out.finished = out.finished | torch.isin(tokens, stop)
+            part.finished = part.finished | torch.isin(tokens, stop)
         if stopping is not None and t + 1 >= min_new_tokens:
-            out.finished = out.finished | (alive & stopping(out.input_ids[:, P : P + t + 1]).to(alive.device))
+            if rows is None:
+                stopped = stopping(part.input_ids[:, P : P + t + 1]).to(device)
+            else:  # the rule sees every row, as without compaction
+                out.input_ids[rows, P + t] = part.input_ids[:, P + t]
+                stopped = stopping(out.input_ids[:, P : P + t + 1]).to(device).index_select(0, rows)
+            part.finished = part.finished | (alive & stopped)
         steps = t + 1
-        if t + 1 == max_new_tokens or (
-            (stop.numel() or stopping is not None) and steps % check_every == 0 and bool(out.finished.all())
-        ):
+        if t + 1 == max_new_tokens:
             break
-        new_ids = out.input_ids[:, P + t : P + t + 1]
-        logits = decode_one_token(decoder, new_ids, out.attention_mask, out.position + t, P + t + 1)
+        if (stop.numel() or stopping is not None) and steps % check_every == 0:
+            if not compact:
+                if bool(part.finished.all()):
+                    break
+            else:
+                n, size = int((~part.finished).sum()), part.finished.shape[0]
+                if n == 0:
+                    break
+                new_size = _compacted_size(n, size, min_rows)
+                if new_size < size:  # the rows still decoding, then finished ones up to new_size, in order
+                    keep = torch.argsort(part.finished.to(torch.uint8), stable=True)[:new_size].sort().values
+                    if rows is not None:
+                        _put(out, part, rows)
+                    rows = keep if rows is None else rows.index_select(0, keep)
+                    part = _take(part, keep)
+                    select_rows(decoder, keep)
+        new_ids = part.input_ids[:, P + t : P + t + 1]
+        logits = decode_one_token(decoder, new_ids, part.attention_mask, part.position + t, P + t + 1)
+    if rows is not None:
+        _put(out, part, rows)
     return steps
 
 
@@ -292,6 +364,7 @@ def generate(
     pack_weights: bool | None = None,
     repetition_penalty: float = 1.0,
     min_new_tokens: int = 0,
+    continuous_batching: bool = False,
 ) -> TensorDict:
     """Sample ``num_samples`` responses per prompt with a KV cache.
 
@@ -347,6 +420,16 @@ def generate(
         min_new_tokens: for the first this-many tokens of each response ``eos_token_id`` and
             ``stop_token_ids`` get -inf (HF's ``MinNewTokensLengthLogitsProcessor``) and ``stopping`` is not
             called (vLLM's ``min_tokens`` holds stop strings back too). 0: off.
+        continuous_batching: finished rows leave the decode step's work: at each "all rows finished?" check
+            (every step on CPU, every ``_EOS_CHECK_EVERY`` on an accelerator) the rows still decoding are
+            kept, with their KV cache rows, once they fit the next power of two below the batch's rows (at
+            least 8 rows with ``compile``, so the compiled step sees few shapes); finished rows fill the rest.
+            The samples are those without it: every step still draws ``torch.rand(B, 1)`` for all B rows and
+            a row samples with its own draw, so the same generator state gives the same tokens, and the
+            same logprobs, up to float rounding of the logits at another batch size (tested equal to 1e-5).
+            ``stopping`` still gets all B rows; ``logits_processor`` gets the ``[A, P + t]`` ids and
+            ``[A, V]`` logits of the A rows in the decode batch, so it must treat each row on its own. False:
+            every row decodes until the last one ends.
 
     Returns:
         TensorDict with batch size [B * K]:
@@ -360,7 +443,7 @@ def generate(
 
     Raises:
         ValueError: missing keys, mismatched shapes, an empty batch, a row without prompt tokens, a prompt
-            or pad id outside the vocabulary, bad sampling arguments, or ``P + max_new_tokens`` beyond the
+            or pad id outside the vocabulary, bad sampling arguments, a ``continuous_batching`` not a bool, or ``P + max_new_tokens`` beyond the
             model's context.
         FloatingPointError: a step's distribution held NaN (NaN/inf logits, or a temperature so small that
             ``logits / temperature`` overflows): checked once after decoding, the message names the row.
@@ -377,6 +460,8 @@ def generate(
         repetition_penalty,
         min_new_tokens,
     )
+    if not isinstance(continuous_batching, bool):
+        raise ValueError(f"continuous_batching must be a bool, got {continuous_batching!r}")
     prompts = prompts_td["prompts"].long()
     prompt_mask = prompts_td["prompt_mask"].bool()
     _check_prompts(policy, prompts, prompt_mask, max_new_tokens, pad_token_id)
@@ -424,6 +509,7 @@ def generate(
             stopping=stopping,
             pad_token_id=pad_token_id,
             min_new_tokens=min_new_tokens,
+            compact=continuous_batching,
             **sampling,
         )
     finally:
@@ -488,11 +574,13 @@ def generate_texts(
     logits_processor: Callable | None = None,
     compile: bool = False,
     pack_weights: bool | None = None,
+    continuous_batching: bool = False,
 ) -> TensorDict:
     """``generate`` from prompt strings: tokenize them (``tokenize_prompts``), sample ``num_samples``
     responses each with the policy in eval mode and no gradient, decode the texts (``decode``).
 
-    ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``: as ``generate``. ``stop_strings``: a
+    ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``, ``continuous_batching``: as ``generate``.
+    ``stop_strings``: a
     response ends after the token that completes one of them (``stop_strings_stopping``; one host sync per
     step). ``chunk_size``: generate the prompts ``chunk_size`` at a time (trlx ``method.chunk_size``; None:
     all in one call), all tokenized together (one prompt width) and the chunks' responses right-padded to
@@ -538,6 +626,7 @@ def generate_texts(
                     stopping=stopping,
                     compile=compile,
                     pack_weights=pack_weights,
+                    continuous_batching=continuous_batching,
                 )
                 for start in range(0, n, size)
             ]

@@ -176,6 +176,7 @@ def generate_episodes(
     group_size: int = 1,
     pack_weights: bool | None = None,
     max_turns: int | None = None,
+    continuous_batching: bool = False,
 ) -> TensorDict:
     """Run one episode per env, all turns of the batch decoded together; return one batch row per episode.
 
@@ -224,6 +225,7 @@ def generate_episodes(
         pack_weights: as ``generate`` (None: oneDNN on packed weights for a CPU policy without ``compile``).
         max_turns: a cap on every episode's turns over its env's ``stop.max_turns`` (NeMo-RL's
             ``max_rollout_turns``); None: the envs' own.
+        continuous_batching: as ``generate``: a turn's finished rows leave the decode batch (the same samples).
 
     Returns:
         TensorDict, batch size [B] (B = ``len(envs)``), on the policy's device, with the keys of
@@ -326,6 +328,7 @@ def generate_episodes(
                 stopping=_stopping([rows[j] for j in chunk], envs, [budgets[j] for j in chunk], eos, tokenizer),
                 compile=compile,
                 pack_weights=pack_weights,
+                continuous_batching=continuous_batching,
             )
             for j, n, ids, lp in zip(
                 chunk, out["action_mask"].sum(-1).tolist(), out["responses"].tolist(), out["logprobs"].tolist(),

@@ -124,6 +124,7 @@ def next_token(
     repetition_penalty: float = 1.0,
     input_mask: torch.Tensor | None = None,
     banned: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the next token of each row and its logprob under the raw policy at ``temperature``.
 
@@ -137,6 +138,9 @@ def next_token(
         repetition_penalty: HF's repetition penalty over the ids of ``input_ids`` under ``input_mask``; 1: off.
         input_mask: [B, T] bool, the real tokens of ``input_ids`` (None: all).
         banned: [S] int64 ids that may not be sampled this step (stop ids before ``min_new_tokens``), or None.
+        uniforms: [B, 1] float32 draws of ``torch.rand`` in [0, 1) to sample with instead of drawing
+            ``torch.rand(B, 1, generator=generator)`` here (``generate`` with ``continuous_batching`` draws
+            for every row of the batch and passes those of the rows still decoding); None: draw them.
 
     Returns:
         ``(tokens [B] int64, logprobs [B] float32)``. A row whose distribution holds NaN (from NaN or inf
@@ -171,7 +175,9 @@ def next_token(
             if top_p is not None and top_p < 1:
                 z = top_p_filter(z, top_p)
             weights = torch.exp(z - z.amax(dim=-1, keepdim=True))
-        u = 1 - torch.rand(logits.shape[0], 1, generator=generator, device=logits.device)
+        if uniforms is None:
+            uniforms = torch.rand(logits.shape[0], 1, generator=generator, device=logits.device)
+        u = 1 - uniforms
         tokens = inverse_cdf_sample(weights, u)
         vocab = logits.shape[-1]
         if weights is not unnormalised:

@@ -1,0 +1,204 @@
+"""Benchmark: ``generate`` on an uneven workload, ``continuous_batching`` off vs on, against a uniform workload
+with the same total generated tokens (issue 28).
+
+The workload: B prompts of 16 random tokens, one sample each, temperature 1, a budget of ``--budget`` new
+tokens. Each row's response length is drawn from a fixed seed (``uneven_lengths``): 90% of the rows uniform in
+1 .. budget / 8, 10% at the budget (they never end). The length is forced by a logits processor: EOS gets a
+huge logit at the row's length and -inf before it, so a row ends exactly there (the sampled tokens before it
+are the model's own). The row's length is read from its first prompt token (a row id), so the processor
+treats each row on its own, as ``continuous_batching`` requires. The uniform workload gives every row
+``ceil(total / B)`` tokens (the same total, spread evenly).
+
+Models (random weights, fp32 unless ``--dtype bf16``): ``gpt2`` (the shared tiny GPT-2 of
+``benchmarks/_workload.py``: 4 layers, width 256, V = 32k), ``smollm2`` (SmolLM2-135M's shape), ``tiny``
+(``rlbits.models.tiny``, for a smoke run). Timing: one process, each configuration warmed up once, then the
+configurations alternated for ``--runs`` timed calls each (so load changes hit all alike), the median kept;
+tokens/s = generated tokens / wall time. The 1-minute load average is recorded.
+
+    python benchmarks/uneven_generate.py --model gpt2 --batch 32 --budget 128
+    python benchmarks/uneven_generate.py --model smollm2 --batch 16 --budget 256 --runs 3
+    python benchmarks/uneven_generate.py --model tiny --batch 8 --budget 16 --runs 1   # smoke
+
+Writes ``benchmarks/results/uneven_generate_{model}.json`` (``--out`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def uneven_lengths(batch: int, budget: int, seed: int = 0) -> list[int]:
+    """Response lengths of the uneven workload: 90% of the rows uniform in 1 .. max(1, budget // 8), a tenth
+    (at least one row) at ``budget``, in a shuffled order; drawn from ``seed``."""
+    import random
+
+    rng = random.Random(seed)
+    long_rows = max(1, round(batch / 10))
+    lengths = [budget] * long_rows + [rng.randint(1, max(1, budget // 8)) for _ in range(batch - long_rows)]
+    rng.shuffle(lengths)
+    return lengths
+
+
+def _model(name: str, dtype):
+    import torch
+
+    if name == "tiny":
+        from rlbits.models.tiny import tiny_causal_lm
+
+        return tiny_causal_lm("llama", 256, seed=0, max_position_embeddings=1024).to(dtype), 256
+    import _workload
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config, cls = _workload.model_config(positions=2048), GPT2LMHeadModel
+    else:
+        config, cls = _workload.smollm2_config(positions=2048), LlamaForCausalLM
+    return cls(config).eval().to(dtype), config.vocab_size
+
+
+def _forced_lengths(lengths: list[int], eos: int, device):
+    """A logits processor: row r (its first prompt token is ``2 + r``) ends with EOS at ``lengths[r]``."""
+    import torch
+
+    table = torch.tensor(lengths, device=device)
+    prompt_len = None
+
+    def process(ids, logits):
+        nonlocal prompt_len
+        if prompt_len is None:
+            prompt_len = ids.shape[1]
+        t = ids.shape[1] - prompt_len + 1  # the length once this step's token is appended
+        at = table[ids[:, 0] - 2] == t
+        logits = logits.clone()
+        logits[:, eos] = torch.where(at, 1e4, float("-inf"))
+        return logits
+
+    return process
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("gpt2", "smollm2", "tiny"), default="gpt2")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--compile", action="store_true", help="generate(compile=True)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from rlbits.rollout.generate import generate
+
+    torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model, vocab = _model(args.model, dtype)
+    model = model.to(args.device)
+    eos, B, P = vocab - 1, args.batch, args.prompt_len
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(3 + B, eos, (B, P), generator=g)
+    prompts[:, 0] = torch.arange(B) + 2  # the row id the processor reads
+    td = {
+        "prompts": prompts.to(args.device),
+        "prompt_mask": torch.ones(B, P, dtype=torch.bool, device=args.device),
+    }
+    from tensordict import TensorDict
+
+    td = TensorDict(td, batch_size=[B])
+    uneven = uneven_lengths(B, args.budget, args.seed)
+    total = sum(uneven)
+    uniform = [math.ceil(total / B)] * B
+    configs = {
+        "uneven_off": (uneven, False),
+        "uneven_on": (uneven, True),
+        "uniform_off": (uniform, False),
+        "uniform_on": (uniform, True),
+    }
+
+    def run(lengths, on):
+        out = generate(
+            model,
+            td,
+            max_new_tokens=args.budget,
+            temperature=1.0,
+            eos_token_id=eos,
+            pad_token_id=0,
+            generator=torch.Generator(args.device).manual_seed(1),
+            logits_processor=_forced_lengths(lengths, eos, args.device),
+            compile=args.compile,
+            continuous_batching=on,
+        )
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        return out
+
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    tokens = {}
+    for name, (lengths, on) in configs.items():  # warm-up (and compile)
+        out = run(lengths, on)
+        tokens[name] = int(out["action_mask"].sum())
+        assert out["action_mask"].sum(1).tolist() == [min(n, args.budget) for n in lengths], name
+    for _ in range(args.runs):
+        for name, (lengths, on) in configs.items():
+            start = time.perf_counter()
+            run(lengths, on)
+            times[name].append(time.perf_counter() - start)
+    rows = {
+        name: {
+            "seconds": statistics.median(t),
+            "tokens": tokens[name],
+            "tokens_per_s": tokens[name] / statistics.median(t),
+        }
+        for name, t in times.items()
+    }
+    result = {
+        "model": args.model,
+        "batch": B,
+        "budget": args.budget,
+        "prompt_len": P,
+        "dtype": args.dtype,
+        "device": args.device,
+        "compile": args.compile,
+        "threads": args.threads,
+        "runs": args.runs,
+        "lengths": uneven,
+        "distribution": "90% uniform in 1..budget/8, 10% at the budget (seeded)",
+        "load_avg_1m": os.getloadavg()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "results": rows,
+        "uneven_on_over_uniform": rows["uneven_on"]["seconds"] / rows["uniform_off"]["seconds"],
+        "uneven_off_over_uniform": rows["uneven_off"]["seconds"] / rows["uniform_off"]["seconds"],
+    }
+    for name, row in rows.items():
+        print(
+            f"{name:12s} {row['seconds']:8.3f} s  {row['tokens']:7d} tokens  {row['tokens_per_s']:9.1f} tok/s"
+        )
+    print(
+        f"uneven / uniform (same tokens): off {result['uneven_off_over_uniform']:.2f}x, "
+        f"on {result['uneven_on_over_uniform']:.2f}x"
+    )
+    out_path = Path(args.out or Path(__file__).parent / "results" / f"uneven_generate_{args.model}.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
