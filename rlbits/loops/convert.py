@@ -87,6 +87,11 @@ def _regex(pattern: str) -> re.Pattern[str]:
 # --------------------------------------------------------------------------------------------------------
 
 
+def _refuse(why: str) -> Any:
+    """Raise ``Unsupported(why)`` (inside a rule's one-line conversion)."""
+    raise Unsupported(why)
+
+
 def num(value: Any) -> float:
     """A number from a YAML value (PyYAML reads ``1e-8`` without a dot as a string)."""
     if isinstance(value, bool):
@@ -173,6 +178,22 @@ MEGATRON = "Megatron-Core training backend (parallel sizes, fusions, MoE, CUDA g
 VLLM = "vLLM/Megatron generation engine settings; rlbits generates with its own decoder"
 LOGGER = "logging back-end (W&B, TensorBoard, MLflow, SwanLab, GPU monitor); rlbits logs metrics.jsonl + TensorBoard"
 DATA = "data set and its processing; rlbits trains on a built-in task (task=...) or its prompt/val files"
+
+
+def _number_of(field: str) -> Convert:
+    return lambda v, c: {field: num(v)}
+
+
+def _nemo_rl_val_generation(key: str) -> Convert:
+    """``val_temperature`` / ``val_top_p`` / ``val_top_k``: a ``val_generation`` entry where it differs from
+    the rollouts' value."""
+
+    def conv(v: Any, c: Ctx) -> dict[str, Any]:
+        if v == c.get(f"policy.generation.{key}"):
+            return {}
+        return {"val_generation": {key: None if key == "top_k" and v in (None, 0, -1) else v}}
+
+    return conv
 
 
 def _nemo_rl_megatron(c: Ctx) -> bool:
@@ -287,7 +308,7 @@ def _like_policy(v: Any, c: Ctx) -> str:
     except Unsupported:
         same = False
     if not same:
-        raise Unsupported(f"differs from {mine} ({show(c.get(mine))}); rlbits' critic uses the policy's setting")
+        raise Unsupported(f"differs from {mine} ({show(theirs)} against {show(v)}); rlbits' critic uses the policy's setting")
     return f"(the critic uses {mine})"
 
 
@@ -482,7 +503,7 @@ NEMO_RL: tuple[Rule, ...] = (
     F(f"{A}.reward_scaling.enabled", "reward_scaling", lambda v, c: {"reward_scaling": bool(v)}),
     *(
         OFF(f"{A}.reward_scaling.{k}", "reward_scaling.enabled is false", _scaling_off,
-            (lambda k: lambda v, c: {f"reward_scaling_{k}": num(v)})(k), f"reward_scaling_{k}", "")
+            _number_of(f"reward_scaling_{k}"), f"reward_scaling_{k}", "")
         for k in ("source_min", "source_max", "target_min", "target_max")
     ),
     B(f"{A}.seq_logprob_error_threshold", "no sequence mask on the logprob error (metrics only)", None,
@@ -566,7 +587,7 @@ NEMO_RL: tuple[Rule, ...] = (
       "max_new_tokens"),
     F("policy.precision", "precision",
       lambda v, c: {"precision": {"bfloat16": "bf16", "float32": "fp32"}[v]}
-      if v in ("bfloat16", "float32") else (_ for _ in ()).throw(Unsupported(f"precision {show(v)}"))),
+      if v in ("bfloat16", "float32") else _refuse(f"precision {show(v)}")),
     F("policy.dtensor_cfg.activation_checkpointing", "activation_checkpointing",
       _torch_opt_conv(lambda v, c: {"activation_checkpointing": bool(v)})),
     F("policy.dtensor_cfg.lora_cfg.enabled", "lora_rank (0: off)",
@@ -629,9 +650,7 @@ NEMO_RL: tuple[Rule, ...] = (
     N("policy.generation.top_p", "top_p"),
     F("policy.generation.top_k", "top_k", lambda v, c: {"top_k": None if v in (None, 0, -1) else integer(v)}),
     *(
-        F(f"policy.generation.val_{k}", f"val_generation.{k}",
-          (lambda k: lambda v, c: {} if v == c.get(f"policy.generation.{k}")
-           else {"val_generation": {k: None if k == "top_k" and v in (None, 0, -1) else v}})(k))
+        F(f"policy.generation.val_{k}", f"val_generation.{k}", _nemo_rl_val_generation(k))
         for k in ("temperature", "top_p", "top_k")
     ),
     B("policy.generation.stop_token_ids", "EOS ends a response", None,
@@ -781,8 +800,8 @@ NEMO_ALIGNER: tuple[Rule, ...] = (
     F("{trainer,model}.precision", "precision",
       lambda v, c: {"precision": "bf16" if str(v).startswith("bf16") else "fp32"}
       if str(v) in ("bf16", "bf16-mixed", "32", "32-true", "fp32")
-      else (_ for _ in ()).throw(Unsupported(f"precision {show(v)}: rlbits has fp32 and bf16"))),
-    INT(f"trainer.ppo.critic_warmup_steps", "critic_warmup_steps"),
+      else _refuse(f"precision {show(v)}: rlbits has fp32 and bf16")),
+    INT("trainer.ppo.critic_warmup_steps", "critic_warmup_steps"),
     INT(f"trainer.{AL}.max_epochs", "max_num_epochs"),
     F(f"trainer.{AL}.max_steps", "max_num_steps (lr_max_steps in the critic's)",
       lambda v, c: {"lr_max_steps": integer(v)} if _is_critic(c) and integer(v) > 0 else _aligner_steps(v, c)),
@@ -851,7 +870,7 @@ NEMO_ALIGNER: tuple[Rule, ...] = (
     I(f"model.{AL}.trt_llm.**", TRT),
     F("model.peft.peft_scheme", "lora_rank (none: 0)",
       lambda v, c: {"lora_rank": 0} if v in ("none", None) else "(LoRA: adapter_dim)" if v == "lora"
-      else (_ for _ in ()).throw(Unsupported(f"peft_scheme {show(v)}: rlbits has LoRA"))),
+      else _refuse(f"peft_scheme {show(v)}: rlbits has LoRA")),
     F("model.peft.lora_tuning.adapter_dim", "lora_rank", _aligner_lora("lora_rank", integer)),
     F("model.peft.lora_tuning.adapter_dropout", "lora_dropout", _aligner_lora("lora_dropout", num)),
     F("model.peft.lora_tuning.target_modules", "lora_target_modules", _aligner_targets),
@@ -859,7 +878,7 @@ NEMO_ALIGNER: tuple[Rule, ...] = (
       "position_embedding_strategy}", "(peft's LoRA on every layer)",
       lambda v, c: "(no effect: peft_scheme is none)" if c.get("model.peft.peft_scheme") != "lora"
       else "(peft's initialisation)" if v in (None, False, "xavier", "zero", "normal")
-      else (_ for _ in ()).throw(Unsupported(f"LoRA option {show(v)} is not supported"))),
+      else _refuse(f"LoRA option {show(v)} is not supported")),
     I("model.peft.{restore_from_path,restore_from_ckpt}.**", "adapter checkpoint paths"),
     I("model.{mcore_gpt,megatron_amp_O2,sequence_parallel,encoder_seq_length,max_position_embeddings,"
       "use_tp_pp_dp_mapping,overwrite_base_config}.**",
@@ -1035,7 +1054,7 @@ TRLX: tuple[Rule, ...] = (
     N("method.vf_coef", "vf_coef"),
     F("method.scale_reward", "scale_reward",
       lambda v, c: {"scale_reward": None} if v in (None, "ignored", False) else {"scale_reward": v}
-      if v in ("ref", "running") else (_ for _ in ()).throw(Unsupported(f"scale_reward {show(v)}"))),
+      if v in ("ref", "running") else _refuse(f"scale_reward {show(v)}")),
     F("method.ref_mean", "(none)", lambda v, c: "(trlx's ref_mean shifts no reward)"),
     N("method.ref_std", "reward_ref_std"),
     N("method.cliprange_reward", "reward_clip"),
@@ -1224,4 +1243,77 @@ def finish(conv: Conversion) -> dict[str, Any]:
     return values
 
 
-__all__ = ["RULES", "SEEDS", "Conversion", "Rule", "Unsupported", "convert", "detect_loop", "finish"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# The docs tables (docs/seeds.md, "Every field of the seeds' configs"; a test checks the page equals this)
+# --------------------------------------------------------------------------------------------------------
+
+STATUS = {
+    "field": "implemented",
+    "builtin": "implemented (built in)",
+    "infrastructure": "not applicable: infrastructure",
+    "unsupported": "not supported",
+}
+"""How the tables name each kind of rule."""
+
+TOTALS_BEGIN = "<!-- convert-config totals: generated by rlbits.loops.convert.seed_totals_table; do not edit -->"
+TABLES_BEGIN = "<!-- convert-config tables: generated by rlbits.loops.convert.seed_tables; do not edit -->"
+TABLES_END = "<!-- end of the generated block -->"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def seed_totals() -> dict[str, dict[str, int]]:
+    """Per seed, the number of rules of each status (``STATUS`` values)."""
+    out: dict[str, dict[str, int]] = {}
+    for seed, rules in RULES.items():
+        counts = dict.fromkeys(STATUS.values(), 0)
+        for rule in rules:
+            counts[STATUS[rule.kind]] += 1
+        out[seed] = counts
+    return out
+
+
+def seed_totals_table() -> str:
+    """The markdown of docs/seeds.md's totals: per seed, its rules by status."""
+    lines = [TOTALS_BEGIN, "", "| seed | implemented | of which built in | not applicable (infrastructure) | "
+             "not supported |", "|---|---|---|---|---|"]
+    for seed, counts in seed_totals().items():
+        implemented = counts["implemented"] + counts["implemented (built in)"]
+        lines.append(
+            f"| {seed} | {implemented} | {counts['implemented (built in)']} | "
+            f"{counts['not applicable: infrastructure']} | {counts['not supported']} |"
+        )
+    return "\n".join([*lines, "", TABLES_END])
+
+
+def seed_tables() -> str:
+    """The markdown of docs/seeds.md's per-seed field tables, from ``RULES``: one table per seed with each
+    rule's seed field, rlbits field or behaviour, and status."""
+    lines = [TABLES_BEGIN]
+    for seed, rules in RULES.items():
+        lines += ["", f"### {seed}: {SOURCES[seed]}", "", "| seed field | rlbits | status |", "|---|---|---|"]
+        for rule in rules:
+            status = STATUS[rule.kind] + (f": {rule.why}" if rule.why else "")
+            target = f"`{_cell(rule.rlbits)}`" if rule.kind == "field" and rule.rlbits else _cell(rule.rlbits) or "—"
+            lines.append(f"| `{_cell(rule.path)}` | {target} | {_cell(status)} |")
+    lines += ["", TABLES_END]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "RULES",
+    "SEEDS",
+    "Conversion",
+    "Rule",
+    "Unsupported",
+    "convert",
+    "detect_loop",
+    "finish",
+    "seed_tables",
+    "seed_totals",
+    "seed_totals_table",
+]

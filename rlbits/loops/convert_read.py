@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from rlbits.loops.config_yaml import ConfigError, load_yaml
 
 _INTERP = re.compile(r"\$\{")
@@ -42,8 +44,8 @@ def _read(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
     try:
         tree = load_yaml(text)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    except (ConfigError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path} is not readable YAML: {' '.join(str(e).split())}") from None
     if tree is None:
         tree = {}
     if not isinstance(tree, dict):
@@ -92,7 +94,7 @@ def _scalar(text: str) -> Any:
     text = text.strip()
     try:
         value = load_yaml(text)
-    except ConfigError:
+    except (ConfigError, yaml.YAMLError):
         return text
     return value
 
