@@ -12,6 +12,7 @@
     rlbits model get NAME                       fetch a real model (smollm2-135m) into the cache, print its folder
     rlbits model list                           the real models rlbits can fetch
     rlbits serve-reward TASK_OR_MODEL_DIR       serve a reward over HTTP
+    rlbits convert-config --from SEED FILE      an rlbits config from a NeMo-RL, NeMo-Aligner or trlx config
     rlbits demo                                 the functional core on a random batch
 """
 

@@ -427,6 +427,16 @@ def _adam_eps(v: Any, c: Ctx) -> str:
     return "(AdamW eps 1e-8)"
 
 
+def _megatron_weight_decay(v: Any, c: Ctx) -> str:
+    if c.field.endswith("incr_style"):
+        ok = v == "constant"
+    else:
+        ok = num(v) == num(c.get("policy.megatron_cfg.optimizer.weight_decay"))
+    if not ok:
+        raise Unsupported("a weight decay that changes over the run is not supported: rlbits' weight_decay is constant")
+    return "(weight_decay, constant)"
+
+
 def _megatron_sched(v: Any, c: Ctx) -> dict[str, Any] | str:
     style = c.get("policy.megatron_cfg.scheduler.lr_decay_style")
     warm = integer(c.get("policy.megatron_cfg.scheduler.lr_warmup_iters") or 0)
@@ -624,8 +634,7 @@ NEMO_RL: tuple[Rule, ...] = (
       _megatron_conv(lambda v, c: {"lr_max_steps": integer(v)}
                      if c.get("policy.megatron_cfg.scheduler.lr_decay_style") == "cosine" else "(constant)")),
     F("policy.megatron_cfg.scheduler.{start_weight_decay,end_weight_decay,weight_decay_incr_style}",
-      "weight_decay (constant)", _megatron_conv(_refuse_unless(
-          lambda v: True, "", "(weight decay constant)"))),
+      "weight_decay (constant)", _megatron_conv(_megatron_weight_decay)),
     F("policy.megatron_cfg.activation_checkpointing", "activation_checkpointing",
       _megatron_conv(lambda v, c: {"activation_checkpointing": bool(v)})),
     F("policy.megatron_cfg.enabled", "(the training backend)", lambda v, c: "(FSDP2 in rlbits)"),
