@@ -304,7 +304,7 @@ def _like_policy(v: Any, c: Ctx) -> str:
     if c.field.endswith("min_lr") and c.get("value.megatron_cfg.scheduler.lr_decay_style") == "constant":
         return "(no effect: lr_decay_style constant)"
     try:
-        same = v == theirs or num(v) == num(theirs)
+        same = v == theirs or math.isclose(num(v), num(theirs), rel_tol=1e-9)
     except Unsupported:
         same = False
     if not same:
