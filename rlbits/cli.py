@@ -13,6 +13,7 @@
     rlbits model list                           the real models rlbits can fetch
     rlbits serve-reward TASK_OR_MODEL_DIR       serve a reward over HTTP
     rlbits serve-critic CONFIG_OR_RUN           serve a PPO run's critic over HTTP (critic_server: URL)
+    rlbits convert-config --from SEED FILE      an rlbits config from a NeMo-RL, NeMo-Aligner or trlx config
     rlbits demo                                 the functional core on a random batch
 """
 
@@ -450,6 +451,53 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+CONVERT_HELP = """Read a NeMo-RL, NeMo-Aligner or trlx config as it is and write an rlbits config (docs/convert_config.md).
+
+  rlbits convert-config --from nemo-rl examples/configs/ppo_math_1B.yaml -o ppo_math.yaml
+  rlbits convert-config --from nemo-aligner gpt_ppo_actor.yaml gpt_ppo_critic.yaml -o ppo.yaml
+  rlbits convert-config --from trlx ppo_config.yml -o ppo.yaml     (a YAML/JSON dump of a TRLConfig)
+  rlbits train ppo.yaml task=sentiment policy=null                 then train it (on another task or model)
+
+Prints one line per field of the seed's file: "mapped: SEED_FIELD -> RLBITS_FIELD = VALUE", or "refused:
+SEED_FIELD: WHY" (infrastructure with no rlbits equivalent, not supported, or an unknown field). The model
+name is copied to `policy` as given. Exit status 0 when only infrastructure was refused, 1 when an
+algorithm field was refused (the config is still written), 2 for a bad file or a config rlbits refuses.
+"""
+
+
+def _convert_config(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import yaml
+
+    from rlbits.loops.config_yaml import ConfigError
+    from rlbits.loops.convert import convert, finish
+
+    report = sys.stdout if args.out else sys.stderr
+    try:
+        conv = convert(args.source, args.files)
+        values = finish(conv)
+    except ConfigError as e:
+        print(f"rlbits convert-config: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"convert-config --from {args.source} -> the {conv.loop} loop: {len(conv.mapped)} fields mapped, "
+        f"{len(conv.refused)} refused", file=report,
+    )
+    for line in conv.mapped:
+        print(f"  mapped: {line}", file=report)
+    for line in conv.refused:
+        print(f"  refused: {line}", file=report)
+    names = " ".join(str(f) for f in args.files)
+    text = f"# rlbits convert-config --from {args.source} {names}\n" + yaml.safe_dump(values, sort_keys=False)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=report)
+    else:
+        sys.stdout.write(text)
+    return 0 if conv.ok else 1
+
+
 TRAIN_HELP = """Train with the loop the config names ({loops}) and print a summary.
 
   rlbits train                                   the main job: configs/ppo_sentiment.yaml -> runs/default
@@ -566,6 +614,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_critic.add_argument("--max-request-bytes", type=int, default=2**30, help="larger bodies get 413")
     serve_critic.set_defaults(func=_serve_critic)
+    from rlbits.loops.convert import SEEDS
+
+    conv = sub.add_parser(
+        "convert-config", help="write an rlbits config from a NeMo-RL, NeMo-Aligner or trlx config",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=CONVERT_HELP,
+    )
+    conv.add_argument("--from", dest="source", required=True, choices=SEEDS, help="the seed the file is from")
+    conv.add_argument(
+        "files", nargs="+", metavar="FILE",
+        help="the seed's config (NeMo-Aligner: the actor's, optionally followed by its critic's)",
+    )
+    conv.add_argument("-o", "--out", metavar="OUT", help="write the rlbits YAML here (default: stdout)")
+    conv.set_defaults(func=_convert_config)
     return parser
 
 
