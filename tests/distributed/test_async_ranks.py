@@ -1,0 +1,124 @@
+"""``async_mode: ranks`` under torchrun (2 CPU ranks: one trainer, one rollout rank; rlbits.loops.staleness):
+with the deterministic schedule it trains on the same rows, versions and statistics, to the same weights and
+the same checkpointed queue as the 1-process ``async_mode: simulated`` run with the same seeds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlbits.loops import ppo, reinforce
+from rlbits.loops.config import ConfigError, config_from_dict
+from rlbits.loops.staleness import rank_role
+from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
+from tests.distributed.test_dist import metrics, torchrun
+from tests.metrics_compare import untimed_by_step
+
+SCRIPT = """
+import json, sys
+from rlbits.loops import ppo, reinforce
+from rlbits.loops.config import config_from_dict
+
+
+def length_reward(prompts, responses):
+    return [float(len(r) % 3) for r in responses]
+
+
+reinforce.train(config_from_dict(reinforce.ReinforceConfig, json.loads(sys.argv[1])), reward=length_reward)
+"""
+
+
+def length_reward(prompts, responses):
+    return [float(len(r) % 3) for r in responses]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_policy")
+    tiny_causal_lm("gpt2", 32, seed=0).save_pretrained(path)
+    tiny_tokenizer(32).save_pretrained(path)
+    return str(path)
+
+
+def values(tiny_path, run_dir, **overrides):
+    out = dict(
+        task="arithmetic", policy=tiny_path, run_dir=str(run_dir), max_num_steps=4, num_prompts_per_step=2,
+        num_generations_per_prompt=2, max_new_tokens=4, microbatch_size=4, learning_rate=1e-2, max_val_samples=2,
+        val_period=0, val_at_start=False, val_at_end=False, save_period=0, progress=False, tensorboard=False,
+        cpu_threads=1, log_samples=4, adv_estimator="grpo", max_staleness=1, device="cpu",
+    )
+    out.update(overrides)
+    return out
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted((run_dir / "final").glob("*.safetensors")):
+        out.update(load_file(f))
+    assert out, list((run_dir / "final").iterdir())
+    return out
+
+
+def _samples(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
+
+
+def _queue(run_dir: Path) -> dict:
+    step = max(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+    state = json.loads((run_dir / "checkpoints" / f"step_{step}" / "state.json").read_text())
+    return {"rollout_queue": state["rollout_queue"], "stream": state["stream"]}
+
+
+@pytest.mark.slow
+def test_ranks_mode_equals_the_simulated_run(tiny_path, tmp_path):
+    sim = tmp_path / "simulated"
+    reinforce.train(
+        config_from_dict(reinforce.ReinforceConfig, values(tiny_path, sim, async_mode="simulated")),
+        reward=length_reward,
+    )
+    ranks = tmp_path / "ranks"
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    cfg = values(tiny_path, ranks, async_mode="ranks", rollout_ranks=1)
+    torchrun(str(script), json.dumps(cfg), timeout=120)
+    got, want = untimed_by_step(metrics(ranks)), untimed_by_step(metrics(sim))
+    assert got.keys() == want.keys()
+    for step in want:
+        for key, value in want[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+    assert [m["staleness/max"] for m in metrics(ranks) if "staleness/max" in m] == [0.0, 1.0, 1.0, 1.0]
+    trained = [m for m in metrics(ranks) if "staleness/max" in m]
+    assert all(m["time/trainer_idle"] >= 0 and m["time/rollout_idle"] >= 0 for m in trained)
+    assert [r["policy_version"] for r in _samples(ranks)][-1] == 2  # step 4 (t = 3) trains version 2's rows
+    assert _samples(ranks) == _samples(sim)
+    assert _queue(ranks) == _queue(sim)
+    a, b = _weights(ranks), _weights(sim)
+    assert a.keys() == b.keys()
+    init = tiny_causal_lm("gpt2", 32, seed=0).state_dict()
+    assert any(not torch.equal(a[n], init[n]) for n in a if n in init)  # the weights moved
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
+
+
+def test_ranks_mode_refuses_what_is_not_built(tiny_path, tmp_path):
+    def cfg(**o):
+        return config_from_dict(reinforce.ReinforceConfig, values(tiny_path, tmp_path, **o))
+
+    with pytest.raises(ConfigError, match="rollout_ranks"):
+        cfg(async_mode="ranks")
+    with pytest.raises(ConfigError, match="rollout_ranks"):
+        cfg(async_mode="simulated", rollout_ranks=1)
+    with pytest.raises(ConfigError, match="rollout_ranks: 1"):
+        cfg(async_mode="ranks", rollout_ranks=2)
+    with pytest.raises(ConfigError, match="torchrun"):  # one process: no rollout rank (train's first call)
+        rank_role(cfg(async_mode="ranks", rollout_ranks=1))
+    assert rank_role(cfg(async_mode="simulated")) == "off"
+    with pytest.raises(ConfigError, match="reinforce loop only"):
+        ppo_values = values(tiny_path, tmp_path, async_mode="ranks", rollout_ranks=1, loop="ppo")
+        del ppo_values["adv_estimator"]
+        config_from_dict(ppo.PPOConfig, ppo_values)
