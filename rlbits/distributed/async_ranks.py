@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from rlbits.distributed.env import init
 
-TRAINER = 0
+TRAINER_RANK = 0
 """The world rank that sends the weights and receives the rollouts (trainer rank 0)."""
 
 
@@ -55,7 +55,7 @@ def split_ranks(rollout_ranks: int, device: str = "cpu", timeout_s: float | None
         raise ValueError(f"rollout_ranks must be in 1 .. {world - 1} (world size {world}), got {rollout_ranks}")
     env = init(device, timeout_s=timeout_s)
     ranks = tuple(range(world - rollout_ranks, world))
-    group = dist.new_group([TRAINER, *ranks])
+    group = dist.new_group([TRAINER_RANK, *ranks])
     os.environ.update(WORLD_SIZE="1", RANK="0")
     return RankRoles(rank=env.rank, world_size=world, rollout_ranks=ranks, group=group)
 
@@ -84,12 +84,12 @@ def recv_json(src: int) -> Any:
 def broadcast_json(obj: Any, roles: RankRoles) -> Any:
     """``obj`` of trainer rank 0, on every rank of ``roles.group`` (a collective of that group)."""
     size = torch.zeros(1, dtype=torch.int64)
-    data = _to_bytes(obj) if roles.rank == TRAINER else torch.empty(0, dtype=torch.uint8)
+    data = _to_bytes(obj) if roles.rank == TRAINER_RANK else torch.empty(0, dtype=torch.uint8)
     size[0] = data.numel()
-    dist.broadcast(size, TRAINER, group=roles.group)
-    if roles.rank != TRAINER:
+    dist.broadcast(size, TRAINER_RANK, group=roles.group)
+    if roles.rank != TRAINER_RANK:
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(data, TRAINER, group=roles.group)
+    dist.broadcast(data, TRAINER_RANK, group=roles.group)
     return json.loads(bytes(data.numpy()).decode())
 
 
@@ -98,7 +98,7 @@ def broadcast_weights(module: torch.nn.Module, roles: RankRoles) -> None:
     collective of ``roles.group``; ``module`` built alike on every rank and not sharded)."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, TRAINER, group=roles.group)
+            dist.broadcast(t.data, TRAINER_RANK, group=roles.group)
 
 
-__all__ = ["TRAINER", "RankRoles", "broadcast_json", "broadcast_weights", "recv_json", "send_json", "split_ranks"]
+__all__ = ["TRAINER_RANK", "RankRoles", "broadcast_json", "broadcast_weights", "recv_json", "send_json", "split_ranks"]

@@ -625,7 +625,9 @@ class PolicyGradientConfig(OnlineConfig):
                 "rollout_ranks >= 1 (the ranks that only generate), and rollout_ranks is 0 otherwise"
             )
         if self.async_mode == "ranks" and self.rollout_ranks != 1:
-            raise ConfigError(f"async_mode: ranks runs with rollout_ranks: 1 (one rollout rank), got {self.rollout_ranks}")
+            raise ConfigError(
+                f"async_mode: ranks runs with rollout_ranks: 1 (one rollout rank), got {self.rollout_ranks}"
+            )
         if self.async_mode == "ranks" and self.loop != "reinforce":
             raise ConfigError(
                 f"async_mode: ranks runs the reinforce loop only, not loop={self.loop!r}; use async_mode: simulated"

@@ -348,7 +348,7 @@ def serve_rollouts(
     produce (``produce(state)``) and send the batches up to index v + k with version v, each with its
     statistics, the rollout side's position after it and the seconds spent waiting for weights since the
     previous one. Writes nothing to the run directory; returns ``cfg.run_dir``."""
-    from rlbits.distributed.async_ranks import TRAINER, broadcast_json, broadcast_weights, send_json
+    from rlbits.distributed.async_ranks import TRAINER_RANK, broadcast_json, broadcast_weights, send_json
     from rlbits.loops.runtime import Setup, setup
 
     roles = cfg_roles()
@@ -365,7 +365,7 @@ def serve_rollouts(
                 "index": produced, "batch": encode_batch(batch), "metrics": _metric_rows(state.metrics),
                 "rollout_state": _rollout_state(state), "idle_s": idle,
             }
-            sends += send_json(msg, TRAINER)
+            sends += send_json(msg, TRAINER_RANK)
             produced, idle = produced + 1, 0.0
             sends = [(w, t) for w, t in sends if not w.is_completed()]
         t0 = time.monotonic()
