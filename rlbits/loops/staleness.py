@@ -173,6 +173,8 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
     if cfg.async_mode == "ranks":
         if queue.link is None:
             queue.link = _TrainerLink(state, cfg)
+        elif queue.link.version < state.step:  # a skipped step (on_nonfinite: skip) published nothing
+            queue.link.publish(state, state.step)
         fill, ahead = queue.link.receive, 0
     else:
         fill, ahead = functools.partial(_produce_into, queue, state, produce), k
@@ -259,13 +261,13 @@ class _TrainerLink:
         queue.produced += 1
         self.received += 1
 
-    def publish(self, state: Any) -> None:
-        """Send the weights as version ``state.step + 1``, then receive the batches up to ``state.step + 1 +
-        k`` (those the rollout rank produced meanwhile): the queue a checkpoint of this step saves."""
+    def publish(self, state: Any, version: int) -> None:
+        """Send the weights as ``version``, then receive the batches up to ``version + k - 1`` (those the
+        rollout rank produced with the previous weights meanwhile): the queue a checkpoint of this step saves."""
         from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights
 
         t0 = time.monotonic()
-        self.version = state.step + 1
+        self.version = version
         broadcast_json({"version": self.version}, self.roles)
         broadcast_weights(state.policy, self.roles)
         state.metrics.sum("time/trainer_idle", time.monotonic() - t0)
@@ -327,7 +329,7 @@ def publish(state: Any, cfg: Any) -> None:
     otherwise."""
     link = state.rollout_queue.link
     if cfg.async_mode == "ranks" and link is not None:
-        link.publish(state)
+        link.publish(state, state.step + 1)
 
 
 def stop_rollouts(state: Any, cfg: Any) -> None:

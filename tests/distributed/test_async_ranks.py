@@ -5,6 +5,11 @@ the same checkpointed queue as the 1-process ``async_mode: simulated`` run with 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,7 @@ from rlbits.loops import ppo, reinforce
 from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops.staleness import rank_role
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
-from tests.distributed.test_dist import metrics, torchrun
+from tests.distributed.test_dist import ROOT, _env, metrics, torchrun
 from tests.metrics_compare import untimed_by_step
 
 SCRIPT = """
@@ -102,6 +107,67 @@ def test_ranks_mode_equals_the_simulated_run(tiny_path, tmp_path):
     init = tiny_causal_lm("gpt2", 32, seed=0).state_dict()
     assert any(not torch.equal(a[n], init[n]) for n in a if n in init)  # the weights moved
     for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def simulated_6(tiny_path, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("simulated_6")
+    cfg = values(tiny_path, run_dir, async_mode="simulated", max_num_steps=6, save_period=2)
+    reinforce.train(config_from_dict(reinforce.ReinforceConfig, cfg), reward=length_reward)
+    return run_dir
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1], ids=["trainer", "rollout"])
+def test_kill_9_of_either_rank_resumes_to_the_uninterrupted_run(tiny_path, tmp_path, simulated_6, victim):
+    """kill -9 the trainer or the rollout rank after the step-2 checkpoint: torchrun --max-restarts restarts
+    both, the trainer resumes from the checkpoint and sends the rollout rank the weights and its position;
+    the run logs, trains on and ends with what the uninterrupted simulated run does (no row lost or
+    trained twice)."""
+    run_dir = tmp_path / "ranks"
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    cfg = values(tiny_path, run_dir, async_mode="ranks", rollout_ranks=1, max_num_steps=6, save_period=2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           str(script), json.dumps(cfg)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+    killed = None
+    try:
+        deadline = time.time() + 120
+        while killed is None and time.time() < deadline and proc.poll() is None:
+            if (run_dir / "checkpoints" / "step_2").is_dir():
+                children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+                victims = [int(c) for c in children if _rank_of(int(c)) == victim]
+                if victims:
+                    os.kill(victims[0], signal.SIGKILL)
+                    killed = victims[0]
+            time.sleep(0.05)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed is not None, "never saw the step-2 checkpoint and the rank to kill"
+    assert proc.returncode == 0, output[-6000:]
+    assert "SIGKILL" in output or "-9" in output, output[-3000:]  # torchrun saw the kill and restarted
+    got, want = untimed_by_step(metrics(run_dir)), untimed_by_step(metrics(simulated_6))
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in want:
+        for key, value in want[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+    assert _samples(run_dir) == _samples(simulated_6)
+    assert _queue(run_dir) == _queue(simulated_6)
+    a, b = _weights(run_dir), _weights(simulated_6)
+    for name in b:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
 
 
