@@ -13,6 +13,11 @@ Batches are produced in their index order, so the prompt stream and the sampling
 same order as by one rollout worker. ``RolloutQueue`` holds the batches produced ahead (at most k + 1) with
 the statistics their production logged; it is a field of the loop's state, so a checkpoint saves it in
 ``state.json`` and a resumed run trains on the very rows the uninterrupted run would.
+
+With ``async_mode: ranks`` (under torchrun) a rollout rank runs the same schedule for real
+(``serve_rollouts``): it produces ``B_{t+k}`` once it holds the weights of version t, and sends each batch to
+the trainer, which receives them into the same queue (``next_rollouts``) and publishes its weights after each
+step (``publish``); the transport is ``rlbits.distributed.async_ranks``.
 """
 
 from __future__ import annotations
@@ -177,7 +182,7 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
             queue.link.publish(state, state.step)
         fill, ahead = queue.link.receive, 0
     else:
-        fill, ahead = functools.partial(_produce_into, queue, state, produce), k
+        fill, ahead = functools.partial(_produce_into, produce), k
     while True:
         while not queue.pending or queue.produced <= state.step + ahead:
             fill(state)
@@ -195,8 +200,9 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
     return batch
 
 
-def _produce_into(queue: RolloutQueue, state: Any, produce: Callable[[], TensorDictBase], _state: Any) -> None:
-    """Produce the next batch into ``queue`` with its statistics kept aside."""
+def _produce_into(produce: Callable[[], TensorDictBase], state: Any) -> None:
+    """Produce the next batch into ``state.rollout_queue`` with its statistics kept aside."""
+    queue = state.rollout_queue
     outer, state.metrics = state.metrics, StepMetrics()
     try:
         batch = stamp_version(produce(), state.step)
@@ -233,7 +239,7 @@ class _TrainerLink:
     def __init__(self, state: Any, cfg: Any) -> None:
         from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights
 
-        self.roles, self.k = cfg_roles(), cfg.max_staleness
+        self.roles, self.k = _roles(), cfg.max_staleness
         self.src = self.roles.rollout_ranks[0]
         queue = state.rollout_queue
         # the rollout rank resumes from the last batch received: the checkpointed queue holds those after it
@@ -286,8 +292,8 @@ class _TrainerLink:
 _ROLES: list[Any] = []
 
 
-def cfg_roles() -> Any:
-    """This process's ``RankRoles`` (``serve_rollouts`` or ``rank_role`` set them)."""
+def _roles() -> Any:
+    """This process's ``RankRoles`` (``rank_role`` sets them)."""
     if not _ROLES:
         raise RuntimeError("async_mode: ranks needs rank_role(cfg) called first (the loop's train does)")
     return _ROLES[0]
@@ -353,7 +359,7 @@ def serve_rollouts(
     from rlbits.distributed.async_ranks import TRAINER_RANK, broadcast_json, broadcast_weights, send_json
     from rlbits.loops.runtime import Setup, setup
 
-    roles = cfg_roles()
+    roles = _roles()
     state = init_state(cfg, setup(cfg), setup=Setup.of(cfg), **inputs)
     ctrl = broadcast_json(None, roles)
     broadcast_weights(state.policy, roles)
