@@ -600,7 +600,7 @@ class PolicyGradientConfig(OnlineConfig):
     sampled); ``simulated``, one process trains step t on the rows the policy of version max(0, t -
     max_staleness) sampled, exactly as rollout workers generating ahead through a queue of ``max_staleness``
     batches would (``rlbits.loops.staleness``); ``ranks``, under ``torchrun`` the last ``rollout_ranks`` ranks
-    generate while the others train, the same schedule for real (the ``reinforce`` loop)."""
+    generate while the others train, the same schedule for real (the ``reinforce`` and ``ppo`` loops)."""
     max_staleness: int = ranged(0, ge=0, at_most=1024)
     """The most policy versions (steps) a row may lag the policy it trains when it is trained on (verl's
     ``staleness_threshold``, AReaL's ``max_head_offpolicyness``); 0 is the synchronous loop. Needs
@@ -628,9 +628,9 @@ class PolicyGradientConfig(OnlineConfig):
             raise ConfigError(
                 f"async_mode: ranks runs with rollout_ranks: 1 (one rollout rank), got {self.rollout_ranks}"
             )
-        if self.async_mode == "ranks" and self.loop != "reinforce":
+        if self.async_mode == "ranks" and self.loop not in ("reinforce", "ppo"):
             raise ConfigError(
-                f"async_mode: ranks runs the reinforce loop only, not loop={self.loop!r}; use async_mode: simulated"
+                f"async_mode: ranks runs the reinforce and ppo loops, not loop={self.loop!r}; use async_mode: simulated"
             )
         if self.num_minibatches > self.num_prompts_per_step:
             raise ConfigError(

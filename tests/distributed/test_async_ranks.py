@@ -33,8 +33,11 @@ def length_reward(prompts, responses):
     return [float(len(r) % 3) for r in responses]
 
 
-reinforce.train(config_from_dict(reinforce.ReinforceConfig, json.loads(sys.argv[1])), reward=length_reward)
+values = json.loads(sys.argv[1])
+loop = {"reinforce": (reinforce, reinforce.ReinforceConfig), "ppo": (ppo, ppo.PPOConfig)}[values["loop"]]
+loop[0].train(config_from_dict(loop[1], values), reward=length_reward)
 """
+LOOPS = {"reinforce": (reinforce, reinforce.ReinforceConfig), "ppo": (ppo, ppo.PPOConfig)}
 
 
 def length_reward(prompts, responses):
@@ -49,13 +52,15 @@ def tiny_path(tmp_path_factory):
     return str(path)
 
 
-def values(tiny_path, run_dir, **overrides):
+def values(tiny_path, run_dir, loop="reinforce", **overrides):
     out = dict(
-        task="arithmetic", policy=tiny_path, run_dir=str(run_dir), max_num_steps=4, num_prompts_per_step=2,
+        loop=loop, task="arithmetic", policy=tiny_path, run_dir=str(run_dir), max_num_steps=4, num_prompts_per_step=2,
         num_generations_per_prompt=2, max_new_tokens=4, microbatch_size=4, learning_rate=1e-2, max_val_samples=2,
         val_period=0, val_at_start=False, val_at_end=False, save_period=0, progress=False, tensorboard=False,
-        cpu_threads=1, log_samples=4, adv_estimator="grpo", max_staleness=1, device="cpu",
+        cpu_threads=1, log_samples=4, max_staleness=1, device="cpu",
     )
+    if loop == "reinforce":
+        out["adv_estimator"] = "grpo"
     out.update(overrides)
     return out
 
@@ -80,16 +85,15 @@ def _queue(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_ranks_mode_equals_the_simulated_run(tiny_path, tmp_path):
+@pytest.mark.parametrize("loop", ["reinforce", "ppo"])
+def test_ranks_mode_equals_the_simulated_run(tiny_path, tmp_path, loop):
     sim = tmp_path / "simulated"
-    reinforce.train(
-        config_from_dict(reinforce.ReinforceConfig, values(tiny_path, sim, async_mode="simulated")),
-        reward=length_reward,
-    )
+    module, cls = LOOPS[loop]
+    module.train(config_from_dict(cls, values(tiny_path, sim, loop, async_mode="simulated")), reward=length_reward)
     ranks = tmp_path / "ranks"
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
-    cfg = values(tiny_path, ranks, async_mode="ranks", rollout_ranks=1)
+    cfg = values(tiny_path, ranks, loop, async_mode="ranks", rollout_ranks=1)
     torchrun(str(script), json.dumps(cfg), timeout=120)
     got, want = untimed_by_step(metrics(ranks)), untimed_by_step(metrics(sim))
     assert got.keys() == want.keys()
@@ -184,7 +188,6 @@ def test_ranks_mode_refuses_what_is_not_built(tiny_path, tmp_path):
     with pytest.raises(ConfigError, match="torchrun"):  # one process: no rollout rank (train's first call)
         rank_role(cfg(async_mode="ranks", rollout_ranks=1))
     assert rank_role(cfg(async_mode="simulated")) == "off"
-    with pytest.raises(ConfigError, match="reinforce loop only"):
-        ppo_values = values(tiny_path, tmp_path, async_mode="ranks", rollout_ranks=1, loop="ppo")
-        del ppo_values["adv_estimator"]
-        config_from_dict(ppo.PPOConfig, ppo_values)
+    with pytest.raises(ConfigError, match="critic_server"):
+        ppo_values = values(tiny_path, tmp_path, "ppo", async_mode="ranks", rollout_ranks=1)
+        config_from_dict(ppo.PPOConfig, {**ppo_values, "critic_server": "http://localhost:1"})
