@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -701,14 +701,9 @@ def critic_warmup(run: Any, state: State, cfg: PPOConfig) -> None:
     state.metrics = logged
 
 
-@contextlib.contextmanager
-def _no_phase(name: str) -> Iterator[None]:
-    yield
-
-
 def produce(state: State, cfg: PPOConfig, phase: Callable[[str], Any]) -> TensorDictBase:
     """Phases 1-2b, the rollout side, with the policy as it is now; ``phase(name)``: the context each runs in
-    (``Run.phase``)."""
+    (``Run.phase``; ``contextlib.nullcontext`` on a rollout rank)."""
     with phase("rollout"):  # 1. sample responses
         batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), state.env), cfg)
     if state.critic is not None and cfg.async_mode == "off" and not cfg.dynamic_sampling:
@@ -739,7 +734,7 @@ def train(
     if rank_role(cfg) == "rollout":  # async_mode: ranks: this rank only generates (docs/async.md)
         cfg.check()
         inputs = dict(reward=cfg.resolve_reward(reward), prompts=prompts, val_prompts=val_prompts)
-        return serve_rollouts(cfg, init_state, lambda state: produce(state, cfg, _no_phase), **inputs)
+        return serve_rollouts(cfg, init_state, lambda state: produce(state, cfg, contextlib.nullcontext), **inputs)
     with online_run(
         cfg, init_state, validate, reward=reward, prompts=prompts, val_prompts=val_prompts, callbacks=callbacks,
         resume=resume, force=force,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -466,14 +466,9 @@ PHASES = (
 # --- the loop ----------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _no_phase(name: str) -> Iterator[None]:
-    yield
-
-
 def produce(state: State, cfg: ReinforceConfig, phase: Callable[[str], Any]) -> TensorDictBase:
     """Phases 1-2c, the rollout side, with the policy as it is now; ``phase(name)``: the context each runs in
-    (``Run.phase``)."""
+    (``Run.phase``; ``contextlib.nullcontext`` on a rollout rank)."""
     with phase("rollout"):  # 1. K responses per prompt
         batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), state.env), cfg)
     with phase("score"):  # 2. sequence rewards
@@ -484,7 +479,6 @@ def produce(state: State, cfg: ReinforceConfig, phase: Callable[[str], Any]) -> 
         with phase("greedy"):  # 2c. ReMax: a greedy response per prompt, its reward the baseline
             batch = greedy_baseline(state, batch, cfg)
     return batch
-
 
 
 def train(
@@ -505,7 +499,7 @@ def train(
     if rank_role(cfg) == "rollout":  # async_mode: ranks: this rank only generates (docs/async.md)
         cfg.check()
         inputs = dict(reward=cfg.resolve_reward(reward), prompts=prompts, val_prompts=val_prompts)
-        return serve_rollouts(cfg, init_state, lambda state: produce(state, cfg, _no_phase), **inputs)
+        return serve_rollouts(cfg, init_state, lambda state: produce(state, cfg, contextlib.nullcontext), **inputs)
     with online_run(
         cfg, init_state, validate, reward=reward, prompts=prompts, val_prompts=val_prompts, callbacks=callbacks,
         resume=resume, force=force,
