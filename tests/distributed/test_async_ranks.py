@@ -85,25 +85,26 @@ def _queue(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop", ["reinforce", "ppo"])
-def test_ranks_mode_equals_the_simulated_run(tiny_path, tmp_path, loop):
+@pytest.mark.parametrize(("loop", "k"), [("reinforce", 1), ("ppo", 1), ("reinforce", 0), ("reinforce", 2)])
+def test_ranks_mode_equals_the_simulated_run(tiny_path, tmp_path, loop, k):
     sim = tmp_path / "simulated"
     module, cls = LOOPS[loop]
-    module.train(config_from_dict(cls, values(tiny_path, sim, loop, async_mode="simulated")), reward=length_reward)
+    cfg = values(tiny_path, sim, loop, async_mode="simulated", max_staleness=k)
+    module.train(config_from_dict(cls, cfg), reward=length_reward)
     ranks = tmp_path / "ranks"
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
-    cfg = values(tiny_path, ranks, loop, async_mode="ranks", rollout_ranks=1)
+    cfg = values(tiny_path, ranks, loop, async_mode="ranks", rollout_ranks=1, max_staleness=k)
     torchrun(str(script), json.dumps(cfg), timeout=120)
     got, want = untimed_by_step(metrics(ranks)), untimed_by_step(metrics(sim))
     assert got.keys() == want.keys()
     for step in want:
         for key, value in want[step].items():
             assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
-    assert [m["staleness/max"] for m in metrics(ranks) if "staleness/max" in m] == [0.0, 1.0, 1.0, 1.0]
+    assert [m["staleness/max"] for m in metrics(ranks) if "staleness/max" in m] == [min(t, k) for t in range(4)]
     trained = [m for m in metrics(ranks) if "staleness/max" in m]
     assert all(m["time/trainer_idle"] >= 0 and m["time/rollout_idle"] >= 0 for m in trained)
-    assert [r["policy_version"] for r in _samples(ranks)][-1] == 2  # step 4 (t = 3) trains version 2's rows
+    assert [r["policy_version"] for r in _samples(ranks)][-1] == 3 - k  # step 4 (t = 3) trains version 3 - k
     assert _samples(ranks) == _samples(sim)
     assert _queue(ranks) == _queue(sim)
     a, b = _weights(ranks), _weights(sim)
