@@ -1,6 +1,7 @@
 """Distributed helpers, the only package in rlbits that imports ``torch.distributed``: the process group and
-its ``DistEnv`` (``env``), reductions across ranks (``reduce``), FSDP2 sharding (``parallelize``) and
-checkpoints at any world size (``checkpoint``).
+its ``DistEnv`` (``env``), reductions across ranks (``reduce``), FSDP2 sharding (``parallelize``), checkpoints
+at any world size (``checkpoint``), and the rollout queue and weight broadcast of ``async_mode: ranks``
+(``async_ranks``).
 
 Names load on first use, so ``import rlbits.distributed`` stays cheap (no transformers until a checkpoint
 name is used)."""
@@ -10,6 +11,14 @@ from __future__ import annotations
 from rlbits._lazy import lazy_exports
 
 _LAZY = {
+    # async_ranks
+    "TRAINER_RANK": "rlbits.distributed.async_ranks",
+    "RankRoles": "rlbits.distributed.async_ranks",
+    "broadcast_json": "rlbits.distributed.async_ranks",
+    "broadcast_weights": "rlbits.distributed.async_ranks",
+    "recv_json": "rlbits.distributed.async_ranks",
+    "send_json": "rlbits.distributed.async_ranks",
+    "split_ranks": "rlbits.distributed.async_ranks",
     # checkpoint
     "checkpoint": "rlbits.distributed.checkpoint",
     # env

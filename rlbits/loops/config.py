@@ -601,22 +601,42 @@ class PolicyGradientConfig(OnlineConfig):
     ``sequence``), ``threshold`` and ``threshold_low`` default to the mode's. When on, the trainer's policy
     recomputes ``old_logprobs`` before the update, the loss takes them as its old policy and multiplies by
     the correction's weights, and rejected tokens leave ``loss_mask``."""
-    async_mode: Literal["off", "simulated"] = "off"
+    async_mode: Literal["off", "simulated", "ranks"] = "off"
     """Asynchronous RL (docs/async.md): ``off``, the synchronous loop (each step trains on rows its own policy
     sampled); ``simulated``, one process trains step t on the rows the policy of version max(0, t -
     max_staleness) sampled, exactly as rollout workers generating ahead through a queue of ``max_staleness``
-    batches would (``rlbits.loops.staleness``)."""
+    batches would (``rlbits.loops.staleness``); ``ranks``, under ``torchrun`` the last ``rollout_ranks`` ranks
+    generate while the others train, the same schedule for real (the ``reinforce`` and ``ppo`` loops)."""
     max_staleness: int = ranged(0, ge=0, at_most=1024)
     """The most policy versions (steps) a row may lag the policy it trains when it is trained on (verl's
     ``staleness_threshold``, AReaL's ``max_head_offpolicyness``); 0 is the synchronous loop. Needs
-    ``async_mode: simulated`` when > 0."""
+    ``async_mode: simulated`` or ``ranks`` when > 0."""
+    rollout_ranks: int = ranged(0, ge=0, at_most=1024)
+    """With ``async_mode: ranks``: how many of torchrun's ranks (the last ones) only generate; 1 (one rollout
+    rank beside one trainer rank is what is built). 0 otherwise."""
+    async_schedule: Literal["deterministic"] = "deterministic"
+    """How ``async_mode: ranks`` schedules the rollout ranks: ``deterministic``, batch t + k is produced only
+    with the weights of version t, the schedule of ``simulated`` (same rows, versions and weights)."""
 
     def check(self) -> None:
         super().check()
         if self.max_staleness > 0 and self.async_mode == "off":
             raise ConfigError(
-                f"max_staleness={self.max_staleness} needs async_mode: simulated (with async_mode: off every row "
-                "is trained on by the policy that sampled it)"
+                f"max_staleness={self.max_staleness} needs async_mode: simulated or ranks (with async_mode: off "
+                "every row is trained on by the policy that sampled it)"
+            )
+        if (self.async_mode == "ranks") != (self.rollout_ranks > 0):
+            raise ConfigError(
+                f"rollout_ranks={self.rollout_ranks} with async_mode: {self.async_mode}: async_mode: ranks needs "
+                "rollout_ranks >= 1 (the ranks that only generate), and rollout_ranks is 0 otherwise"
+            )
+        if self.async_mode == "ranks" and self.rollout_ranks != 1:
+            raise ConfigError(
+                f"async_mode: ranks runs with rollout_ranks: 1 (one rollout rank), got {self.rollout_ranks}"
+            )
+        if self.async_mode == "ranks" and self.loop not in ("reinforce", "ppo"):
+            raise ConfigError(
+                f"async_mode: ranks runs the reinforce and ppo loops, not loop={self.loop!r}; use async_mode: simulated"
             )
         if self.num_minibatches > self.num_prompts_per_step:
             raise ConfigError(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -65,7 +65,14 @@ from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.reward_shaping import loss_mask as truncation_mask
 from rlbits.loops.reward_shaping import shape_rewards
 from rlbits.loops.runtime import Setup, autocast, head_args, kernel, load_critic, prepare, with_lora
-from rlbits.loops.staleness import RolloutQueue, next_rollouts
+from rlbits.loops.staleness import (
+    RolloutQueue,
+    next_rollouts,
+    publish,
+    rank_role,
+    serve_rollouts,
+    stop_rollouts,
+)
 from rlbits.loops.state import OnlineState, optimizer_of, runtime
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import critic_values, policy_logprobs
@@ -211,6 +218,8 @@ class PPOConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig
             raise ConfigError("critic_init must be 'policy' or a folder, got an empty string")
         if self.critic_server is not None and not self.critic_server.startswith(("http://", "https://")):
             raise ConfigError(f"critic_server must be an http(s)://host:port URL, got {self.critic_server!r}")
+        if self.critic_server is not None and self.async_mode == "ranks":
+            raise ConfigError("critic_server does not run with async_mode: ranks; use async_mode: simulated")
         critic_lr = self.critic_learning_rate
         if self.lr_scheduler in ("cosine", "cosine_annealing") and critic_lr is not None and self.min_lr > critic_lr:
             raise ConfigError(
@@ -692,6 +701,21 @@ def critic_warmup(run: Any, state: State, cfg: PPOConfig) -> None:
     state.metrics = logged
 
 
+def produce(state: State, cfg: PPOConfig, phase: Callable[[str], Any]) -> TensorDictBase:
+    """Phases 1-2b, the rollout side, with the policy as it is now; ``phase(name)``: the context each runs in
+    (``Run.phase``; ``contextlib.nullcontext`` on a rollout rank)."""
+    with phase("rollout"):  # 1. sample responses
+        batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), state.env), cfg)
+    if state.critic is not None and cfg.async_mode == "off" and not cfg.dynamic_sampling:
+        state.critic.prefetch_values(batch, state.critic_updates)  # values while the rewards are scored
+    with phase("score"):  # 2. rewards (and the reference policy's, if subtracted)
+        batch = score(state, batch, cfg)
+    if cfg.dynamic_sampling:
+        with phase("rollout"):  # 2b. informative groups only, from more batches if needed
+            batch = dynamic_sampling(state, batch, cfg)
+    return batch
+
+
 def train(
     cfg: PPOConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
@@ -707,6 +731,10 @@ def train(
     """
     if not isinstance(cfg, PPOConfig):
         raise ConfigError(f"cfg must be a PPOConfig, got {type(cfg).__name__}")
+    if rank_role(cfg) == "rollout":  # async_mode: ranks: this rank only generates (docs/async.md)
+        cfg.check()
+        inputs = dict(reward=cfg.resolve_reward(reward), prompts=prompts, val_prompts=val_prompts)
+        return serve_rollouts(cfg, init_state, lambda state: produce(state, cfg, contextlib.nullcontext), **inputs)
     with online_run(
         cfg, init_state, validate, reward=reward, prompts=prompts, val_prompts=val_prompts, callbacks=callbacks,
         resume=resume, force=force,
@@ -714,21 +742,9 @@ def train(
         if state.step == 0 and cfg.critic_warmup_steps:
             critic_warmup(run, state, cfg)
 
-        def produce() -> TensorDictBase:  # the rollout side, with the policy as it is now
-            with run.phase("rollout"):  # 1. sample responses
-                batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), run.env), cfg)
-            if state.critic is not None and cfg.async_mode == "off" and not cfg.dynamic_sampling:
-                state.critic.prefetch_values(batch, state.critic_updates)  # values while the rewards are scored
-            with run.phase("score"):  # 2. rewards (and the reference policy's, if subtracted)
-                batch = score(state, batch, cfg)
-            if cfg.dynamic_sampling:
-                with run.phase("rollout"):  # 2b. informative groups only, from more batches if needed
-                    batch = dynamic_sampling(state, batch, cfg)
-            return batch
-
         for _ in run.steps(state):
             with run.step(state):
-                batch = next_rollouts(state, cfg, produce)  # 1-2, this step's or k steps earlier (async_mode)
+                batch = next_rollouts(state, cfg, lambda: produce(state, cfg, run.phase))  # 1-2 (async_mode)
                 if state.critic is not None and cfg.async_mode != "off":  # the critic of this step values them
                     state.critic.prefetch_values(batch, state.critic_updates)
                 with run.phase("reference"):  # 3. reference logprobs
@@ -743,7 +759,9 @@ def train(
                 with run.phase("update"):  # 6. PPO epochs x minibatches
                     batch = update(state, batch, cfg)
                 batch = kl_control(state, batch, cfg)  # 7. adaptive KL coefficient
+                publish(state, cfg)  # async_mode: ranks: the new weights to the rollout rank
                 run.end_step(state, batch)  # 8. log; validate and save when due
+        stop_rollouts(state, cfg)
         return run.finish(state)  # RUN_DIR/final/: the policy
 
 
@@ -762,6 +780,7 @@ __all__ = [
     "init_state",
     "kl_control",
     "objective",
+    "produce",
     "reference",
     "rollout",
     "rollout_correction",

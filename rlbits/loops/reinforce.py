@@ -24,6 +24,7 @@ docs/reinforce.md: the papers, how rlbits departs from them, the metrics and how
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,7 +58,14 @@ from rlbits.loops.optim import make_optimizer, run_length, scheduled
 from rlbits.loops.reward_shaping import loss_mask as truncation_mask
 from rlbits.loops.reward_shaping import shape_rewards, truncated_rows
 from rlbits.loops.runtime import Setup, head_args, kernel, prepare, with_lora
-from rlbits.loops.staleness import RolloutQueue, next_rollouts
+from rlbits.loops.staleness import (
+    RolloutQueue,
+    next_rollouts,
+    publish,
+    rank_role,
+    serve_rollouts,
+    stop_rollouts,
+)
 from rlbits.loops.state import OnlineState, optimizer_of
 from rlbits.loops.update import Denominators, Trained, optimize
 from rlbits.models.forward import policy_logprobs
@@ -458,6 +466,21 @@ PHASES = (
 # --- the loop ----------------------------------------------------------------------------------------------
 
 
+def produce(state: State, cfg: ReinforceConfig, phase: Callable[[str], Any]) -> TensorDictBase:
+    """Phases 1-2c, the rollout side, with the policy as it is now; ``phase(name)``: the context each runs in
+    (``Run.phase``; ``contextlib.nullcontext`` on a rollout rank)."""
+    with phase("rollout"):  # 1. K responses per prompt
+        batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), state.env), cfg)
+    with phase("score"):  # 2. sequence rewards
+        batch = score(state, batch, cfg)
+    with phase("rollout"):  # 2b. dynamic sampling: informative groups only, more batches
+        batch = dynamic_sampling(state, batch, cfg)
+    if cfg.adv_estimator == "remax":
+        with phase("greedy"):  # 2c. ReMax: a greedy response per prompt, its reward the baseline
+            batch = greedy_baseline(state, batch, cfg)
+    return batch
+
+
 def train(
     cfg: ReinforceConfig, *, callbacks: Sequence[Any] = (), resume: bool = False, force: bool = False, reward: Callable | Any = None,
     prompts: Sequence[str] | None = None, val_prompts: Sequence[str] | None = None,
@@ -473,26 +496,18 @@ def train(
     """
     if not isinstance(cfg, ReinforceConfig):
         raise ConfigError(f"cfg must be a ReinforceConfig, got {type(cfg).__name__}")
+    if rank_role(cfg) == "rollout":  # async_mode: ranks: this rank only generates (docs/async.md)
+        cfg.check()
+        inputs = dict(reward=cfg.resolve_reward(reward), prompts=prompts, val_prompts=val_prompts)
+        return serve_rollouts(cfg, init_state, lambda state: produce(state, cfg, contextlib.nullcontext), **inputs)
     with online_run(
         cfg, init_state, validate, reward=reward, prompts=prompts, val_prompts=val_prompts, callbacks=callbacks,
         resume=resume, force=force,
     ) as (run, state):
 
-        def produce() -> TensorDictBase:  # the rollout side, with the policy as it is now
-            with run.phase("rollout"):  # 1. K responses per prompt
-                batch = rollout(state, state.stream.next_batch(phases.generation_batch_size(cfg), run.env), cfg)
-            with run.phase("score"):  # 2. sequence rewards
-                batch = score(state, batch, cfg)
-            with run.phase("rollout"):  # 2b. dynamic sampling: informative groups only, more batches
-                batch = dynamic_sampling(state, batch, cfg)
-            if cfg.adv_estimator == "remax":
-                with run.phase("greedy"):  # 2c. ReMax: a greedy response per prompt, its reward the baseline
-                    batch = greedy_baseline(state, batch, cfg)
-            return batch
-
         for _ in run.steps(state):
             with run.step(state):
-                batch = next_rollouts(state, cfg, produce)  # 1-2c, this step's or k steps earlier (async_mode)
+                batch = next_rollouts(state, cfg, lambda: produce(state, cfg, run.phase))  # 1-2c (async_mode)
                 with run.phase("reference"):  # 3. reference logprobs
                     batch = reference(state, batch, cfg)
                 with run.phase("advantages"):  # 4. the advantage estimator (group baseline, broadcast over tokens)
@@ -502,7 +517,9 @@ def train(
                         batch = rollout_correction(state, batch, cfg)
                 with run.phase("update"):  # 5. policy-gradient (or clipped) steps
                     batch = update(state, batch, cfg)
+                publish(state, cfg)  # async_mode: ranks: the new weights to the rollout rank
                 run.end_step(state, batch)  # 6. log; validate and save when due
+        stop_rollouts(state, cfg)
         return run.finish(state)  # RUN_DIR/final/: the policy
 
 
@@ -519,6 +536,7 @@ __all__ = [
     "greedy_baseline",
     "init_state",
     "objective",
+    "produce",
     "reference",
     "rollout",
     "rollout_correction",

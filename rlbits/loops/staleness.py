@@ -13,12 +13,20 @@ Batches are produced in their index order, so the prompt stream and the sampling
 same order as by one rollout worker. ``RolloutQueue`` holds the batches produced ahead (at most k + 1) with
 the statistics their production logged; it is a field of the loop's state, so a checkpoint saves it in
 ``state.json`` and a resumed run trains on the very rows the uninterrupted run would.
+
+With ``async_mode: ranks`` (under torchrun) a rollout rank runs the same schedule for real
+(``serve_rollouts``): it produces ``B_{t+k}`` once it holds the weights of version t, and sends each batch to
+the trainer, which receives them into the same queue (``next_rollouts``) and publishes its weights after each
+step (``publish``); the transport is ``rlbits.distributed.async_ranks``.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,6 +117,8 @@ class RolloutQueue:
     def __init__(self) -> None:
         self.produced = 0
         self.pending: list[tuple[TensorDictBase, list[list[Any]]]] = []
+        self.link: _TrainerLink | None = None
+        """With ``async_mode: ranks``, on the trainer: the rollout rank's end (not saved)."""
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -156,20 +166,26 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
       smaller ``max_staleness``) is dropped and the next one taken. Adds ``staleness/mean`` and
       ``staleness/max`` (the rows' version lag ``state.step - policy_version``) and ``staleness/dropped_frac``
       (rows dropped over rows taken or dropped).
+    - ``ranks`` (on the trainer rank; ``produce`` is not called): the batches come from the rollout rank
+      (``serve_rollouts``) until batch ``step`` has arrived, then as ``simulated``; the first call sends the
+      rollout rank the weights and where to start. Adds ``time/trainer_idle`` and ``time/rollout_idle``
+      (seconds blocked waiting for the other side).
     """
     if cfg.async_mode == "off":
         return stamp_version(produce(), state.step)
     queue: RolloutQueue = state.rollout_queue
     k, dropped = cfg.max_staleness, 0
+    if cfg.async_mode == "ranks":
+        if queue.link is None:
+            queue.link = _TrainerLink(state, cfg)
+        elif queue.link.version < state.step:  # a skipped step (on_nonfinite: skip) published nothing
+            queue.link.publish(state, state.step)
+        fill, ahead = queue.link.receive, 0
+    else:
+        fill, ahead = functools.partial(_produce_into, produce), k
     while True:
-        while not queue.pending or queue.produced <= state.step + k:
-            outer, state.metrics = state.metrics, StepMetrics()
-            try:
-                batch = stamp_version(produce(), state.step)
-            finally:
-                produced_metrics, state.metrics = state.metrics, outer
-            queue.pending.append((batch, _metric_rows(produced_metrics)))
-            queue.produced += 1
+        while not queue.pending or queue.produced <= state.step + ahead:
+            fill(state)
         batch, rows = queue.pending.pop(0)
         batch = batch.to(state.env.device)
         lag = state.step - batch[VERSION_KEY]
@@ -184,6 +200,193 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
     return batch
 
 
+def _produce_into(produce: Callable[[], TensorDictBase], state: Any) -> None:
+    """Produce the next batch into ``state.rollout_queue`` with its statistics kept aside."""
+    queue = state.rollout_queue
+    outer, state.metrics = state.metrics, StepMetrics()
+    try:
+        batch = stamp_version(produce(), state.step)
+    finally:
+        produced_metrics, state.metrics = state.metrics, outer
+    queue.pending.append((batch, _metric_rows(produced_metrics)))
+    queue.produced += 1
+
+
+# --- async_mode: ranks ------------------------------------------------------------------------------------
+
+ROLLOUT_GENERATORS = ("sampling_generator",)
+"""The generators the rollout side draws from (the trainer keeps the others)."""
+
+
+def _rollout_state(state: Any) -> dict[str, Any]:
+    """The rollout side's position: the prompt stream's and the sampling generators' states (JSON)."""
+    gens = {name: base64.b64encode(getattr(state, name).get_state().numpy().tobytes()).decode("ascii")
+            for name in ROLLOUT_GENERATORS}
+    return {"stream": state.stream.state_dict(), "generators": gens}
+
+
+def _load_rollout_state(state: Any, saved: dict[str, Any]) -> None:
+    state.stream.load_state_dict(saved["stream"])
+    for name, data in saved["generators"].items():
+        raw = torch.frombuffer(bytearray(base64.b64decode(data)), dtype=torch.uint8).clone()
+        getattr(state, name).set_state(raw)
+
+
+class _TrainerLink:
+    """The trainer's end of the rollout rank: sends the start (version, batches produced, the rollout
+    side's position) and the weights; receives the batches in index order."""
+
+    def __init__(self, state: Any, cfg: Any) -> None:
+        from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights
+
+        self.roles, self.k = _roles(), cfg.max_staleness
+        self.src = self.roles.rollout_ranks[0]
+        queue = state.rollout_queue
+        # the rollout rank resumes from the last batch received: the checkpointed queue holds those after it
+        start = {"version": state.step, "produced": queue.produced, "rollout_state": _rollout_state(state)}
+        t0 = time.monotonic()
+        broadcast_json(start, self.roles)
+        broadcast_weights(state.policy, self.roles)
+        self.version, self.received = state.step, queue.produced
+        state.metrics.sum("time/trainer_idle", time.monotonic() - t0)
+
+    def receive(self, state: Any) -> None:
+        """The next batch into ``state.rollout_queue``, the rollout side's position into ``state`` (what
+        a checkpoint saves), its idle time into ``state.metrics``."""
+        from rlbits.distributed.async_ranks import recv_json
+
+        queue = state.rollout_queue
+        t0 = time.monotonic()
+        msg = recv_json(self.src)
+        state.metrics.sum("time/trainer_idle", time.monotonic() - t0)
+        if msg["index"] != queue.produced:
+            raise RuntimeError(f"rollout rank sent batch {msg['index']}, expected batch {queue.produced}")
+        _load_rollout_state(state, msg["rollout_state"])
+        state.metrics.sum("time/rollout_idle", float(msg["idle_s"]))
+        queue.pending.append((decode_batch(msg["batch"]), msg["metrics"]))
+        queue.produced += 1
+        self.received += 1
+
+    def publish(self, state: Any, version: int) -> None:
+        """Send the weights as ``version``, then receive the batches up to ``version + k - 1`` (those the
+        rollout rank produced with the previous weights meanwhile): the queue a checkpoint of this step saves."""
+        from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights
+
+        t0 = time.monotonic()
+        self.version = version
+        broadcast_json({"version": self.version}, self.roles)
+        broadcast_weights(state.policy, self.roles)
+        state.metrics.sum("time/trainer_idle", time.monotonic() - t0)
+        while state.rollout_queue.produced < self.version + self.k:
+            self.receive(state)
+
+    def stop(self) -> None:
+        """Tell the rollout rank to stop, and take the batches it produced with the last weights (unused)."""
+        from rlbits.distributed.async_ranks import broadcast_json, recv_json
+
+        broadcast_json({"stop": True}, self.roles)
+        for _ in range(self.received, self.version + self.k + 1):
+            recv_json(self.src)
+
+
+_ROLES: list[Any] = []
+
+
+def _roles() -> Any:
+    """This process's ``RankRoles`` (``rank_role`` sets them)."""
+    if not _ROLES:
+        raise RuntimeError("async_mode: ranks needs rank_role(cfg) called first (the loop's train does)")
+    return _ROLES[0]
+
+
+def rank_role(cfg: Any) -> str:
+    """``"off"`` unless ``cfg.async_mode`` is ``ranks``; then split torchrun's ranks (every rank calls it
+    once, before the run starts: ``rlbits.distributed.async_ranks.split_ranks``) and return this rank's
+    role, ``"trainer"`` or ``"rollout"``.
+
+    Raises:
+        ConfigError: not under torchrun, or ``cfg.rollout_ranks`` leaves no trainer rank, or more than one
+            trainer rank (one trainer rank is what is built).
+    """
+    from rlbits.distributed.async_ranks import split_ranks
+    from rlbits.loops.config import ConfigError
+
+    if cfg.async_mode != "ranks":
+        return "off"
+    if not _ROLES:
+        import os
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != cfg.rollout_ranks + 1:
+            raise ConfigError(
+                f"async_mode: ranks runs under torchrun with rollout_ranks + 1 = {cfg.rollout_ranks + 1} processes "
+                f"(one trainer rank), got world size {world}"
+            )
+        try:
+            _ROLES.append(split_ranks(cfg.rollout_ranks, cfg.device, cfg.collective_timeout_s))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    return "rollout" if _ROLES[0].is_rollout else "trainer"
+
+
+def publish(state: Any, cfg: Any) -> None:
+    """After step ``state.step``'s update, with ``async_mode: ranks``: the new weights (version step + 1) to
+    the rollout rank, and its batches up to step + 1 + k received (``_TrainerLink.publish``). Nothing
+    otherwise."""
+    link = state.rollout_queue.link
+    if cfg.async_mode == "ranks" and link is not None:
+        link.publish(state, state.step + 1)
+
+
+def stop_rollouts(state: Any, cfg: Any) -> None:
+    """At the end of a run with ``async_mode: ranks`` (trainer): stop the rollout rank. Nothing otherwise."""
+    if cfg.async_mode != "ranks":
+        return
+    link = state.rollout_queue.link or _TrainerLink(state, cfg)  # a run that took no step starts it too
+    link.stop()
+    state.rollout_queue.link = None
+
+
+def serve_rollouts(
+    cfg: Any, init_state: Callable[..., Any], produce: Callable[[Any], TensorDictBase], **inputs: Any
+) -> Path:
+    """The rollout rank of ``async_mode: ranks`` (docs/async.md): build the loop's state as a 1-process run
+    does (``init_state(cfg, env, setup=, **inputs)``; ``inputs``: ``reward``, ``prompts``, ``val_prompts``),
+    then until the trainer says stop: take the weights and version v (in place into ``state.policy``),
+    produce (``produce(state)``) and send the batches up to index v + k with version v, each with its
+    statistics, the rollout side's position after it and the seconds spent waiting for weights since the
+    previous one. Writes nothing to the run directory; returns ``cfg.run_dir``."""
+    from rlbits.distributed.async_ranks import TRAINER_RANK, broadcast_json, broadcast_weights, send_json
+    from rlbits.loops.runtime import Setup, setup
+
+    roles = _roles()
+    state = init_state(cfg, setup(cfg), setup=Setup.of(cfg), **inputs)
+    ctrl = broadcast_json(None, roles)
+    broadcast_weights(state.policy, roles)
+    _load_rollout_state(state, ctrl["rollout_state"])
+    produced, version, idle, sends = ctrl["produced"], ctrl["version"], 0.0, []
+    while True:
+        while produced <= version + cfg.max_staleness:
+            state.metrics = StepMetrics()
+            batch = stamp_version(produce(state), version)
+            msg = {
+                "index": produced, "batch": encode_batch(batch), "metrics": _metric_rows(state.metrics),
+                "rollout_state": _rollout_state(state), "idle_s": idle,
+            }
+            sends += send_json(msg, TRAINER_RANK)
+            produced, idle = produced + 1, 0.0
+            sends = [(w, t) for w, t in sends if not w.is_completed()]
+        t0 = time.monotonic()
+        ctrl = broadcast_json(None, roles)
+        if ctrl.get("stop"):
+            break
+        broadcast_weights(state.policy, roles)
+        version, idle = ctrl["version"], idle + time.monotonic() - t0
+    for work, _ in sends:
+        work.wait()
+    return Path(cfg.run_dir)
+
+
 __all__ = [
     "VERSION_KEY",
     "RolloutQueue",
@@ -191,5 +394,9 @@ __all__ = [
     "encode_batch",
     "merge_metrics",
     "next_rollouts",
+    "publish",
+    "rank_role",
+    "serve_rollouts",
     "stamp_version",
+    "stop_rollouts",
 ]

@@ -1,0 +1,194 @@
+"""``async_mode: ranks`` under torchrun (2 CPU ranks: one trainer, one rollout rank; rlbits.loops.staleness):
+with the deterministic schedule it trains on the same rows, versions and statistics, to the same weights and
+the same checkpointed queue as the 1-process ``async_mode: simulated`` run with the same seeds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlbits.loops import ppo, reinforce
+from rlbits.loops.config import ConfigError, config_from_dict
+from rlbits.loops.staleness import rank_role
+from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
+from tests.distributed.test_dist import ROOT, _env, metrics, torchrun
+from tests.metrics_compare import untimed_by_step
+
+SCRIPT = """
+import json, sys
+from rlbits.loops import ppo, reinforce
+from rlbits.loops.config import config_from_dict
+
+
+def length_reward(prompts, responses):
+    return [float(len(r) % 3) for r in responses]
+
+
+values = json.loads(sys.argv[1])
+loop = {"reinforce": (reinforce, reinforce.ReinforceConfig), "ppo": (ppo, ppo.PPOConfig)}[values["loop"]]
+loop[0].train(config_from_dict(loop[1], values), reward=length_reward)
+"""
+LOOPS = {"reinforce": (reinforce, reinforce.ReinforceConfig), "ppo": (ppo, ppo.PPOConfig)}
+
+
+def length_reward(prompts, responses):
+    return [float(len(r) % 3) for r in responses]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_policy")
+    tiny_causal_lm("gpt2", 32, seed=0).save_pretrained(path)
+    tiny_tokenizer(32).save_pretrained(path)
+    return str(path)
+
+
+def values(tiny_path, run_dir, loop="reinforce", **overrides):
+    out = dict(
+        loop=loop, task="arithmetic", policy=tiny_path, run_dir=str(run_dir), max_num_steps=4, num_prompts_per_step=2,
+        num_generations_per_prompt=2, max_new_tokens=4, microbatch_size=4, learning_rate=1e-2, max_val_samples=2,
+        val_period=0, val_at_start=False, val_at_end=False, save_period=0, progress=False, tensorboard=False,
+        cpu_threads=1, log_samples=4, max_staleness=1, device="cpu",
+    )
+    if loop == "reinforce":
+        out["adv_estimator"] = "grpo"
+    out.update(overrides)
+    return out
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted((run_dir / "final").glob("*.safetensors")):
+        out.update(load_file(f))
+    assert out, list((run_dir / "final").iterdir())
+    return out
+
+
+def _samples(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
+
+
+def _queue(run_dir: Path) -> dict:
+    step = max(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+    state = json.loads((run_dir / "checkpoints" / f"step_{step}" / "state.json").read_text())
+    return {"rollout_queue": state["rollout_queue"], "stream": state["stream"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("loop", "k"), [("reinforce", 1), ("ppo", 1), ("reinforce", 0), ("reinforce", 2)])
+def test_ranks_mode_equals_the_simulated_run(tiny_path, tmp_path, loop, k):
+    sim = tmp_path / "simulated"
+    module, cls = LOOPS[loop]
+    cfg = values(tiny_path, sim, loop, async_mode="simulated", max_staleness=k)
+    module.train(config_from_dict(cls, cfg), reward=length_reward)
+    ranks = tmp_path / "ranks"
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    cfg = values(tiny_path, ranks, loop, async_mode="ranks", rollout_ranks=1, max_staleness=k)
+    torchrun(str(script), json.dumps(cfg), timeout=120)
+    got, want = untimed_by_step(metrics(ranks)), untimed_by_step(metrics(sim))
+    assert got.keys() == want.keys()
+    for step in want:
+        for key, value in want[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+    assert [m["staleness/max"] for m in metrics(ranks) if "staleness/max" in m] == [min(t, k) for t in range(4)]
+    trained = [m for m in metrics(ranks) if "staleness/max" in m]
+    assert all(m["time/trainer_idle"] >= 0 and m["time/rollout_idle"] >= 0 for m in trained)
+    assert [r["policy_version"] for r in _samples(ranks)][-1] == 3 - k  # step 4 (t = 3) trains version 3 - k
+    assert _samples(ranks) == _samples(sim)
+    assert _queue(ranks) == _queue(sim)
+    a, b = _weights(ranks), _weights(sim)
+    assert a.keys() == b.keys()
+    init = tiny_causal_lm("gpt2", 32, seed=0).state_dict()
+    assert any(not torch.equal(a[n], init[n]) for n in a if n in init)  # the weights moved
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def simulated_6(tiny_path, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("simulated_6")
+    cfg = values(tiny_path, run_dir, async_mode="simulated", max_num_steps=6, save_period=2)
+    reinforce.train(config_from_dict(reinforce.ReinforceConfig, cfg), reward=length_reward)
+    return run_dir
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1], ids=["trainer", "rollout"])
+def test_kill_9_of_either_rank_resumes_to_the_uninterrupted_run(tiny_path, tmp_path, simulated_6, victim):
+    """kill -9 the trainer or the rollout rank after the step-2 checkpoint: torchrun --max-restarts restarts
+    both, the trainer resumes from the checkpoint and sends the rollout rank the weights and its position;
+    the run logs, trains on and ends with what the uninterrupted simulated run does (no row lost or
+    trained twice)."""
+    run_dir = tmp_path / "ranks"
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    cfg = values(tiny_path, run_dir, async_mode="ranks", rollout_ranks=1, max_num_steps=6, save_period=2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           str(script), json.dumps(cfg)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+    killed = None
+    try:
+        deadline = time.time() + 120
+        while killed is None and time.time() < deadline and proc.poll() is None:
+            if (run_dir / "checkpoints" / "step_2").is_dir():
+                children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+                victims = [int(c) for c in children if _rank_of(int(c)) == victim]
+                if victims:
+                    os.kill(victims[0], signal.SIGKILL)
+                    killed = victims[0]
+            time.sleep(0.05)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed is not None, "never saw the step-2 checkpoint and the rank to kill"
+    assert proc.returncode == 0, output[-6000:]
+    assert "SIGKILL" in output or "-9" in output, output[-3000:]  # torchrun saw the kill and restarted
+    got, want = untimed_by_step(metrics(run_dir)), untimed_by_step(metrics(simulated_6))
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in want:
+        for key, value in want[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+    assert _samples(run_dir) == _samples(simulated_6)
+    assert _queue(run_dir) == _queue(simulated_6)
+    a, b = _weights(run_dir), _weights(simulated_6)
+    for name in b:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
+
+
+def test_ranks_mode_refuses_what_is_not_built(tiny_path, tmp_path):
+    def cfg(**o):
+        return config_from_dict(reinforce.ReinforceConfig, values(tiny_path, tmp_path, **o))
+
+    with pytest.raises(ConfigError, match="rollout_ranks"):
+        cfg(async_mode="ranks")
+    with pytest.raises(ConfigError, match="rollout_ranks"):
+        cfg(async_mode="simulated", rollout_ranks=1)
+    with pytest.raises(ConfigError, match="rollout_ranks: 1"):
+        cfg(async_mode="ranks", rollout_ranks=2)
+    with pytest.raises(ConfigError, match="torchrun"):  # one process: no rollout rank (train's first call)
+        rank_role(cfg(async_mode="ranks", rollout_ranks=1))
+    assert rank_role(cfg(async_mode="simulated")) == "off"
+    with pytest.raises(ConfigError, match="critic_server"):
+        ppo_values = values(tiny_path, tmp_path, "ppo", async_mode="ranks", rollout_ranks=1)
+        config_from_dict(ppo.PPOConfig, {**ppo_values, "critic_server": "http://localhost:1"})
