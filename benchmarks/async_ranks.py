@@ -1,0 +1,104 @@
+"""Asynchronous RL with bounded staleness under torchrun: wall time and idle time of one rollout rank and one
+trainer rank at ``max_staleness`` 0 and 1, beside the colocated synchronous 2-rank data-parallel run (issue 27).
+
+The workload is ``configs/grpo_arithmetic.yaml`` (GRPO with DAPO's dynamic sampling on the built-in arithmetic
+task, tiny GPT-2), ``--steps`` steps, every rank with ``OMP_NUM_THREADS=1``:
+
+- ``ranks k=0``: ``async_mode=ranks rollout_ranks=1 max_staleness=0``: the rollout rank and the trainer take turns
+  (the synchronous schedule, split over two processes);
+- ``ranks k=1``: the same with ``max_staleness=1``: the rollout rank samples step t+1 while the trainer trains
+  step t; overlap can buy up to (R + U) / max(R, U);
+- ``colocated``: ``async_mode=off`` on 2 data-parallel ranks, each with half the prompts per step (the same rows
+  per optimizer step): on CPU, where colocation costs nothing, the honest reference.
+
+For each: wall time of the launch, the final greedy ``val_reward`` (500 held-out prompts), and the means of
+``time/trainer_idle`` and ``time/rollout_idle`` (seconds per step each side waited on the other).
+
+    python benchmarks/async_ranks.py                    # 30 steps, seed 0
+    python benchmarks/async_ranks.py --steps 50 --seeds 0 1 --out benchmarks/results/async_ranks.json
+
+Run it on a quiet machine (nothing else running): the figures are ratios of wall times measured in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "grpo_arithmetic.yaml"
+VARIANTS = {
+    "ranks k=0": ["async_mode=ranks", "rollout_ranks=1", "max_staleness=0"],
+    "ranks k=1": ["async_mode=ranks", "rollout_ranks=1", "max_staleness=1"],
+    "colocated": ["num_prompts_per_step=16"],
+}
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return round(sum(values) / len(values), 3) if values else None
+
+
+def launch(name: str, extra: list[str], steps: int, seed: int, workdir: Path) -> dict:
+    """One ``torchrun --nproc_per_node 2`` launch of the workload; its wall time and the metrics above."""
+    run_dir = workdir / f"{name.replace(' ', '_').replace('=', '')}_s{seed}"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rlbits",
+        "train", str(CONFIG), f"run_dir={run_dir}", f"max_num_steps={steps}", f"val_period={steps}",
+        f"seed={seed}", "progress=false", "tensorboard=false", *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{name} (seed {seed}) failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rows = _metrics(run_dir)
+    val = [r["val_reward"] for r in rows if "val_reward" in r]
+    return {
+        "variant": name, "seed": seed, "steps": steps, "wall_s": round(wall, 2),
+        "val_reward": val[-1] if val else None,
+        "trainer_idle_s": _mean(rows, "time/trainer_idle"), "rollout_idle_s": _mean(rows, "time/rollout_idle"),
+        "command": " ".join(cmd[1:]),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            for name, extra in VARIANTS.items():
+                row = launch(name, extra, args.steps, seed, Path(tmp))
+                rows.append(row)
+                idle = f"trainer idle {row['trainer_idle_s']}, rollout idle {row['rollout_idle_s']}"
+                print(f"{name:10s} seed {seed}: {row['wall_s']:7.1f} s, val_reward {row['val_reward']}, {idle}", flush=True)
+    for seed in args.seeds:
+        by = {r["variant"]: r for r in rows if r["seed"] == seed}
+        print(
+            f"seed {seed}: ranks k=0 / ranks k=1 = {by['ranks k=0']['wall_s'] / by['ranks k=1']['wall_s']:.2f}x; "
+            f"colocated / ranks k=1 = {by['colocated']['wall_s'] / by['ranks k=1']['wall_s']:.2f}x"
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
