@@ -121,14 +121,14 @@ def microbatches(
     rank needing the most (one all-reduce: every rank's microbatches get about the same tokens). Every
     rank must call it. The losses' denominators do not depend on the split (``denominators``).
     """
-    budget = cfg.max_tokens_per_microbatch
+    budget, pack = getattr(cfg, "max_tokens_per_microbatch", None), getattr(cfg, "pack_sequences", False)
     if budget is None:
         return split_microbatches(minibatch, cfg.microbatch_size), None
     count = 1
-    if cfg.pack_sequences and env.world_size > 1 and "attention_mask" in minibatch.keys():
+    if pack and env.world_size > 1 and "attention_mask" in minibatch.keys():
         tokens = minibatch["attention_mask"].sum()
         count = int(all_reduce_max(torch.ceil(tokens.float() / budget), env).item())
-    return split_microbatches_by_tokens(minibatch, budget, padded=not cfg.pack_sequences, min_count=count)
+    return split_microbatches_by_tokens(minibatch, budget, padded=not pack, min_count=count)
 
 
 def _in_row_order(values: list[torch.Tensor], rows: list[torch.Tensor] | None) -> torch.Tensor:
@@ -245,8 +245,9 @@ def optimize(
     Args:
         state: the loop's state (``env``, ``metrics``, ``step``); passed on to ``objective``.
         batch: the step's rows, batch_size [B].
-        cfg: the loop's config (``microbatch_size``, ``max_tokens_per_microbatch``, ``pack_sequences``,
-            ``max_grad_norm``, ``precision``); passed on.
+        cfg: the loop's config (``microbatch_size``, ``max_grad_norm``, ``precision``; optionally
+            ``max_tokens_per_microbatch`` and ``pack_sequences``, None and False where a cfg of one's own
+            lacks them); passed on.
         objective: ``objective(state, micro, cfg, den) -> (loss, stats)``; ``stats`` as ``log_stats`` reads them.
         trained: the models that train and their optimizers, stepped in this order after every minibatch;
             the first one's precision sets the autocast.
@@ -283,7 +284,7 @@ def optimize(
             micros, micro_rows = microbatches(minibatch, cfg, env)
             minibatch_rows: dict[str, list] = {}
             for j, micro in enumerate(pad_microbatches(micros, env)):
-                with autocast(trained[0].model, cfg), packed_sequences(cfg.pack_sequences) as packed:
+                with autocast(trained[0].model, cfg), packed_sequences(getattr(cfg, "pack_sequences", False)) as packed:
                     loss, stats = objective(state, micro, cfg, den)
                 if packed is not None and packed.count == 0:
                     raise ValueError(

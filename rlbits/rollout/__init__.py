@@ -19,6 +19,7 @@ _LAZY = {
     "compiled_decode_step": "rlbits.rollout.decoder",
     "decode_one_token": "rlbits.rollout.decoder",
     "prefill": "rlbits.rollout.decoder",
+    "select_rows": "rlbits.rollout.decoder",
     "setup_decoder": "rlbits.rollout.decoder",
     # sampling: the next token from logits
     "LogitsProcessor": "rlbits.rollout.sampling",

@@ -655,7 +655,7 @@ def test_dynamic_sampling_on_a_multi_turn_task(toy_task, tmp_path, monkeypatch):
     with 0/False); a one-step run trains on them."""
     from rlbits import batch as rb
     from rlbits.distributed.env import DistEnv
-    from rlbits.loops import reinforce
+    from rlbits.loops import phases, reinforce
     from rlbits.loops.metrics import StepMetrics
     from rlbits.loops.run import read_metrics
 
@@ -675,7 +675,7 @@ def test_dynamic_sampling_on_a_multi_turn_task(toy_task, tmp_path, monkeypatch):
     assert stats["gen_batches"] >= 2 and stats["kept_groups"] == 2
     assert len(joined) == 1 and len({b["responses"].shape[1] for b in joined[0]}) == 2  # R differs: re-padded
     rb.check(batch, required=("turn_index", "turn_rewards", "num_turns", "stop_reason"), check_values=True)
-    assert reinforce.informative_groups(batch["rewards"], 4).all()
+    assert phases.informative_groups(batch["rewards"], 4).all()
     assert {t[0] for t in batch.get("prompt_text").tolist()} == {"a", "e"}
     assert batch["group"].tolist() == [0] * 4 + [1] * 4
     for part, rows in zip(joined[0], batch.split([len(b) for b in joined[0]]), strict=True):
