@@ -210,7 +210,9 @@ def init_state(
     policy = prepare(with_lora(policy, cfg).train(), cfg, env)
     return State(
         policy=policy, reference=reference,
-        optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
+        optimizer=make_optimizer(
+            policy.parameters(), cfg.learning_rate, cfg.weight_decay, cfg.adam_betas, cfg.adam_eps
+        ),
         **online_fields(cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts),
     )
 
