@@ -63,6 +63,7 @@ __all__ = [
     "gdpo_advantage",
     "gpg_advantage",
     "grpo_advantage",
+    "grpo_loo_advantage",
     "grpo_passk_advantage",
     "no_baseline_advantage",
     "opo_advantage",
@@ -159,6 +160,39 @@ def dr_grpo_advantage(
     return grpo_advantage(
         token_level_rewards, action_mask, group_size=group_size, norm_adv_by_std_in_grpo=False
     )
+
+
+def grpo_loo_advantage(
+    token_level_rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    group_size: int,
+    global_sum: GlobalSum = None,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeMo-RL's GRPO advantage with its defaults (``grpo.adv_estimator: {name: grpo, normalize_rewards: true,
+    use_leave_one_out_baseline: true}``; ``GRPOAdvantageEstimator`` with ``calculate_baseline_and_std_per_prompt``
+    in ``nemo_rl/algorithms/advantage_estimator.py`` and ``utils.py``): ``A_i = (r_i - mean_{j != i} r_j) /
+    (std_{j != i} r_j + epsilon)``, the mean and unbiased std of the *other* K - 1 rewards of the group,
+    broadcast over the response; not divided where the others are all equal (NeMo-RL's ``std > 0`` mask), so
+    with K = 2 (one other reward, whose unbiased std NeMo-RL sets to 0) it is the RLOO advantage. This is
+    ``group_normalize(r, K, std="leave_one_out")`` (which documents the rounding difference: rlbits tests
+    "all equal" exactly). No verl name: verl's ``grpo`` uses the whole group's mean and std.
+
+    Args:
+        token_level_rewards, action_mask, group_size, global_sum: see the module docstring.
+        epsilon: added to the leave-one-out std (NeMo-RL's fixed 1e-6).
+
+    Returns:
+        ``(advantages, returns)`` [B, R], equal.
+
+    Raises:
+        ValueError: shapes, ``group_size`` (not an int >= 2 dividing B), ``epsilon < 0``.
+    """
+    mask, rewards, out_dtype = _prepare(token_level_rewards, action_mask)
+    scale = group_size != 2  # one other reward: NeMo-RL's std is 0 (nan_to_num), the division is skipped
+    seq = group_normalize(rewards.sum(-1), group_size, scale=scale, eps=epsilon, std="leave_one_out")
+    return _outcome(seq, mask, out_dtype)
 
 
 def rloo_advantage(
@@ -585,6 +619,7 @@ def raw_reward_advantage(
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "gae": gae_advantage,
     "grpo": grpo_advantage,
+    "grpo_loo": grpo_loo_advantage,
     "dr_grpo": dr_grpo_advantage,
     "rloo": rloo_advantage,
     "none": no_baseline_advantage,
@@ -598,5 +633,6 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]
     "gdpo": gdpo_advantage,
     "raw_reward": raw_reward_advantage,
 }
-"""verl's ``adv_estimator`` name (plus rlbits' ``dr_grpo`` and ``none``, and NeMo-RL's ``raw_reward``) ->
+"""verl's ``adv_estimator`` name (plus rlbits' ``dr_grpo``, ``none`` and ``grpo_loo`` (NeMo-RL's default
+``grpo``), and NeMo-RL's ``raw_reward``) ->
 advantage estimator with the shared signature (see this module's docstring)."""

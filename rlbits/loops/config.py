@@ -104,6 +104,14 @@ class RunConfig:
     """AdamW learning rate."""
     weight_decay: float = ranged(0.0, ge=0)
     """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2), each in [0, 1), for every optimizer of the run (NeMo-Aligner
+    ``model.optim.betas``, trlx ``optimizer.kwargs.betas``, NeMo-RL ``policy.optimizer.kwargs.betas`` and
+    ``policy.megatron_cfg.optimizer.adam_beta1/2``); torch's default."""
+    adam_eps: float = ranged(1e-8, gt=0)
+    """AdamW's eps added to the denominator, for every optimizer of the run (NeMo-Aligner ``model.optim.eps``,
+    trlx ``optimizer.kwargs.eps``, NeMo-RL ``policy.optimizer.kwargs.eps`` and
+    ``policy.megatron_cfg.optimizer.adam_eps``); torch's default."""
     max_grad_norm: float = ranged(1.0, finite=False)
     """Gradient clipping by global norm (<= 0 disables it)."""
     microbatch_size: int = ranged(16, ge=1, at_most=MAX_ROWS)
@@ -234,6 +242,16 @@ class RunConfig:
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {show(self.device)}")
         if self.max_time is not None:
             max_time_seconds(self.max_time)
+        self._check_adam_betas()
+
+    def _check_adam_betas(self) -> None:
+        """``adam_betas``: two numbers in [0, 1) (a YAML list is stored as a tuple of floats)."""
+        betas = self.adam_betas
+        ok = isinstance(betas, (list, tuple)) and len(betas) == 2
+        ok = ok and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
+        if not ok:
+            raise ConfigError(f"adam_betas must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {show(betas)}")
+        object.__setattr__(self, "adam_betas", (float(betas[0]), float(betas[1])))
 
     def _check_run_dir(self) -> None:
         """``run_dir`` names a folder: not empty (that would be the current folder) and not the root. Whether

@@ -241,10 +241,29 @@ def _nemo_rl_scheduler(v: Any, c: Ctx) -> dict[str, Any] | str:
     )
 
 
-def _nemo_rl_value_scheduler(v: Any, c: Ctx) -> str:
-    if _nemo_rl_scheduler(v, c) != _nemo_rl_scheduler(c.get("policy.scheduler"), c):
-        raise Unsupported("the value model's scheduler differs from the policy's; rlbits' critic follows the policy's")
-    return "(the critic follows the policy's schedule from critic_learning_rate)"
+_CRITIC_WARMUP = {"lr_warmup_steps": "critic_lr_warmup_steps", "lr_warmup_start_factor": "critic_lr_warmup_start_factor"}
+
+
+def _critic_schedule(mine: dict[str, Any] | str, theirs: dict[str, Any] | str) -> dict[str, Any] | str:
+    """The critic's schedule ``mine`` against the policy's ``theirs`` (both as ``lr_scheduler`` fields): the
+    same kind, its own warm-up as ``critic_lr_warmup_*`` where it differs."""
+    if not (isinstance(mine, dict) and isinstance(theirs, dict)):
+        return "(the critic follows the policy's schedule from critic_learning_rate)"
+    if mine.get("lr_scheduler") != theirs.get("lr_scheduler") or any(
+        mine.get(k) != theirs.get(k) for k in set(mine) | set(theirs) if k not in _CRITIC_WARMUP
+    ):
+        raise Unsupported(
+            f"the value model's schedule ({_fmt(mine)}) is not the policy's ({_fmt(theirs)}) with its own "
+            "warm-up: rlbits' critic follows lr_scheduler, with critic_lr_warmup_steps / _start_factor"
+        )
+    out = {_CRITIC_WARMUP[k]: mine[k] for k in _CRITIC_WARMUP if k in mine and mine[k] != theirs.get(k)}
+    return out or "(the critic follows the policy's schedule from critic_learning_rate)"
+
+
+def _nemo_rl_value_scheduler(v: Any, c: Ctx) -> dict[str, Any] | str:
+    if c.get("value.megatron_cfg.enabled"):
+        return "(no effect: value.megatron_cfg.enabled)"
+    return _critic_schedule(_nemo_rl_scheduler(v, c), _nemo_rl_scheduler(c.get("policy.scheduler"), c))
 
 
 def _same_as_policy(key: str, what: str) -> Convert:
@@ -264,19 +283,26 @@ def _nemo_rl_adv_name(v: Any, c: Ctx) -> dict[str, Any] | str:
     est = c.get("grpo.adv_estimator", {})
     if v == "grpo":
         norm, loo = bool(est.get("normalize_rewards", True)), bool(est.get("use_leave_one_out_baseline", True))
-        table = {(True, False): "grpo", (False, True): "rloo", (False, False): "dr_grpo"}
-        if (norm, loo) not in table:
-            raise Unsupported(
-                "normalize_rewards with use_leave_one_out_baseline (the leave-one-out mean divided by the "
-                "leave-one-out std) is no rlbits estimator: grpo is (r - mean) / (std + eps), rloo is unscaled"
-            )
-        return {"adv_estimator": table[(norm, loo)]}
+        return {"adv_estimator": _NEMO_RL_GRPO[(norm, loo)]}
     if v == "reinforce_plus_plus":
         base = bool(est.get("minus_baseline", True))
         return {"adv_estimator": "reinforce_plus_plus_baseline" if base else "reinforce_plus_plus"}
     if v == "raw_reward":
         return {"adv_estimator": "raw_reward" if est.get("normalize_advantages", True) else "none"}
     raise Unsupported(f"adv_estimator {show(v)}: rlbits has grpo, rloo, reinforce_plus_plus(_baseline), raw_reward")
+
+
+_NEMO_RL_GRPO = {(True, True): "grpo_loo", (True, False): "grpo", (False, True): "rloo", (False, False): "dr_grpo"}
+"""NeMo-RL's GRPO advantage by (``normalize_rewards``, ``use_leave_one_out_baseline``) -> rlbits' estimator."""
+
+
+def _nemo_rl_grpo_flags(v: Any, c: Ctx) -> dict[str, Any] | str:
+    """``grpo.normalize_rewards`` / ``use_leave_one_out_baseline`` of a config without ``grpo.adv_estimator``
+    (NeMo-RL before it: grpo.py read them directly); with it they only feed its fields."""
+    if c.get("grpo.adv_estimator") is not None:
+        return "(part of adv_estimator)"
+    norm = bool(c.get("grpo.normalize_rewards", True))
+    return {"adv_estimator": _NEMO_RL_GRPO[(norm, bool(c.get("grpo.use_leave_one_out_baseline", True)))]}
 
 
 def _nemo_rl_gae_lambda(v: Any, c: Ctx) -> dict[str, Any] | str:
@@ -288,10 +314,62 @@ def _nemo_rl_gae_lambda(v: Any, c: Ctx) -> dict[str, Any] | str:
     return "(no effect: gae_lambda_policy and gae_lambda_value are set)"
 
 
-def _value_weight_decay(v: Any, c: Ctx) -> str:
-    if not c.get("value.megatron_cfg.enabled") and num(v) != num(c.get("policy.optimizer.kwargs.weight_decay", v)):
-        raise Unsupported("the value model's weight_decay differs from the policy's; rlbits has one weight_decay")
+def _value_weight_decay(v: Any, c: Ctx) -> dict[str, Any] | str:
+    if c.get("value.megatron_cfg.enabled"):
+        return "(no effect: value.megatron_cfg.enabled)"
+    if num(v) != num(c.get("policy.optimizer.kwargs.weight_decay", v)):
+        return {"critic_weight_decay": num(v)}
     return "(the critic uses weight_decay)"
+
+
+def _value_megatron_weight_decay(v: Any, c: Ctx) -> dict[str, Any] | str:
+    """The value model's Megatron weight decay: Megatron's ``OptimizerParamScheduler`` sets every parameter
+    group's weight decay from ``start_weight_decay`` / ``end_weight_decay`` at each step, so those (constant)
+    are the critic's, and ``optimizer.weight_decay`` is the value they default to."""
+    if not c.get("value.megatron_cfg.enabled"):
+        return "(no effect: value.megatron_cfg.enabled is false)"
+    sched = c.get("value.megatron_cfg.scheduler") or {}
+    if c.field.endswith("incr_style"):
+        if v != "constant":
+            raise Unsupported("a weight decay that changes over the run is not supported: rlbits' is constant")
+        return "(critic_weight_decay, constant)"
+    start, end = sched.get("start_weight_decay"), sched.get("end_weight_decay")
+    if c.field.endswith("optimizer.weight_decay") and (start is not None or end is not None):
+        return "(the scheduler's start_weight_decay / end_weight_decay set it)"
+    if start is not None and end is not None and num(start) != num(end):
+        raise Unsupported(f"weight decay from {show(start)} to {show(end)}: rlbits' critic_weight_decay is constant")
+    if c.field.endswith("start_weight_decay") and end is not None:
+        return "(critic_weight_decay, with end_weight_decay)"
+    policy = c.get("policy.megatron_cfg.optimizer.weight_decay")
+    if policy is not None and num(v) == num(policy):
+        return "(the critic uses weight_decay)"
+    return {"critic_weight_decay": num(v)}
+
+
+def _value_megatron_schedule(v: Any, c: Ctx) -> dict[str, Any] | str:
+    """The value model's Megatron warm-up (``lr_warmup_iters``, ``lr_warmup_init``) against the policy's."""
+    if not c.get("value.megatron_cfg.enabled"):
+        return "(no effect: value.megatron_cfg.enabled is false)"
+    if c.field.endswith("lr_warmup_init"):
+        return "(with lr_warmup_iters)"
+
+    def sched(side: str) -> dict[str, Any] | str:
+        style = c.get(f"{side}.megatron_cfg.scheduler.lr_decay_style")
+        warm = integer(c.get(f"{side}.megatron_cfg.scheduler.lr_warmup_iters") or 0)
+        if style == "constant" and warm:
+            init = num(c.get(f"{side}.megatron_cfg.scheduler.lr_warmup_init") or 0.0)
+            factor = init / num(c.get(f"{side}.megatron_cfg.optimizer.lr"))
+            return {"lr_scheduler": "linear_warmup", "lr_warmup_steps": warm, "lr_warmup_start_factor": factor}
+        if style == "constant":
+            return {"lr_scheduler": "constant"}
+        return {"lr_scheduler": str(style), "lr_warmup_steps": warm}
+
+    mine, theirs = sched("value"), sched("policy")
+    if isinstance(mine, dict) and isinstance(theirs, dict):  # factors compared to float rounding
+        a, b = mine.get("lr_warmup_start_factor"), theirs.get("lr_warmup_start_factor")
+        if a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9):
+            mine["lr_warmup_start_factor"] = b
+    return _critic_schedule(mine, theirs)
 
 
 def _like_policy(v: Any, c: Ctx) -> str:
@@ -415,16 +493,15 @@ def _torch_opt_conv(convert: Convert) -> Convert:
     return conv
 
 
-def _betas(v: Any, c: Ctx) -> str:
-    if [num(x) for x in (v or [])] != [0.9, 0.999]:
-        raise Unsupported(f"Adam betas {show(v)}: rlbits' AdamW uses torch's (0.9, 0.999)")
-    return "(AdamW betas (0.9, 0.999))"
+def _betas(v: Any, c: Ctx) -> dict[str, Any]:
+    betas = [num(x) for x in (v if isinstance(v, (list, tuple)) else [])]
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise Unsupported(f"Adam betas {show(v)}: adam_betas takes two numbers in [0, 1)")
+    return {"adam_betas": betas}
 
 
-def _adam_eps(v: Any, c: Ctx) -> str:
-    if num(v) != 1e-8:
-        raise Unsupported(f"Adam eps {show(v)}: rlbits' AdamW uses torch's 1e-8")
-    return "(AdamW eps 1e-8)"
+def _adam_eps(v: Any, c: Ctx) -> dict[str, Any]:
+    return {"adam_eps": num(v)}
 
 
 def _megatron_weight_decay(v: Any, c: Ctx) -> str:
@@ -539,7 +616,8 @@ NEMO_RL: tuple[Rule, ...] = (
     B("ppo.{normalize_rewards,use_leave_one_out_baseline}", "no effect in PPO (GAE)", check=lambda v: True),
     B("ppo.adv_estimator.{normalize_rewards,use_leave_one_out_baseline,minus_baseline}", "no effect with GAE",
       check=lambda v: True),
-    B("grpo.{normalize_rewards,use_leave_one_out_baseline}", "part of adv_estimator", check=lambda v: True),
+    F("grpo.{normalize_rewards,use_leave_one_out_baseline}", "adv_estimator (without grpo.adv_estimator)",
+      _nemo_rl_grpo_flags),
     I("ppo.{log_post_update_critic_metrics,log_rollout_dump,rollout_dump_period}", LOGGER),
     # --- the loss
     B("loss_fn.disable_ppo_ratio", "the clipped ratio loss", (False, None), "disable_ppo_ratio is not supported"),
@@ -621,10 +699,10 @@ NEMO_RL: tuple[Rule, ...] = (
       _megatron_conv(lambda v, c: {"weight_decay": num(v)})),
     F("policy.megatron_cfg.optimizer.min_lr", "min_lr", _megatron_conv(lambda v, c: {"min_lr": num(v)})),
     F("policy.megatron_cfg.optimizer.clip_grad", "max_grad_norm", _megatron_conv(lambda v, c: {"max_grad_norm": num(v)})),
-    F("policy.megatron_cfg.optimizer.{adam_beta1,adam_beta2}", "(AdamW betas)", _megatron_conv(
+    F("policy.megatron_cfg.optimizer.{adam_beta1,adam_beta2}", "adam_betas", _megatron_conv(
         lambda v, c: _betas([c.get("policy.megatron_cfg.optimizer.adam_beta1"),
                              c.get("policy.megatron_cfg.optimizer.adam_beta2")], c))),
-    F("policy.megatron_cfg.optimizer.adam_eps", "(AdamW eps)", _megatron_conv(_adam_eps)),
+    F("policy.megatron_cfg.optimizer.adam_eps", "adam_eps", _megatron_conv(_adam_eps)),
     F("policy.megatron_cfg.optimizer.optimizer", "(AdamW)", _megatron_conv(
         _refuse_unless(lambda v: v == "adam", "only Adam(W) is supported", "(AdamW)"))),
     F("policy.megatron_cfg.scheduler.lr_decay_style", "lr_scheduler", _megatron_conv(_megatron_sched)),
@@ -647,8 +725,8 @@ NEMO_RL: tuple[Rule, ...] = (
         lambda v: str(v).endswith("AdamW"), "only torch.optim.AdamW is supported", "(AdamW)"))),
     F("policy.optimizer.kwargs.lr", "learning_rate", _torch_opt_conv(lambda v, c: {"learning_rate": num(v)})),
     F("policy.optimizer.kwargs.weight_decay", "weight_decay", _torch_opt_conv(lambda v, c: {"weight_decay": num(v)})),
-    F("policy.optimizer.kwargs.betas", "(AdamW betas)", _torch_opt_conv(_betas)),
-    F("policy.optimizer.kwargs.eps", "(AdamW eps)", _torch_opt_conv(_adam_eps)),
+    F("policy.optimizer.kwargs.betas", "adam_betas", _torch_opt_conv(_betas)),
+    F("policy.optimizer.kwargs.eps", "adam_eps", _torch_opt_conv(_adam_eps)),
     I("policy.optimizer.kwargs.{foreach,fused}", "optimizer kernel implementation"),
     F("policy.scheduler", "lr_scheduler, lr_warmup_steps, lr_warmup_start_factor",
       _torch_opt_conv(_nemo_rl_scheduler)),
@@ -694,18 +772,21 @@ NEMO_RL: tuple[Rule, ...] = (
     F("value.megatron_cfg.optimizer.lr", "critic_learning_rate",
       lambda v, c: {"critic_learning_rate": num(v)} if c.get("value.megatron_cfg.enabled")
       else "(no effect: value.megatron_cfg.enabled is false)"),
-    F("value.optimizer.kwargs.weight_decay", "(weight_decay)", _value_weight_decay),
-    F("value.optimizer.kwargs.betas", "(AdamW betas)", _betas),
-    F("value.optimizer.kwargs.eps", "(AdamW eps)", _adam_eps),
+    F("value.optimizer.kwargs.weight_decay", "critic_weight_decay", _value_weight_decay),
+    F("value.optimizer.kwargs.betas", "adam_betas", _betas),
+    F("value.optimizer.kwargs.eps", "adam_eps", _adam_eps),
     B("value.optimizer.name", "AdamW", check=lambda v: str(v).endswith("AdamW")),
     B("value.optimizer", "AdamW (the Megatron optimizer's fields)", None, "a null optimizer needs Megatron"),
     I("value.optimizer.kwargs.{foreach,fused}", "optimizer kernel implementation"),
-    F("value.scheduler", "(the policy's schedule)", _nemo_rl_value_scheduler),
-    F("value.megatron_cfg.optimizer.{weight_decay,min_lr,clip_grad,adam_beta1,adam_beta2,adam_eps,optimizer}",
-      "(the policy's: weight_decay, min_lr, max_grad_norm, AdamW)", _value_megatron),
-    F("value.megatron_cfg.scheduler.{lr_decay_style,lr_warmup_iters,lr_decay_iters,start_weight_decay,"
-      "end_weight_decay,weight_decay_incr_style}", "(the policy's schedule)", _value_megatron),
-    F("value.megatron_cfg.scheduler.lr_warmup_init", "(the policy's warm-up factor)", _value_megatron),
+    F("value.scheduler", "(the policy's schedule; critic_lr_warmup_steps, critic_lr_warmup_start_factor)",
+      _nemo_rl_value_scheduler),
+    F("value.megatron_cfg.optimizer.{min_lr,clip_grad,adam_beta1,adam_beta2,adam_eps,optimizer}",
+      "(the policy's: min_lr, max_grad_norm, AdamW betas and eps)", _value_megatron),
+    F("value.megatron_cfg.{optimizer.weight_decay,scheduler.start_weight_decay,scheduler.end_weight_decay,"
+      "scheduler.weight_decay_incr_style}", "critic_weight_decay", _value_megatron_weight_decay),
+    F("value.megatron_cfg.scheduler.{lr_decay_style,lr_decay_iters}", "(the policy's schedule)", _value_megatron),
+    F("value.megatron_cfg.scheduler.{lr_warmup_iters,lr_warmup_init}",
+      "critic_lr_warmup_steps, critic_lr_warmup_start_factor", _value_megatron_schedule),
     F("value.megatron_cfg.activation_checkpointing", "(activation_checkpointing)", _value_megatron),
     I("value.megatron_cfg.**", MEGATRON),
     F("value.dtensor_cfg.{activation_checkpointing,lora_cfg.enabled,lora_cfg.dim,lora_cfg.alpha,lora_cfg.dropout,"
@@ -900,8 +981,10 @@ NEMO_ALIGNER: tuple[Rule, ...] = (
     I("model.optim.{bucket_cap_mb,overlap_grad_sync,contiguous_grad_buffer}", "distributed optimizer buffers"),
     F("model.optim.lr", "learning_rate (the critic's: critic_learning_rate)",
       lambda v, c: {"critic_learning_rate" if _is_critic(c) else "learning_rate": num(v)}),
-    F("model.optim.weight_decay", "weight_decay", _actor("weight_decay", num, "(the critic uses weight_decay)")),
-    F("model.optim.betas", "(AdamW betas)", _betas),
+    F("model.optim.weight_decay", "weight_decay (the critic's: critic_weight_decay)",
+      lambda v, c: {"critic_weight_decay" if _is_critic(c) else "weight_decay": num(v)}),
+    F("model.optim.betas", "adam_betas", _betas),
+    F("model.optim.eps", "adam_eps", _adam_eps),
     F("model.optim.sched.name", "lr_scheduler: cosine", _aligner_sched),
     F("model.optim.sched.warmup_steps", "lr_warmup_steps", _actor("lr_warmup_steps", integer)),
     F("model.optim.sched.constant_steps", "lr_constant_steps", _actor("lr_constant_steps", integer)),
@@ -1042,8 +1125,8 @@ TRLX: tuple[Rule, ...] = (
     B("optimizer.name", "AdamW", ("adamw", "adam"), "only AdamW is supported"),
     N("optimizer.kwargs.lr", "learning_rate"),
     N("optimizer.kwargs.weight_decay", "weight_decay"),
-    F("optimizer.kwargs.betas", "(AdamW betas)", _betas),
-    F("optimizer.kwargs.eps", "(AdamW eps)", _adam_eps),
+    F("optimizer.kwargs.betas", "adam_betas", _betas),
+    F("optimizer.kwargs.eps", "adam_eps", _adam_eps),
     F("scheduler.name", "lr_scheduler: cosine_annealing", _trlx_scheduler),
     INT("scheduler.kwargs.T_max", "lr_max_steps"),
     N("scheduler.kwargs.eta_min", "min_lr"),

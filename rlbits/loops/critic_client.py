@@ -39,8 +39,9 @@ groups ``split_minibatches`` keeps whole, the old values and the return targets.
 
 CRITIC_FIELDS = (
     "policy", "task", "critic_init", "seed", "precision", "compile", "microbatch_size", "max_grad_norm",
-    "learning_rate", "critic_learning_rate", "weight_decay", "lr_scheduler", "lr_warmup_steps",
-    "lr_warmup_start_factor", "lr_constant_steps", "min_lr", "lr_max_steps", "ppo_epochs", "num_minibatches",
+    "learning_rate", "critic_learning_rate", "weight_decay", "critic_weight_decay", "adam_betas", "adam_eps",
+    "lr_scheduler", "lr_warmup_steps", "lr_warmup_start_factor", "critic_lr_warmup_steps",
+    "critic_lr_warmup_start_factor", "lr_constant_steps", "min_lr", "lr_max_steps", "ppo_epochs", "num_minibatches",
     "vf_coef", "value_clip_eps", "loss_agg", "loss_scale_factor", "lora_rank", "lora_alpha", "lora_dropout",
     "lora_target_modules",
 )

@@ -253,7 +253,9 @@ def init_state(
     model = prepare(disable_dropout(model).to(env.device).train(), cfg, env)
     return State(
         env=env, tokenizer=tokenizer, model=model, init_path=init_path, make_env=setup.make_env,
-        optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
+        optimizer=make_optimizer(
+            model.parameters(), cfg.learning_rate, cfg.weight_decay, cfg.adam_betas, cfg.adam_eps
+        ),
         reward=setup.reward(reward), val_prompts=setup.prompts(tokenizer, val_prompts, "test"), logit_mask=logit_mask,
     )
 

@@ -19,9 +19,14 @@ from rlbits.loops.run import total_steps
 
 
 def make_optimizer(
-    params: Iterator[torch.nn.Parameter] | Sequence, lr: float, weight_decay: float
+    params: Iterator[torch.nn.Parameter] | Sequence,
+    lr: float,
+    weight_decay: float,
+    betas: Sequence[float] = (0.9, 0.999),
+    eps: float = 1e-8,
 ) -> torch.optim.AdamW:
-    """AdamW over the parameters that require grad.
+    """AdamW over the parameters that require grad, with Adam's ``betas`` (beta1, beta2) and ``eps``
+    (``RunConfig.adam_betas`` / ``adam_eps``; torch's defaults).
 
     PyTorch's fused kernel (``fused=True``) where every parameter is a plain floating-point tensor on the CPU
     or CUDA: one pass over each tensor instead of a chain of elementwise ops (on 2 CPU threads, a step over
@@ -32,7 +37,10 @@ def make_optimizer(
     fused = bool(trainable) and all(
         p.device.type in ("cpu", "cuda") and p.is_floating_point() and not is_dtensor(p) for p in trainable
     )
-    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, fused=fused or None)
+    b1, b2 = betas
+    return torch.optim.AdamW(
+        trainable, lr=lr, betas=(b1, b2), eps=eps, weight_decay=weight_decay, fused=fused or None
+    )
 
 
 # --- learning-rate schedules: rate(step) for the step-th optimizer step (0-based) --------------------------

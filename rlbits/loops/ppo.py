@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -160,6 +161,16 @@ class PPOConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradientConfig
     """Multiplier of the critic loss (its own optimizer, so it only changes the gradient-clipping scale)."""
     critic_learning_rate: float | None = ranged(None, gt=0)
     """AdamW learning rate of the critic; None = ``learning_rate``."""
+    critic_weight_decay: float | None = ranged(None, ge=0)
+    """AdamW weight decay of the critic (NeMo-RL ``value.optimizer.kwargs.weight_decay``, or
+    ``value.megatron_cfg.optimizer.weight_decay`` with Megatron); None = ``weight_decay``."""
+    critic_lr_warmup_steps: int | None = ranged(None, ge=0)
+    """``lr_warmup_steps`` of the critic's schedule (NeMo-RL ``value.scheduler``'s ``LinearLR`` ``total_iters``,
+    or ``value.megatron_cfg.scheduler.lr_warmup_iters``); None = ``lr_warmup_steps``."""
+    critic_lr_warmup_start_factor: float | None = ranged(None, ge=0, le=1)
+    """``lr_warmup_start_factor`` of the critic's schedule (NeMo-RL ``value.scheduler``'s ``LinearLR``
+    ``start_factor``, or ``value.megatron_cfg.scheduler.lr_warmup_init`` divided by its ``optimizer.lr``);
+    None = ``lr_warmup_start_factor``."""
     critic_init: str = "policy"
     """Critic initialisation: ``policy`` (the policy's backbone and a fresh head) or a folder (a saved
     ValueModel, or a causal LM)."""
@@ -305,7 +316,9 @@ def init_state(
     policy = prepare(policy.train(), cfg, env)
     return State(
         policy=policy, value_model=value_model, reference=reference, critic=client,
-        policy_optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
+        policy_optimizer=make_optimizer(
+            policy.parameters(), cfg.learning_rate, cfg.weight_decay, cfg.adam_betas, cfg.adam_eps
+        ),
         value_optimizer=value_optimizer,
         kl_coef=cfg.kl_coef if cfg.kl_in_reward else cfg.kl_loss_coef,
         **online_fields(cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts),
@@ -387,7 +400,22 @@ def critic_with_optimizer(
     """The critic prepared for training (``prepare``: sharding, precision) and its AdamW at ``critic_lr(cfg)``:
     the local critic of ``init_state`` and the critic server's (``rlbits.loops.critic_server``)."""
     value_model = prepare(critic, cfg, env)
-    return value_model, make_optimizer(value_model.parameters(), critic_lr(cfg), cfg.weight_decay)
+    decay = cfg.critic_weight_decay if cfg.critic_weight_decay is not None else cfg.weight_decay
+    return value_model, make_optimizer(
+        value_model.parameters(), critic_lr(cfg), decay, cfg.adam_betas, cfg.adam_eps
+    )
+
+
+def critic_schedule(cfg: PPOConfig) -> SimpleNamespace:
+    """The ``lr_scheduler`` fields of the critic's schedule (what ``rlbits.loops.optim.lr_schedule`` reads):
+    the run's, with ``critic_lr_warmup_steps`` / ``critic_lr_warmup_start_factor`` where they are set."""
+    names = ("lr_scheduler", "lr_warmup_steps", "lr_warmup_start_factor", "lr_constant_steps", "min_lr")
+    sched = SimpleNamespace(**{name: getattr(cfg, name) for name in (*names, "lr_max_steps")})
+    if cfg.critic_lr_warmup_steps is not None:
+        sched.lr_warmup_steps = cfg.critic_lr_warmup_steps
+    if cfg.critic_lr_warmup_start_factor is not None:
+        sched.lr_warmup_start_factor = cfg.critic_lr_warmup_start_factor
+    return sched
 
 
 def critic_estimates(value_model: torch.nn.Module, batch: TensorDictBase, cfg: PPOConfig) -> torch.Tensor:
@@ -594,12 +622,13 @@ def critic_trained(
     value_model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: PPOConfig, step: int, total: int
 ) -> Trained:
     """The critic in ``optimize``: its gradient norm logged as ``critic_grad_norm``, its rate following
-    ``lr_scheduler`` from ``critic_lr(cfg)`` over ``ppo_epochs * num_minibatches`` optimizer steps per
-    training step (``step``: the training step, 0-based; ``total``: the run's training steps)."""
+    ``lr_scheduler`` (``critic_schedule(cfg)``) from ``critic_lr(cfg)`` over ``ppo_epochs * num_minibatches``
+    optimizer steps per training step (``step``: the training step, 0-based; ``total``: the run's training
+    steps)."""
     per_step = cfg.ppo_epochs * cfg.num_minibatches
     return Trained(
         value_model, optimizer, grad_norm="critic_grad_norm", lr_metric="critic_lr",
-        lr=scheduled(cfg, critic_lr(cfg), step, per_step, total),
+        lr=scheduled(critic_schedule(cfg), critic_lr(cfg), step, per_step, total),
     )
 
 
@@ -772,6 +801,7 @@ __all__ = [
     "advantages",
     "critic_estimates",
     "critic_lr",
+    "critic_schedule",
     "critic_objective",
     "critic_trained",
     "critic_with_optimizer",

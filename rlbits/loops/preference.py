@@ -332,7 +332,9 @@ def init_state(
     return State(
         policy=policy,
         reference=reference,
-        optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
+        optimizer=make_optimizer(
+            policy.parameters(), cfg.learning_rate, cfg.weight_decay, cfg.adam_betas, cfg.adam_eps
+        ),
         **fields,
         **extra,
     )

@@ -11,6 +11,7 @@ Algorithm (one step)::
                    A_i  = r'_i - mean_{j != i} r'_j                         (rloo; Kool 2019, Ahmadian 2024)
                         = (r'_i - mean_g r') / (std_g r' + eps)              (grpo; Shao 2024)
                         = r'_i - mean_g r'                                  (dr_grpo; Liu 2025)
+                        = (r'_i - mean_{-i} r') / (std_{-i} r' + eps)      (grpo_loo; NeMo-RL's grpo)
                         = r'_i                                              (none; Williams 1992)
                    or another of ADV_ESTIMATORS (rlbits.ADVANTAGE_ESTIMATORS, verl's adv_estimator names:
                    reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk)
@@ -73,6 +74,7 @@ from rlbits.models.forward import policy_logprobs
 ADV_ESTIMATORS = (
     "rloo",
     "grpo",
+    "grpo_loo",
     "dr_grpo",
     "none",
     "reinforce_plus_plus",
@@ -86,7 +88,7 @@ ADV_ESTIMATORS = (
 """The ``ADVANTAGE_ESTIMATORS`` this loop runs. Not here: ``gae`` (a critic: the PPO loop),
 ``optimal_token_baseline`` (needs sum_v pi(v)^2 per token, which the rollout does not record) and ``gdpo``
 (needs several reward components; rlbits' rewards are one score)."""
-GROUPED = ("rloo", "grpo", "dr_grpo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
+GROUPED = ("rloo", "grpo", "grpo_loo", "dr_grpo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
 """The estimators that compare a prompt's responses: they need num_generations_per_prompt >= 2."""
 PER_TOKEN_REWARDS = ("reinforce_plus_plus", "remax")
 """The estimators that use the rewards per token (returns to go): with ``kl_in_reward`` each action token carries
@@ -102,11 +104,13 @@ class ReinforceConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradient
     num_generations_per_prompt: int = 4
     """K responses per prompt (>= 2 for the estimators of ``GROUPED``); a prompt's K responses form its group."""
     adv_estimator: Literal[
-        "rloo", "grpo", "dr_grpo", "none", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
-        "gpg", "grpo_passk", "raw_reward",
+        "rloo", "grpo", "grpo_loo", "dr_grpo", "none", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+        "remax", "opo", "gpg", "grpo_passk", "raw_reward",
     ] = "rloo"
     """The advantage estimator (verl's name; ``rlbits.ADVANTAGE_ESTIMATORS``): ``rloo``: r - mean of the other K-1
-    rewards; ``grpo``: (r - group mean) / (group std + eps); ``dr_grpo``: r - group mean (Dr. GRPO, Liu 2025);
+    rewards; ``grpo``: (r - group mean) / (group std + eps); ``grpo_loo``: (r - mean of the other K-1) / (their
+    std + eps), not divided where they are all equal (NeMo-RL's default ``grpo``: ``normalize_rewards`` and
+    ``use_leave_one_out_baseline``); ``dr_grpo``: r - group mean (Dr. GRPO, Liu 2025);
     ``none``: r itself (plain REINFORCE); ``reinforce_plus_plus``: the discounted return to go, whitened over the
     batch; ``reinforce_plus_plus_baseline``: r - group mean, whitened; ``remax``: the return to go minus the
     reward of a greedy response; ``opo``: r - length-weighted group mean; ``gpg``: (r - group mean) * B / (rewards
@@ -114,7 +118,8 @@ class ReinforceConfig(EnvConfig, LoRAConfig, RewardShapingConfig, PolicyGradient
     (NeMo-RL's ``adv_estimator.name: raw_reward``, advantage_estimator.py): r whitened over the batch's tokens
     (its ``normalize_advantages: true``; ``none`` is the unwhitened form)."""
     grpo_eps: float = ranged(1e-6, ge=0)
-    """Added to the group std by ``grpo`` and ``grpo_passk`` (verl's ``epsilon``)."""
+    """Added to the group std by ``grpo``, ``grpo_loo`` and ``grpo_passk`` (verl's ``epsilon``; NeMo-RL fixes
+    1e-6)."""
     gamma: float = ranged(1.0, ge=0, le=1)
     """Discount per action token of ``reinforce_plus_plus``'s return to go (verl's ``algorithm.gamma``)."""
     kl_in_reward: bool = False
@@ -218,7 +223,9 @@ def init_state(
     policy = prepare(with_lora(policy, cfg).train(), cfg, env)
     return State(
         policy=policy, reference=reference,
-        optimizer=make_optimizer(policy.parameters(), cfg.learning_rate, cfg.weight_decay),
+        optimizer=make_optimizer(
+            policy.parameters(), cfg.learning_rate, cfg.weight_decay, cfg.adam_betas, cfg.adam_eps
+        ),
         **online_fields(cfg, env, setup, tokenizer, init_path, reward=reward, prompts=prompts, val_prompts=val_prompts),
     )
 
@@ -292,10 +299,10 @@ def greedy_baseline(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -
 
 
 def _baseline(shaped: torch.Tensor, batch: TensorDictBase, cfg: ReinforceConfig) -> torch.Tensor:
-    """[B] the value each reward is compared with, for the ``baseline`` metric: the others' mean (``rloo``), the
-    greedy reward (``remax``), 0 (``none``, ``reinforce_plus_plus``), else the group mean."""
+    """[B] the value each reward is compared with, for the ``baseline`` metric: the others' mean (``rloo``,
+    ``grpo_loo``), the greedy reward (``remax``), 0 (``none``, ``reinforce_plus_plus``), else the group mean."""
     k = cfg.num_generations_per_prompt
-    if cfg.adv_estimator == "rloo":
+    if cfg.adv_estimator in ("rloo", "grpo_loo"):
         return rloo_baseline(shaped, k)
     if cfg.adv_estimator == "remax":
         return batch["reward_baselines"]
@@ -306,7 +313,7 @@ def _baseline(shaped: torch.Tensor, batch: TensorDictBase, cfg: ReinforceConfig)
 
 def _estimator_kwargs(cfg: ReinforceConfig) -> dict[str, Any]:
     """The config's hyperparameters of ``cfg.adv_estimator``, under the estimator's (verl's) names."""
-    if cfg.adv_estimator in ("grpo", "grpo_passk"):
+    if cfg.adv_estimator in ("grpo", "grpo_loo", "grpo_passk"):
         return {"epsilon": cfg.grpo_eps}
     if cfg.adv_estimator == "reinforce_plus_plus":
         return {"gamma": cfg.gamma}

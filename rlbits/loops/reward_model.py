@@ -174,7 +174,9 @@ def init_state(
     model, tokenizer = load_classifier(path, env.device)
     return State(
         env=env, tokenizer=tokenizer, model=model, init_path=str(path),
-        optimizer=make_optimizer(model.parameters(), cfg.learning_rate, cfg.weight_decay),
+        optimizer=make_optimizer(
+            model.parameters(), cfg.learning_rate, cfg.weight_decay, cfg.adam_betas, cfg.adam_eps
+        ),
         stream=PromptStream(rows, cfg.seed), val_sets=val_sets,
     )
 

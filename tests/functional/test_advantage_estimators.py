@@ -43,7 +43,7 @@ VERL_REGISTERED = {  # verl's AdvantageEstimator names
 }
 NOT_REGISTERED = {"rloo_vectorized", "grpo_vectorized", "tir_optimal_token_baseline"}  # module docstring: why
 RLBITS_ONLY = {"dr_grpo", "none"}
-NEMO_RL = {"raw_reward"}  # NeMo-RL's own names (nemo_rl/algorithms/advantage_estimator.py)
+NEMO_RL = {"raw_reward", "grpo_loo"}  # NeMo-RL's estimators (nemo_rl/algorithms/advantage_estimator.py)
 
 
 def _index():
@@ -133,6 +133,37 @@ def ref_rloo(token_level_rewards, response_mask, index):
             scores[i] = scores[i] * n / (n - 1) - id2mean[index[i]] * n / (n - 1)
     scores = scores.unsqueeze(-1) * response_mask
     return scores, scores
+
+
+def ref_nemo_rl_grpo(token_level_rewards, response_mask, index, leave_one_out=True, normalize=True):
+    """NeMo-RL's ``GRPOAdvantageEstimator.compute_advantage`` with ``calculate_baseline_and_std_per_prompt``
+    (nemo_rl/algorithms/advantage_estimator.py and utils.py, NVIDIA-NeMo/RL main) re-written: per prompt a
+    mask matrix (1 - eye for leave-one-out), baseline and mean square by matmul over ``num_valid`` (every
+    sample valid, minus one when leaving one out), std ``sqrt((E[r^2] - E[r]^2) n / (n - 1))`` with NaN (and
+    inf) as 0, ``(r - baseline) / (std + 1e-6)`` only where ``std > 0``."""
+    rewards = token_level_rewards.sum(dim=-1)
+    prompts = torch.tensor([int(str(i).split("-")[-1]) for i in index])[:, None]
+    valid = torch.ones_like(rewards)
+    baseline, std = torch.zeros_like(rewards), torch.zeros_like(rewards)
+    for prompt in torch.unique(prompts, dim=0):
+        idx = torch.arange(len(prompts))[(prompts == prompt).all(1)]
+        n = len(idx)
+        matrix = (1 - torch.eye(n)) if leave_one_out else torch.ones((n, n))
+        matrix = matrix.to(rewards.dtype)
+        if valid[idx].sum() <= 1:
+            baseline[idx] = rewards[idx]
+            continue
+        num_valid = valid[idx].sum() - int(leave_one_out)
+        base = torch.matmul(matrix, rewards[idx] * valid[idx]) / num_valid
+        square = torch.matmul(matrix, torch.pow(rewards[idx], 2) * valid[idx]) / num_valid
+        baseline[idx] = base
+        std[idx] = ((square - base.square()) * (num_valid / (num_valid - 1))).sqrt().nan_to_num(0)
+    adv = (rewards - baseline).unsqueeze(-1)
+    if normalize:
+        nonzero = std > 0
+        adv[nonzero] = adv[nonzero] / (std.unsqueeze(-1)[nonzero] + 1e-6)
+    adv = adv.expand(response_mask.shape) * response_mask
+    return adv, adv
 
 
 def ref_grpo_passk(token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True):
@@ -308,6 +339,7 @@ def _cases(seed, holes, token_noise):
             ),
             "dr_grpo": ({}, ref_grpo(tlr, fm, index, norm_adv_by_std_in_grpo=False)),
             "rloo": ({}, ref_rloo(tlr, fm, index)),
+            "grpo_loo": ({}, ref_nemo_rl_grpo(tlr, fm, index)),
             "none": ({}, (tlr.sum(-1, keepdim=True) * fm,) * 2),
             "gae": ({"values": values, "gamma": 0.9, "lam": 0.8}, ref_gae(tlr, values, mask, 0.9, 0.8)),
             "reinforce_plus_plus": ({"gamma": 0.9}, ref_reinforce_plus_plus(tlr, mask, 0.9)),
@@ -353,6 +385,30 @@ def test_estimator_matches_verl_reference(case, seed, token_noise, holes):
     assert adv.dtype == ret.dtype == torch.float64
     _close(adv, want_adv, mask)
     _close(ret, want_ret, mask)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_grpo_loo_matches_nemo_rl_on_groups_of_any_size(k, seed):
+    """NeMo-RL's default GRPO advantage (leave-one-out baseline and std) for K = 2 (no division: one other
+    reward has std 0 there), 3 and 5, with 0/1 groups (all equal, one differing) and random rewards."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = 6
+    scores = torch.randn(groups * k, generator=gen, dtype=torch.float64)
+    scores[:k] = 1.0  # all equal
+    scores[k : 2 * k] = 0.0
+    scores[k] = 1.0  # one differs: its others are all equal (not divided), the rest are divided
+    scores[2 * k : 3 * k] = torch.randint(0, 2, (k,), generator=gen).to(torch.float64)
+    lengths = torch.randint(0, R + 1, (groups * k,), generator=gen)
+    mask = torch.arange(R)[None, :] < lengths[:, None]  # right padding, empty rows included
+    tlr = rlbits.token_rewards(scores, mask)
+    index = [f"prompt-{i // k}" for i in range(groups * k)]
+    adv, ret = rlbits.grpo_loo_advantage(tlr, mask, group_size=k)
+    want, _ = ref_nemo_rl_grpo(tlr, mask.to(torch.float64), index)
+    _close(adv, want, mask)
+    assert ret is adv
+    if k == 2:
+        _close(adv, ref_rloo(tlr, mask.to(torch.float64), index)[0], mask)
 
 
 def test_gdpo_components_and_weights_match_verl_reference():

@@ -86,7 +86,7 @@ policy:
                 lora_cfg: {enabled: false, dim: 8, alpha: 32}}
   megatron_cfg: {enabled: false, tensor_model_parallel_size: 1, optimizer: {lr: 1.0e-6}}
   max_grad_norm: 1.0
-  optimizer: {name: torch.optim.AdamW, kwargs: {lr: 1.0e-4, weight_decay: 0.0, betas: [0.9, 0.999], eps: 1e-8}}
+  optimizer: {name: torch.optim.AdamW, kwargs: {lr: 1.0e-4, weight_decay: 0.0, betas: [0.9, 0.98], eps: 1e-6}}
   scheduler:
   - {name: torch.optim.lr_scheduler.LinearLR, kwargs: {start_factor: 0.1, end_factor: 1.0, total_iters: 3}}
   - {name: torch.optim.lr_scheduler.ConstantLR, kwargs: {factor: 1.0, total_iters: 10000000000}}
@@ -108,8 +108,11 @@ value:
   train_global_batch_size: ${policy.train_global_batch_size}
   train_micro_batch_size: ${policy.train_micro_batch_size}
   precision: float32
-  optimizer: {name: torch.optim.AdamW, kwargs: {lr: 2.0e-4, weight_decay: 0.0, betas: [0.9, 0.999], eps: 1e-8}}
-  scheduler: ${policy.scheduler}
+  optimizer: {name: torch.optim.AdamW, kwargs: {lr: 2.0e-4, weight_decay: 0.1, betas: [0.9, 0.98], eps: 1e-6}}
+  scheduler:
+  - {name: torch.optim.lr_scheduler.LinearLR, kwargs: {start_factor: 0.05, end_factor: 1.0, total_iters: 2}}
+  - {name: torch.optim.lr_scheduler.ConstantLR, kwargs: {factor: 1.0, total_iters: 10000000000}}
+  - milestones: [2]
 data: {max_input_seq_length: 32, shuffle: true, train: {dataset_name: OpenMathInstruct-2}}
 env: {math: {num_workers: 8}}
 """
@@ -120,7 +123,7 @@ grpo:
   num_generations_per_prompt: 4
   max_num_steps: 10
   normalize_rewards: true
-  use_leave_one_out_baseline: false
+  use_leave_one_out_baseline: true
   val_period: 0
   val_at_start: false
   val_at_end: false
@@ -193,7 +196,8 @@ model:
     name: distributed_fused_adam
     lr: 9e-5
     weight_decay: 0.0
-    betas: [0.9, 0.999]
+    betas: [0.9, 0.98]
+    eps: 1.0e-6
     sched: {name: CosineAnnealing, warmup_steps: 1, constant_steps: 1, min_lr: 9e-6, max_steps: 10}
   precision: ${trainer.precision}
 """
@@ -208,7 +212,7 @@ model:
   reward_standardization: {enable: false, mean: null, std: null}
   micro_batch_size: 2
   global_batch_size: 2
-  optim: {name: distributed_fused_adam, lr: 9e-4, weight_decay: 0.0, betas: [0.9, 0.999],
+  optim: {name: distributed_fused_adam, lr: 9e-4, weight_decay: 0.01, betas: [0.9, 0.98],
           sched: {name: CosineAnnealing, warmup_steps: 1, constant_steps: 1, min_lr: 9e-6}}
 """
 
@@ -228,7 +232,7 @@ train: {seq_length: 64, epochs: 1, total_steps: 8, batch_size: 2, checkpoint_int
         pipeline: PromptPipeline, trainer: AcceleratePPOTrainer, tracker: null, checkpoint_dir: ckpts, seed: 5}
 model: {model_path: lvwerra/gpt2-imdb, num_layers_unfrozen: 1}
 tokenizer: {tokenizer_path: gpt2, truncation_side: right}
-optimizer: {name: adamw, kwargs: {lr: 3.0e-5, betas: [0.9, 0.999], eps: 1.0e-8, weight_decay: 1.0e-6}}
+optimizer: {name: adamw, kwargs: {lr: 3.0e-5, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 1.0e-6}}
 scheduler: {name: cosine_annealing, kwargs: {T_max: 1000000000000.0, eta_min: 3.0e-5}}
 method:
   name: PPOConfig
@@ -310,17 +314,20 @@ def test_nemo_rl_ppo_fields(tmp_path, capsys):
     assert (v["num_minibatches"], v["microbatch_size"], v["critic_learning_rate"]) == (2, 2, 2e-4)
     assert v["val_generation"] == {"top_p": 0.9} and v["metric_name"] == "val_reward" and v["keep_top_k"] == 2
     assert "batch_multiplier" not in v or v["batch_multiplier"] == 1
+    assert (v["adam_betas"], v["adam_eps"], v["critic_weight_decay"]) == ([0.9, 0.98], 1e-6, 0.1)
+    assert (v["critic_lr_warmup_steps"], v["critic_lr_warmup_start_factor"]) == (2, 0.05)
 
 
 def test_nemo_rl_grpo_and_aligner_and_trlx_fields(tmp_path, capsys):
     (tmp_path / "g").mkdir()
     g = converted(tmp_path / "g", capsys, "nemo-rl-grpo")
-    assert (g["loop"], g["adv_estimator"], g["kl_loss_coef"], g["kl_loss_estimator"]) == ("reinforce", "grpo", 0.04, "k3")
+    assert (g["loop"], g["adv_estimator"], g["kl_loss_coef"], g["kl_loss_estimator"]) == ("reinforce", "grpo_loo", 0.04, "k3")
     (tmp_path / "a").mkdir()
     a = converted(tmp_path / "a", capsys, "nemo-aligner-ppo")
     assert (a["kl_coef"], a["kl_estimator"], a["lr_scheduler"], a["lr_constant_steps"]) == (0.01, "abs", "cosine", 1)
     assert (a["critic_learning_rate"], a["value_clip_eps"], a["max_new_tokens"], a["top_k"]) == (9e-4, 0.2, 4, None)
     assert a["stop_strings"] == ["<extra_id_1>"] and a["save_period"] == 10 and a["num_minibatches"] == 2
+    assert (a["adam_betas"], a["adam_eps"], a["weight_decay"], a["critic_weight_decay"]) == ([0.9, 0.98], 1e-6, 0.0, 0.01)
     (tmp_path / "r").mkdir()
     r = converted(tmp_path / "r", capsys, "nemo-aligner-reinforce")
     assert (r["loop"], r["adv_estimator"], r["rloo_exclude_truncated"], r["kl_reward_reduction"]) == (
@@ -331,6 +338,7 @@ def test_nemo_rl_grpo_and_aligner_and_trlx_fields(tmp_path, capsys):
     assert (t["max_num_steps"], t["num_minibatches"], t["val_period"], t["reward_clip"]) == (2, 2, 1, 10.0)
     assert (t["lr_scheduler"], t["lr_max_steps"], t["min_lr"], t["num_layers_unfrozen"]) == (
         "cosine_annealing", 10**12, 3e-5, 1)
+    assert (t["adam_betas"], t["adam_eps"]) == ([0.9, 0.95], 1e-8)
     (tmp_path / "i").mkdir()
     i = converted(tmp_path / "i", capsys, "trlx-ilql")
     assert (i["loop"], i["awac_beta"], i["beta"], i["top_k"], i["standardize_rewards"]) == ("ilql", 0.0, 1.0, 20, True)
@@ -394,14 +402,50 @@ def test_unknown_field_is_listed_not_dropped(tmp_path, capsys):
 
 
 def test_unsupported_value_and_unresolvable_interpolation_name_the_field(tmp_path, capsys):
-    text = ALIGNER_ACTOR.replace("betas: [0.9, 0.999]", "betas: [0.9, 0.98]").replace(
+    text = ALIGNER_ACTOR.replace("betas: [0.9, 0.98]", "betas: [0.9, 1.5]").replace(
         "min_length: 1", "min_length: '${model.nowhere}'"
     )
     (tmp_path / "a.yaml").write_text(text)
     code, out = run_convert(capsys, "nemo-aligner", [str(tmp_path / "a.yaml")], tmp_path / "out.yaml")
     assert code == 1
-    assert "refused: model.optim.betas: not supported: Adam betas [0.9, 0.98]" in out
+    assert "refused: model.optim.betas: not supported: Adam betas [0.9, 1.5]" in out
     assert "refused: model.ppo.length_params.min_length: not supported: unresolvable interpolation" in out
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["adv_estimator", "older_top_level_flags"])
+@pytest.mark.parametrize(
+    ("norm", "loo", "want"),
+    [(True, True, "grpo_loo"), (True, False, "grpo"), (False, True, "rloo"), (False, False, "dr_grpo")],
+)
+def test_nemo_rl_grpo_flags_pick_the_estimator(nested, norm, loo, want, tmp_path):
+    text = NEMO_RL_GRPO.replace("normalize_rewards: true\n", f"normalize_rewards: {str(norm).lower()}\n").replace(
+        "use_leave_one_out_baseline: true\n", f"use_leave_one_out_baseline: {str(loo).lower()}\n"
+    )
+    if not nested:  # NeMo-RL before grpo.adv_estimator: grpo.py read the two flags
+        text = text.replace(text[text.index("  adv_estimator:"): text.index("loss_fn:")], "")
+    conv = convert("nemo-rl", write(tmp_path, {"grpo.yaml": text}))
+    assert conv.values["adv_estimator"] == want and conv.ok, conv.refused
+
+
+def test_nemo_rl_megatron_value_model_optimizer(tmp_path):
+    """The value model's Megatron weight decay (its scheduler's start/end, which Megatron applies each step)
+    and warm-up (``lr_warmup_iters``, ``lr_warmup_init / lr``) map to the critic's fields."""
+    megatron = (
+        "  megatron_cfg:\n    enabled: true\n    optimizer: {lr: LR, weight_decay: 0.01, adam_beta1: 0.9, adam_beta2: 0.98,"
+        " adam_eps: 1.0e-6}\n    scheduler: {lr_decay_style: constant, lr_warmup_iters: ITERS, lr_warmup_init: INIT,"
+        " start_weight_decay: WD, end_weight_decay: WD, weight_decay_incr_style: constant}\n"
+    )
+    policy = "  megatron_cfg: {enabled: false, tensor_model_parallel_size: 1, optimizer: {lr: 1.0e-6}}\n"
+    text = NEMO_RL_PPO.replace(policy, megatron.replace(
+        "LR", "1.0e-4").replace("ITERS", "3").replace("INIT", "1.0e-5").replace("WD", "0.01"), 1)
+    text = text.replace("  model_name: ${policy.model_name}\n", "  model_name: ${policy.model_name}\n" + megatron.replace(
+        "LR", "2.0e-4").replace("ITERS", "5").replace("INIT", "1.0e-5").replace("WD", "0.1"), 1)
+    conv = convert("nemo-rl", write(tmp_path, {"base.yaml": NEMO_RL_BASE, "ppo.yaml": text}))
+    v = conv.values
+    assert (v["weight_decay"], v["critic_weight_decay"], v["adam_betas"], v["adam_eps"]) == (0.01, 0.1, [0.9, 0.98], 1e-6)
+    assert (v["lr_scheduler"], v["lr_warmup_steps"], v["lr_warmup_start_factor"]) == ("linear_warmup", 3, 0.1)
+    assert (v["critic_lr_warmup_steps"], v["critic_lr_warmup_start_factor"]) == (5, 0.05)
+    assert conv.ok, conv.refused
 
 
 def test_interpolations_and_defaults(tmp_path):

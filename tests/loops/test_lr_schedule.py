@@ -318,3 +318,54 @@ def test_resume_mid_schedule_gives_the_uninterrupted_rates_and_numbers(tiny_path
     resumed = reinforce.train(dataclasses.replace(part), reward=length_reward, resume=True)
     a, b = untimed_by_step(read_metrics(full), 3), untimed_by_step(read_metrics(resumed), 3)
     assert sorted(a) == [3, 4] and a == b and "lr" in a[4]
+
+
+# --- the critic's own optimizer settings and Adam's betas / eps -----------------------------------------------
+
+
+def test_ppo_critic_warmup_fields_shape_only_the_critic_schedule():
+    """``critic_lr_warmup_steps`` / ``critic_lr_warmup_start_factor`` (NeMo-RL ``value.scheduler``) give the
+    critic its own linear warm-up; the policy keeps ``lr_warmup_steps`` / ``lr_warmup_start_factor``."""
+    base = dict(lr_scheduler="linear_warmup", lr_warmup_steps=3, lr_warmup_start_factor=0.1, learning_rate=1e-4)
+    cfg = ppo.PPOConfig(**base, critic_learning_rate=2e-4, critic_lr_warmup_steps=5, critic_lr_warmup_start_factor=0.05)
+    same = ppo.PPOConfig(**base, critic_learning_rate=2e-4)
+    k = cfg.ppo_epochs * cfg.num_minibatches
+    layer = torch.nn.Linear(1, 1)
+    opt = torch.optim.AdamW(layer.parameters())
+    for step in range(4):
+        got = ppo.critic_trained(layer, opt, cfg, step, 10).lr
+        default = ppo.critic_trained(layer, opt, same, step, 10).lr
+        for u in range(k):
+            t = step * k + u
+            assert got(u) == pytest.approx(linear_warmup_lr(t, lr=2e-4, warmup_steps=5, start_factor=0.05), rel=1e-12)
+            assert default(u) == pytest.approx(linear_warmup_lr(t, lr=2e-4, warmup_steps=3, start_factor=0.1), rel=1e-12)
+    sched = ppo.critic_schedule(cfg)
+    assert (sched.lr_warmup_steps, sched.lr_warmup_start_factor, sched.lr_scheduler) == (5, 0.05, "linear_warmup")
+
+
+@pytest.mark.parametrize("loop", ["ppo", "reinforce"])
+def test_adam_betas_eps_and_critic_weight_decay_reach_the_optimizers(loop, tiny_path, tmp_path):
+    from rlbits.distributed.env import DistEnv
+
+    module = {"ppo": ppo, "reinforce": reinforce}[loop]
+    values = {**COMMON, "policy": tiny_path, "run_dir": str(tmp_path / "run"), "adam_betas": [0.9, 0.95],
+              "adam_eps": 1e-6, "weight_decay": 0.01}
+    if loop == "ppo":
+        values["critic_weight_decay"] = 0.1
+    cfg = config_from_dict(module.PPOConfig if loop == "ppo" else module.ReinforceConfig, values)
+    assert cfg.adam_betas == (0.9, 0.95)
+    state = module.init_state(cfg, DistEnv(), reward=length_reward)
+    optimizers = {"policy": state.policy_optimizer, "critic": state.value_optimizer} if loop == "ppo" else {
+        "policy": state.optimizer}
+    for name, opt in optimizers.items():
+        for group in opt.param_groups:
+            assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-6, name
+            assert group["weight_decay"] == (0.1 if name == "critic" else 0.01), name
+
+
+def test_adam_betas_are_checked():
+    with pytest.raises(ConfigError, match="adam_betas must be two numbers in"):
+        ppo.PPOConfig(adam_betas=[0.9])
+    with pytest.raises(ConfigError, match="adam_betas must be two numbers in"):
+        ppo.PPOConfig(adam_betas=[0.9, 1.0])
+    assert ppo.PPOConfig().adam_betas == (0.9, 0.999) and ppo.PPOConfig().adam_eps == 1e-8
