@@ -909,7 +909,8 @@ NEMO_ALIGNER: tuple[Rule, ...] = (
       "rloo_exclude_truncated", lambda v, c: {"num_generations_per_prompt": integer(v), "adv_estimator": "rloo",
                                               "rloo_exclude_truncated": True}),
     F("trainer.max_time", "max_time"),
-    I(f"trainer.{AL}.{{rollout_batch_seq_length,trt_model_dir}}", "padding of the rollout batch (memory)"),
+    I(f"trainer.{AL}.rollout_batch_seq_length", "padding of the rollout batch (memory)"),
+    I(f"trainer.{AL}.trt_model_dir", TRT),
     I(f"trainer.{AL}.trt_llm.**", TRT),
     I(f"trainer.{AL}.batch_iterator.**", "flask server balancing rollouts over data-parallel ranks"),
     B(f"trainer.{AL}.{{model_gbs,model_mbs}}", "copies of model.global_batch_size / micro_batch_size",
@@ -918,10 +919,10 @@ NEMO_ALIGNER: tuple[Rule, ...] = (
     I("trainer.ppo.{port,combine_rm_and_critic_server,max_queue_delay_microseconds,strip_sequence_length_to_multiple,"
       "inference_micro_batch_size}",
       "the critic/reward server (PyTriton); rlbits trains the critic in-process (or serves it: rlbits serve-critic "
-      "and PPO's critic: http://HOST:PORT)"),
+      "and PPO's critic_server: http://HOST:PORT)"),
     I("{remote_critic_rm,remote_rm}.**",
       "addresses of the reward and critic servers; rlbits: reward_model (a folder) or rlbits serve-reward, and "
-      "the critic in-process or rlbits serve-critic with PPO's critic: http://HOST:PORT"),
+      "the critic in-process or rlbits serve-critic with PPO's critic_server: http://HOST:PORT"),
     # checkpoints and the run's folder
     F("exp_manager.checkpoint_callback_params.monitor", "metric_name",
       lambda v, c: "(critic checkpoints: saved with the policy)" if _is_critic(c)
