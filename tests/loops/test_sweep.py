@@ -142,7 +142,9 @@ def test_an_interrupt_stops_the_running_runs_and_records_them(tmp_path, monkeypa
 
     def fake_start(config_path, log, force):  # a run that waits to be stopped, in place of `rlbits train`
         started.append(config_path.stem)
-        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=log)
+        # SIGINT's default handler set again: a child of an xdist worker starts with SIGINT ignored
+        code = "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(60)"
+        return subprocess.Popen([sys.executable, "-c", code], stdout=log)
 
     monkeypatch.setattr(sweep_module, "_start", fake_start)
 
