@@ -61,7 +61,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
             raise ConfigError(f"override {show(key.strip())}: {e}") from None
         except Exception as e:  # PyYAML also raises RecursionError, ValueError, ... on odd input
             why = f"{type(e).__name__}: {str(e)[:_MAX_YAML_ERROR]}"
-            raise ConfigError(f"override {show(item)}: value is not valid YAML ({why})") from e
+            raise ConfigError(f"override {show(key.strip())}: value {show(raw)} is not valid YAML ({why})") from e
     return out
 
 
