@@ -68,21 +68,37 @@ def _model_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_reward(args: argparse.Namespace) -> int:
+def _server_token(args: argparse.Namespace) -> str | None:
+    """The bearer token from ``$args.token_env`` (argv is visible to every user in `ps`); None without
+    ``--token-env``. Raises ValueError when the variable is unset or empty."""
     import os
 
+    if not args.token_env:
+        return None
+    token = os.environ.get(args.token_env)
+    if not token:
+        raise ValueError(f"environment variable {args.token_env} is unset or empty")
+    return token
+
+
+def _serve(server, banner: str) -> int:
+    """Print ``banner`` and serve until Ctrl-C; the socket is closed either way."""
+    print(banner)
+    sys.stdout.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def _serve_reward(args: argparse.Namespace) -> int:
     from rlbits.rollout.reward_server import RewardServer, load_reward
 
-    token = None
-    if args.token_env:  # the token comes from the environment: argv is visible to every user in `ps`
-        token = os.environ.get(args.token_env)
-        if not token:
-            print(
-                f"rlbits serve-reward: environment variable {args.token_env} is unset or empty",
-                file=sys.stderr,
-            )
-            return 2
     try:
+        token = _server_token(args)
         reward = load_reward(args.target)
     except ValueError as e:
         print(f"rlbits serve-reward: {e}", file=sys.stderr)
@@ -96,38 +112,24 @@ def _serve_reward(args: argparse.Namespace) -> int:
         print(f"rlbits serve-reward: cannot listen on {args.host} port {args.port}: {e}", file=sys.stderr)
         return 2
     auth = f", bearer token from ${args.token_env}" if token else ""
-    print(
-        f"rlbits reward server for {args.target} listening on {server.url} (POST /score, GET /health{auth})"
-    )
-    sys.stdout.flush()
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
+    return _serve(server, f"rlbits reward server for {args.target} listening on {server.url} (POST /score, "
+                          f"GET /health{auth})")
 
 
 def _serve_critic(args: argparse.Namespace) -> int:
-    import os
-
     from rlbits.loops.api import resolve_config
     from rlbits.loops.config import ConfigError
     from rlbits.loops.critic_server import CriticServer
     from rlbits.loops.ppo import PPOConfig
     from rlbits.loops.runtime import setup
 
-    token = os.environ.get(args.token_env) if args.token_env else None
-    if args.token_env and not token:  # the token comes from the environment: argv is visible in `ps`
-        print(f"rlbits serve-critic: environment variable {args.token_env} is unset or empty", file=sys.stderr)
-        return 2
     target = Path(args.target)
     try:
+        token = _server_token(args)
         cfg = resolve_config(str(target / "config.yaml") if target.is_dir() else args.target)
         if not isinstance(cfg, PPOConfig):
             raise ConfigError(f"{args.target} is a {cfg.loop} config; serve-critic serves a ppo run's critic")
-    except (ConfigError, OSError) as e:
+    except (ConfigError, OSError, ValueError) as e:
         print(f"rlbits serve-critic: {e}", file=sys.stderr)
         return 2
     folder = Path(args.dir) if args.dir else Path(f"{cfg.run_dir}-critic")
@@ -143,18 +145,8 @@ def _serve_critic(args: argparse.Namespace) -> int:
         print(f"rlbits serve-critic: {e}", file=sys.stderr)
         return 2
     auth = f", bearer token from ${args.token_env}" if token else ""
-    print(
-        f"rlbits critic server for {args.target} listening on {server.url} (POST /values, /train, /save, /info; "
-        f"GET /health{auth}); checkpoint {folder} at update {server.update}"
-    )
-    sys.stdout.flush()
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
+    return _serve(server, f"rlbits critic server for {args.target} listening on {server.url} (POST /values, "
+                          f"/train, /save, /info; GET /health{auth}); checkpoint {folder} at update {server.update}")
 
 
 def _format_type(tp: Any) -> str:
