@@ -2,6 +2,8 @@ import importlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,30 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def made_once(tmp_path_factory):
+    """``made_once(name, make) -> folder``: ``make(folder)`` runs once for the whole session, xdist workers
+    included (the first worker makes it under a file lock; the others wait and reuse it). For what costs tens
+    of seconds and several tests read, such as reference runs and torchrun launches. (xdist's
+    ``--dist loadgroup`` would do this by sending the tests to one worker, but with pytest 9 its group
+    marker is ignored.)"""
+    from filelock import FileLock  # a dependency of torch
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' common folder
+
+    def get(name: str, make: Callable[[Path], None]) -> Path:
+        folder = shared / name
+        with FileLock(str(folder) + ".lock"):
+            if not (folder / ".made").exists():
+                folder.mkdir(exist_ok=True)
+                make(folder)
+                (folder / ".made").touch()
+        return folder
+
+    return get
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ torchrun.
 
 ``python tests/dist_worker.py {ppo,rloo,reinforce_plus_plus} OUT [FIELD=JSON ...]`` (REINFORCE's
 ``adv_estimator``: rloo, or reinforce_plus_plus, whose whitening spans the ranks; config fields to override, e.g.
-``pack_sequences=true``) runs the phases on the whole batch in one process;
+``pack_sequences=true``; several such cases joined by ``+`` run one after another) runs the phases on the whole
+batch in one process;
 ``torchrun --nproc_per_node N tests/dist_worker.py ALGO OUT`` shards the models (FSDP2) and gives each
 rank its B/N rows. The phases are the loops' own (``phase(state, batch, cfg) -> batch``): PPO's
 ``advantages``, ``update`` and ``kl_control``, REINFORCE's ``advantages`` and ``update``. Rank 0 writes the
@@ -107,5 +108,20 @@ def main(algo: str, out: str, overrides: dict | None = None) -> None:
         Path(out).with_suffix(".json").write_text(json.dumps(logged, indent=1))
 
 
+def cases(argv: list[str]) -> list[tuple[str, str, dict]]:
+    """``ALGO OUT [FIELD=JSON ...] [+ ALGO OUT [FIELD=JSON ...]] ...``: several updates in one launch, which
+    pays the imports and the process-group start once."""
+    out, case = [], []
+    for arg in [*argv, "+"]:
+        if arg != "+":
+            case.append(arg)
+            continue
+        algo, path, *fields = case
+        out.append((algo, path, {k: json.loads(v) for k, v in (a.split("=", 1) for a in fields)}))
+        case = []
+    return out
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], {k: json.loads(v) for k, v in (a.split("=", 1) for a in sys.argv[3:])})
+    for algo, path, overrides in cases(sys.argv[1:]):
+        main(algo, path, overrides)

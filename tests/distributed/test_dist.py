@@ -113,12 +113,10 @@ ZERO_UP_TO_ROUNDING = {("reinforce_plus_plus", "advantages"): 1e-6}  # the mean 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "rloo", "reinforce_plus_plus"])
-def test_one_update_on_two_fsdp_ranks_equals_one_process(algo, tmp_path):
+def test_one_update_on_two_fsdp_ranks_equals_one_process(algo, fsdp_updates):
     """The same weights after the update, and the same logged metrics: N ranks log what one process would."""
-    worker = str(ROOT / "tests" / "dist_worker.py")
-    python(worker, algo, str(tmp_path / "one.pt"))
-    torchrun(worker, algo, str(tmp_path / "two.pt"))
-    one, two = (torch.load(tmp_path / f, weights_only=True) for f in ("one.pt", "two.pt"))
+    one_pt, two_pt = fsdp_updates[algo]
+    one, two = (torch.load(f, weights_only=True) for f in (one_pt, two_pt))
     init = tiny_causal_lm("gpt2", 48, seed=0).state_dict()
     moved = max((one["policy"][k] - init[k]).abs().max().item() for k in init)
     assert moved > 1e-3  # the update is large enough for a wrong gradient to show
@@ -126,7 +124,7 @@ def test_one_update_on_two_fsdp_ranks_equals_one_process(algo, tmp_path):
         for name, a in one[model].items():
             b = two[model][name]
             assert (a - b).abs().max() <= 1e-5 * a.abs().max() + 1e-8, f"{model}.{name}"
-    logged_one, logged_two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    logged_one, logged_two = (json.loads(f.with_suffix(".json").read_text()) for f in (one_pt, two_pt))
     assert set(logged_one) == set(logged_two) == LOGGED[algo]
     differ = {
         name: (a, logged_two[name])
