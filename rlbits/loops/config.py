@@ -123,16 +123,20 @@ class RunConfig:
     its prompt plus response (``attention_mask``); with ``pack_sequences`` a microbatch holds at most this
     many real tokens (Karmarkar-Karp partitions of about equal tokens), without it at most this many of
     rows x longest row. Must be at least the longest row. The losses' denominators are the minibatch's
-    global counts either way, so the loss and gradients equal the row-count split's to float rounding.
-    None: ``microbatch_size`` rows (it still sizes the no-gradient forward passes of the other phases)."""
+    global counts either way, so the loss and gradients equal the row-count split's to float rounding. The
+    no-gradient scoring passes before the update (reference, old logprobs, critic values) split by the same
+    budget (``rlbits.loops.phases.scoring_args``; verl's ``log_prob_max_token_len_per_gpu`` defaults to it).
+    None: ``microbatch_size`` rows, in the update and the scoring passes. docs/packing.md."""
     pack_sequences: bool = False
     """Packed updates: each microbatch's rows [b, T] are concatenated without padding into one row [1, N]
     (N real tokens), position ids restarting per row and attention confined to each row (transformers reads
     the rows off the position ids: a block-diagonal causal mask under sdpa/eager, variable-length kernels
     under flash_attention_2), and the logprobs, entropies and values are scattered back to [b, R]
     (``rlbits.models.forward.policy_logprobs(pack=True)``). The loss and gradients equal the padded update's
-    to float rounding. For PPO, REINFORCE and the preference loop (their objectives' ``policy_logprobs`` /
-    ``critic_values``); ILQL and the reward model refuse it (a ValueError at the first update)."""
+    to float rounding. The scoring passes before the update (reference, old logprobs, critic values) pack
+    too, with the padded passes' results to float rounding. For PPO, REINFORCE and the preference loop
+    (their objectives' ``policy_logprobs`` / ``critic_values``); ILQL and the reward model refuse it (a
+    ValueError at the first update). docs/packing.md."""
     val_period: int = ranged(10, ge=0)
     """Validate every this many steps (0 disables periodic validation)."""
     val_at_start: bool = True
@@ -472,8 +476,9 @@ class OnlineConfig(PolicyConfig):
     """Finished rows leave the rollout's decode batch (``generate(continuous_batching=...)``): the rows still
     decoding are compacted, with their KV cache rows, to the next power of two, so a batch of uneven response
     lengths pays for its generated tokens rather than its longest row's. The same samples and logprobs as
-    without it (float rounding of the logits at another batch size aside). Rollouts, multi-turn episodes and
-    validation."""
+    without it (float rounding of the logits at another batch size aside). Every ``generate`` call of the
+    loops: rollouts, multi-turn episodes, validation, ReMax's greedy baseline and the preference loop's
+    offline pairs. A ``logits_processor`` sees only the rows still decoding. docs/packing.md."""
     logprob_head: Literal["auto", "fused", "unfused"] = "auto"
     """How the training and reference forwards apply the output layer
     (``rlbits.models.forward.policy_logprobs``): ``fused`` never holds a microbatch's [b, R, V] logits

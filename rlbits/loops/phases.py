@@ -1,8 +1,8 @@
 """What the loops share: the online phases ``rollout``, ``reference``, ``rollout_correction`` and
 ``validate_policy``, each
 ``phase(state, batch, cfg) -> batch``, and the model-level building blocks beneath them (``generate_rollout``,
-``run_episodes``, ``score_rollout``, ``reference_logprobs``, ``evaluate_policy``, ``add_batch_stats``,
-``policy_loss_stats``),
+``run_episodes``, ``score_rollout``, ``reference_logprobs``, ``scoring_args``, ``evaluate_policy``,
+``add_batch_stats``, ``policy_loss_stats``),
 usable in any loop or notebook.
 """
 
@@ -269,17 +269,29 @@ def rollout(state: Any, batch: TensorDictBase, cfg: RunConfig) -> TensorDictBase
         return sample(state, batch, cfg, model)
 
 
+def scoring_args(cfg: RunConfig) -> dict[str, Any]:
+    """The keywords of ``policy_logprobs`` / ``critic_values`` for a scoring pass without gradient (the old,
+    reference and critic passes before the update), split and packed as the update is: ``pack`` =
+    ``cfg.pack_sequences``; ``max_tokens`` = ``cfg.max_tokens_per_microbatch`` when set, else
+    ``microbatch_size`` = ``cfg.microbatch_size`` rows a pass. The scores equal the padded row-count
+    passes' to float rounding."""
+    budget = cfg.max_tokens_per_microbatch
+    return {
+        "microbatch_size": cfg.microbatch_size if budget is None else None,
+        "max_tokens": budget,
+        "pack": cfg.pack_sequences,
+    }
+
+
 def reference(state: Any, batch: TensorDictBase, cfg: RunConfig) -> TensorDictBase:
     """The reference phase of the online loops: ``ref_logprobs`` [B, R] of the sampled tokens under the frozen
-    initial policy (``reference_model``: with LoRA the policy with its adapters disabled). Nothing when no
-    term uses them (``cfg.uses_ref_logprobs`` False): the batch then has no ``ref_logprobs``, every KL is 0
-    and ``init_policy_kl`` is not logged."""
+    initial policy (``reference_model``: with LoRA the policy with its adapters disabled), split and packed as
+    the update (``scoring_args``). Nothing when no term uses them (``cfg.uses_ref_logprobs`` False): the
+    batch then has no ``ref_logprobs``, every KL is 0 and ``init_policy_kl`` is not logged."""
     if not cfg.uses_ref_logprobs:
         return batch
     with reference_model(state) as ref, unsharded(ref), autocast(ref, cfg):
-        reference_logprobs(
-            ref, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg)
-        )
+        reference_logprobs(ref, batch, temperature=cfg.temperature, **scoring_args(cfg), **head_args(cfg))
     return batch
 
 
@@ -288,8 +300,8 @@ def rollout_correction(state: Any, batch: TensorDictBase, cfg: RunConfig) -> Ten
     Nothing when ``cfg.rollout_correction`` is off (mode ``none``): the batch is returned unchanged.
 
     Otherwise writes ``old_logprobs`` [B, R], the trainer's own log-probs of the sampled tokens under
-    ``state.policy`` as it is before the update (no gradient, eval mode, ``microbatch_size`` rows at a time,
-    in the training precision), while the sampler's stay in ``logprobs``; then the correction of
+    ``state.policy`` as it is before the update (no gradient, eval mode, split and packed as the update:
+    ``scoring_args``, in the training precision), while the sampler's stay in ``logprobs``; then the correction of
     ``cfg.rollout_correction`` (``rlbits.ROLLOUT_CORRECTIONS``) of ``old_logprobs`` against ``logprobs`` over
     ``loss_mask`` (``action_mask`` when the batch has none) writes ``rollout_is_weights`` [B, R] and
     ``loss_mask`` (rejected tokens removed). The loops' objectives take ``old_logprobs`` as the old policy
@@ -305,9 +317,7 @@ def rollout_correction(state: Any, batch: TensorDictBase, cfg: RunConfig) -> Ten
     policy.eval()
     try:
         with torch.no_grad(), autocast(policy, cfg):
-            old = policy_logprobs(
-                policy, batch, temperature=cfg.temperature, microbatch_size=cfg.microbatch_size, **head_args(cfg)
-            )
+            old = policy_logprobs(policy, batch, temperature=cfg.temperature, **scoring_args(cfg), **head_args(cfg))
     finally:
         policy.train(was_training)
     batch["old_logprobs"] = old.float()  # 0 off action_mask, as policy_logprobs returns it
@@ -327,15 +337,17 @@ def rollout_correction(state: Any, batch: TensorDictBase, cfg: RunConfig) -> Ten
 
 
 def reference_logprobs(
-    ref_policy: torch.nn.Module, batch: TensorDictBase, *, temperature: float, microbatch_size: int,
-    head: str = "auto", head_memory_budget_mb: float = HEAD_MEMORY_BUDGET_MB,
+    ref_policy: torch.nn.Module, batch: TensorDictBase, *, temperature: float, microbatch_size: int | None,
+    max_tokens: int | None = None, pack: bool | None = None, head: str = "auto",
+    head_memory_budget_mb: float = HEAD_MEMORY_BUDGET_MB,
 ) -> torch.Tensor:
     """Write ``ref_logprobs`` [B, R]: the frozen reference policy's logprobs of the sampled tokens
-    (``head``, ``head_memory_budget_mb``: the output layer's path, see ``policy_logprobs``)."""
+    (``microbatch_size`` rows or ``max_tokens`` tokens a pass, ``pack``ed, ``head``, ``head_memory_budget_mb``:
+    see ``policy_logprobs``)."""
     with torch.no_grad():
         batch["ref_logprobs"] = policy_logprobs(
-            ref_policy, batch, temperature=temperature, microbatch_size=microbatch_size, head=head,
-            head_memory_budget_mb=head_memory_budget_mb,
+            ref_policy, batch, temperature=temperature, microbatch_size=microbatch_size, max_tokens=max_tokens,
+            pack=pack, head=head, head_memory_budget_mb=head_memory_budget_mb,
         )
     return batch["ref_logprobs"]
 
@@ -663,5 +675,6 @@ __all__ = [
     "run_episodes",
     "sample",
     "score_rollout",
+    "scoring_args",
     "validate_policy",
 ]

@@ -420,9 +420,10 @@ def critic_schedule(cfg: PPOConfig) -> SimpleNamespace:
 
 def critic_estimates(value_model: torch.nn.Module, batch: TensorDictBase, cfg: PPOConfig) -> torch.Tensor:
     """The critic's V(s_t) before each response token, [B, R] float32, 0 off ``action_mask``, without
-    gradient, in ``microbatch_size``-row forwards under the run's precision (``critic_values``)."""
+    gradient, under the run's precision, split and packed as the update (``critic_values`` with
+    ``phases.scoring_args``)."""
     with torch.no_grad(), unsharded(value_model), autocast(value_model, cfg):
-        return critic_values(value_model, batch, microbatch_size=cfg.microbatch_size).float()
+        return critic_values(value_model, batch, **phases.scoring_args(cfg)).float()
 
 
 def values(state: State, batch: TensorDictBase, cfg: PPOConfig) -> TensorDictBase:

@@ -206,6 +206,7 @@ def sample_pairs(
             num_samples=k,
             generator=gen,
             pack_weights=phases.pack_weights(cfg),
+            continuous_batching=cfg.continuous_batching,
         )
         rewards = phases.score_rollout(batch, reward).float().cpu()
         total += rewards.sum().item()
@@ -381,9 +382,7 @@ def _sequence_logps(
     """[n, 2]: the summed (``simpo``: averaged) log-probabilities of both responses of each pair under ``model``
     at temperature 1, float32."""
     flat = pair_batch.reshape(-1)
-    logprobs = policy_logprobs(
-        model, flat, temperature=1.0, microbatch_size=cfg.microbatch_size, **head_args(cfg)
-    )
+    logprobs = policy_logprobs(model, flat, temperature=1.0, **phases.scoring_args(cfg), **head_args(cfg))
     seq = sequence_logprobs(logprobs.float(), flat["action_mask"], average=not cfg.uses_reference)
     return seq.view(-1, 2)
 

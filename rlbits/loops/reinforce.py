@@ -283,7 +283,10 @@ def greedy_baseline(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -
         return batch
     k = cfg.num_generations_per_prompt
     prompts = phases.prompt_texts(batch)[::k]
-    common = dict(temperature=0.0, compile=cfg.compile_generate, pack_weights=phases.pack_weights(cfg))
+    common = dict(
+        temperature=0.0, compile=cfg.compile_generate, pack_weights=phases.pack_weights(cfg),
+        continuous_batching=cfg.continuous_batching,
+    )
     with phases.decoding(state, cfg) as model:
         if state.make_env is not None:
             greedy = phases.run_episodes(model, state.tokenizer, prompts, state.make_env, cfg, **common)

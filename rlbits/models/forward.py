@@ -22,7 +22,7 @@ import torch
 
 from rlbits.functional import entropy_from_logits, logprobs_from_logits
 from rlbits.functional.logprobs import logprobs_from_hidden
-from rlbits.functional.packing import pack_index
+from rlbits.functional.packing import pack_index, token_budget_partitions
 
 _BATCH_KEYS = ("input_ids", "attention_mask", "responses", "action_mask")
 # Model types whose causal-LM logits are exactly ``lm_head(backbone(...).last_hidden_state)`` (no logit
@@ -293,12 +293,42 @@ def _read_batch(batch: Mapping) -> tuple[torch.Tensor, ...]:
     return input_ids, attention_mask, responses, action_mask
 
 
-def _microbatches(n: int, microbatch_size: int | None) -> list[slice]:
+def _microbatches(
+    attention_mask: torch.Tensor, microbatch_size: int | None, max_tokens: int | None = None, packed: bool = False
+) -> list[slice] | list[torch.Tensor]:
+    """The rows of each forward pass: consecutive slices of ``microbatch_size`` rows (None: one pass), or with
+    ``max_tokens`` the [b] int64 row indices of each microbatch of ``token_budget_partitions`` over the rows'
+    real tokens (``packed``: at most ``max_tokens`` real tokens a pass; padded: rows x longest row). Reads
+    the lengths on the host with a budget (one sync).
+
+    Raises:
+        ValueError: a bad ``microbatch_size`` or ``max_tokens``, both given, or a row over ``max_tokens``.
+    """
+    n = attention_mask.shape[0]
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+        if microbatch_size is not None:
+            raise ValueError(
+                f"give microbatch_size ({microbatch_size}) or max_tokens ({max_tokens}), not both: each sets "
+                "the rows of a forward pass"
+            )
+        lengths = attention_mask.bool().sum(-1).tolist()
+        parts = token_budget_partitions(lengths, max_tokens, padded=not packed)
+        return [torch.tensor(p, dtype=torch.long, device=attention_mask.device) for p in parts]
     if microbatch_size is None:
         return [slice(0, n)]
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
         raise ValueError(f"microbatch_size must be a positive int or None, got {microbatch_size!r}")
     return [slice(s, s + microbatch_size) for s in range(0, n, microbatch_size)]
+
+
+def _in_row_order(parts: list[torch.Tensor], microbatches: list[slice] | list[torch.Tensor]) -> torch.Tensor:
+    """The microbatches' [b, ...] outputs concatenated back into the batch's row order (differentiable)."""
+    out = torch.cat(parts)
+    if all(isinstance(mb, slice) for mb in microbatches):
+        return out
+    return out[torch.argsort(torch.cat(microbatches).to(out.device))]
 
 
 def _trim(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> tuple[slice, int]:
@@ -425,6 +455,7 @@ def policy_logprobs(
     *,
     temperature: float = 1.0,
     microbatch_size: int | None = None,
+    max_tokens: int | None = None,
     return_entropy: bool = False,
     entropy_grad: bool = True,
     head: str = "auto",
@@ -473,7 +504,11 @@ def policy_logprobs(
         batch: TensorDict (or dict) with ``input_ids`` [B, P + R], ``attention_mask`` [B, P + R],
             ``responses`` [B, R], ``action_mask`` [B, R] (the layout ``generate`` returns).
         temperature: > 0; the temperature the responses were sampled at (1.0 for greedy decoding).
-        microbatch_size: rows per forward pass; None for one pass.
+        microbatch_size: rows per forward pass; None for one pass (or ``max_tokens``' passes).
+        max_tokens: instead of ``microbatch_size``, microbatches formed by a token budget (verl's
+            ``log_prob_max_token_len_per_gpu``): rows balanced by length
+            (``rlbits.functional.packing.token_budget_partitions``) into passes of at most this many real
+            tokens packed, of at most this many rows x longest row padded; the results in row order.
         return_entropy: also return the entropy of ``softmax(logits / T)`` at each response position.
         entropy_grad: whether that entropy is differentiable (an entropy bonus). False when it is only a
             metric: on the unfused path it then comes out of the logprobs' own chunked pass
@@ -489,8 +524,9 @@ def policy_logprobs(
         ``(logprobs, entropy)``, entropy [B, R] float32 and 0 where ``action_mask`` is False.
 
     Raises:
-        ValueError: a key is missing, shapes disagree, ``temperature <= 0``, a bad ``microbatch_size``,
-            an unknown ``head``, or (packed) an action token after a padding column.
+        ValueError: a key is missing, shapes disagree, ``temperature <= 0``, a bad ``microbatch_size`` or
+            ``max_tokens`` (or both given), a row over ``max_tokens``, an unknown ``head``, or (packed) an
+            action token after a padding column.
     """
     input_ids, attention_mask, responses, action_mask = _read_batch(batch)
     if not temperature > 0:
@@ -501,9 +537,10 @@ def policy_logprobs(
     mask = action_mask.bool()
     split = split_head(model)
     packed = _packing(pack)
+    microbatches = _microbatches(attention_mask, microbatch_size, max_tokens, packed)
     logps, ents = [], []
     with sparse_tied_embedding_grad(model):
-        for mb in _microbatches(input_ids.shape[0], microbatch_size):
+        for mb in microbatches:
             if packed:
                 args = (input_ids[mb], attention_mask[mb], responses[mb], action_mask[mb], r, temperature)
                 lp, ent = _packed_logprobs(
@@ -518,14 +555,19 @@ def policy_logprobs(
             if return_entropy:
                 ents.append(_pad_right(ent, r))
     zero = torch.zeros((), device=input_ids.device)
-    logprobs = torch.where(mask, torch.cat(logps), zero)
+    logprobs = torch.where(mask, _in_row_order(logps, microbatches), zero)
     if return_entropy:
-        return logprobs, torch.where(mask, torch.cat(ents), zero)
+        return logprobs, torch.where(mask, _in_row_order(ents, microbatches), zero)
     return logprobs
 
 
 def critic_values(
-    value_model: torch.nn.Module, batch: Mapping, *, microbatch_size: int | None = None, pack: bool | None = None
+    value_model: torch.nn.Module,
+    batch: Mapping,
+    *,
+    microbatch_size: int | None = None,
+    max_tokens: int | None = None,
+    pack: bool | None = None,
 ) -> torch.Tensor:
     """Critic values V(s_t) of the state before each response token t: the value output at ``P - 1 + t``.
 
@@ -534,6 +576,7 @@ def critic_values(
             returning [B, P + R] values, one per position (``rlbits.models.heads.ValueModel``).
         batch: TensorDict (or dict) with ``input_ids``, ``attention_mask``, ``responses``, ``action_mask``.
         microbatch_size: rows per forward pass; None for one pass (see ``policy_logprobs`` on gradients).
+        max_tokens: instead of ``microbatch_size``, passes formed by a token budget (``policy_logprobs``).
         pack: run each microbatch as one packed row (``policy_logprobs``), ``value_model`` called with
             ``attention_mask=None``; None: packed inside a ``packed_sequences`` block.
 
@@ -542,13 +585,16 @@ def critic_values(
 
     Raises:
         ValueError: a key is missing, shapes disagree, the model returns a tensor that is not [B, P + R]
-            ([1, N] packed), or (packed) an action token after a padding column.
+            ([1, N] packed), a bad ``microbatch_size`` or ``max_tokens`` (or both given), a row over
+            ``max_tokens``, or (packed) an action token after a padding column.
     """
     input_ids, attention_mask, responses, action_mask = _read_batch(batch)
     r = responses.shape[1]
     parts = []
-    if _packing(pack):
-        for mb in _microbatches(input_ids.shape[0], microbatch_size):
+    packed = _packing(pack)
+    microbatches = _microbatches(attention_mask, microbatch_size, max_tokens, packed)
+    if packed:
+        for mb in microbatches:
             ids, positions, at, where = _packed_rows(input_ids[mb], attention_mask[mb], action_mask[mb], r)
             values = value_model(ids, attention_mask=None, position_ids=positions)
             if values.shape != ids.shape:
@@ -556,8 +602,8 @@ def critic_values(
                     f"value_model returned shape {tuple(values.shape)}; expected [1, N] = {tuple(ids.shape)}"
                 )
             parts.append(_scatter(where, values[0, at].float()))
-        return torch.cat(parts)
-    for mb in _microbatches(input_ids.shape[0], microbatch_size):
+        return _in_row_order(parts, microbatches)
+    for mb in microbatches:
         cols, kept = _trim(input_ids[mb], attention_mask[mb], r)
         ids, att = input_ids[mb, cols], attention_mask[mb, cols]
         values = value_model(ids, attention_mask=att.long(), position_ids=position_ids_from_mask(att))
@@ -567,7 +613,8 @@ def critic_values(
             )
         n = ids.shape[1]
         parts.append(_pad_right(values[:, n - kept - 1 : n - 1].float(), r))
-    return torch.where(action_mask.bool(), torch.cat(parts), torch.zeros((), device=input_ids.device))
+    zero = torch.zeros((), device=input_ids.device)
+    return torch.where(action_mask.bool(), _in_row_order(parts, microbatches), zero)
 
 
 __all__ = [
