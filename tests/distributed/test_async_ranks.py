@@ -229,3 +229,12 @@ def test_two_trainer_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path,
     assert any(not torch.equal(a[n], init[n]) for n in a if n in init)  # the weights moved
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
+
+
+def test_several_trainer_ranks_refuse_dynamic_sampling(tiny_path, tmp_path, monkeypatch):
+    """The colocated ranks agree on each extra draw of dynamic sampling; one rollout rank producing their
+    shards in turn cannot, so it is refused (before any process group is made) with several trainer ranks."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = values(tiny_path, tmp_path, async_mode="ranks", rollout_ranks=1, dynamic_sampling=True)
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        rank_role(config_from_dict(reinforce.ReinforceConfig, cfg))
