@@ -407,7 +407,7 @@ def serve_rollouts(
     while True:
         while produced <= version + cfg.max_staleness:
             out = []
-            for shard in shards:  # each from the same stream position, as the colocated ranks draw
+            for shard in shards:  # in turn, each as its colocated rank draws (no collective runs here)
                 with shard.active(state):
                     batch = stamp_version(produce(state), version)
                     rows, position = _metric_rows(state.metrics), _rollout_state(state)
