@@ -38,8 +38,8 @@ class RankRoles:
     world_size: int
     rollout_ranks: tuple[int, ...]
     group: Any
-    trainer_ranks: tuple[int, ...] = (TRAINER_RANK,)
-    env: DistEnv = dataclasses.field(default_factory=DistEnv)
+    trainer_ranks: tuple[int, ...]
+    env: DistEnv
 
     @property
     def is_rollout(self) -> bool:
