@@ -27,6 +27,7 @@ _LAZY = {
     "init": "rlbits.distributed.env",
     "is_collective_failure": "rlbits.distributed.env",
     "main_rank_first": "rlbits.distributed.env",
+    "use_role_env": "rlbits.distributed.env",
     # reduce
     "all_reduce_max": "rlbits.distributed.reduce",
     "all_reduce_sum": "rlbits.distributed.reduce",

@@ -1,9 +1,11 @@
 """The ranks and the transport of ``async_mode: ranks`` (docs/async.md): which ranks train and which only
 generate, the bounded rollout queue between them (point-to-point messages) and the weight broadcast.
 
-Messages are JSON objects sent as uint8 tensors (a length, then the bytes): no pickle crosses ranks. The
-weights go as the module's own tensors, broadcast in place from trainer rank 0 on a group made of it and the
-rollout ranks. Gloo on CPU (the tensors stay on the CPU).
+The first ``T = world size - rollout_ranks`` ranks train together (FSDP2 over their own process group, as a
+colocated run at world size T); the last ranks only generate. Messages are JSON objects sent as uint8
+tensors (a length, then the bytes): no pickle crosses ranks. The weights go from trainer rank 0 on a group
+made of it and the rollout ranks, in place into the rollout ranks' tensors (a sharded trainer policy's
+parameters are gathered one at a time first). Gloo on CPU (the tensors stay on the CPU).
 """
 
 from __future__ import annotations
@@ -11,39 +13,53 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlbits.distributed.env import init
+from rlbits.distributed.env import DistEnv, init, use_role_env
+from rlbits.distributed.parallelize import is_dtensor
 
 TRAINER_RANK = 0
-"""The world rank that sends the weights and receives the rollouts (trainer rank 0)."""
+"""The world rank that sends the weights and the start of the run to the rollout ranks (trainer rank 0)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class RankRoles:
-    """This process's place in an ``async_mode: ranks`` world: ``rank`` of ``world_size``; the last
-    ``len(rollout_ranks)`` ranks only generate; ``group``: trainer rank 0 and the rollout ranks."""
+    """This process's place in an ``async_mode: ranks`` world: ``rank`` of ``world_size`` (world ranks); the
+    first ranks train (``trainer_ranks``), the last ``len(rollout_ranks)`` only generate; ``group``: trainer
+    rank 0 and the rollout ranks (the weights and the control messages); ``env``: what this process's loop
+    sees (``init()`` returns it): a trainer is rank r of the T trainer ranks, collectives on their group; a
+    rollout rank is rank 0 of 1."""
 
     rank: int
     world_size: int
     rollout_ranks: tuple[int, ...]
     group: Any
+    trainer_ranks: tuple[int, ...]
+    env: DistEnv
 
     @property
     def is_rollout(self) -> bool:
         return self.rank in self.rollout_ranks
 
+    @property
+    def in_group(self) -> bool:
+        """True on the ranks of ``group``: trainer rank 0 and the rollout ranks."""
+        return self.rank == TRAINER_RANK or self.is_rollout
+
 
 def split_ranks(rollout_ranks: int, device: str = "cpu", timeout_s: float | None = None) -> RankRoles:
-    """Initialise torchrun's process group (``rlbits.distributed.env.init``) and give the last
-    ``rollout_ranks`` ranks the rollout role. Every rank must call it (it creates a group).
+    """Initialise torchrun's process group (``rlbits.distributed.env.init``), give the last ``rollout_ranks``
+    ranks the rollout role and the others the trainer role, and create the trainers' group and ``group``
+    (trainer rank 0 and the rollout ranks). Every rank must call it (it creates groups).
 
-    Afterwards this process's ``init()`` (and so its loop) sees rank 0 of 1: a trainer rank trains alone and a
-    rollout rank draws its prompts and sampling noise as a 1-process run does (``WORLD_SIZE`` and ``RANK``
-    are set to 1 and 0 in ``os.environ``; the world group stays, for this module's messages).
+    Afterwards this process's ``init()`` (and so its loop) returns ``RankRoles.env``: on a trainer, rank r of
+    the T = world size - ``rollout_ranks`` trainer ranks with their group (its reductions, sharding and
+    checkpoints span the trainers only, as a colocated run at world size T); on a rollout rank, rank 0 of 1
+    (its policy unsharded; it builds its state as a 1-process run does).
 
     Raises:
         ValueError: not under torchrun (``WORLD_SIZE`` < 2), or ``rollout_ranks`` not in 1 .. world size - 1.
@@ -54,22 +70,31 @@ def split_ranks(rollout_ranks: int, device: str = "cpu", timeout_s: float | None
     if not 1 <= rollout_ranks < world:
         raise ValueError(f"rollout_ranks must be in 1 .. {world - 1} (world size {world}), got {rollout_ranks}")
     env = init(device, timeout_s=timeout_s)
+    trainers = tuple(range(world - rollout_ranks))
     ranks = tuple(range(world - rollout_ranks, world))
+    trainer_group = dist.new_group(list(trainers))
     group = dist.new_group([TRAINER_RANK, *ranks])
-    os.environ.update(WORLD_SIZE="1", RANK="0")
-    return RankRoles(rank=env.rank, world_size=world, rollout_ranks=ranks, group=group)
+    if env.rank in trainers:
+        role = DistEnv(env.rank, len(trainers), env.local_rank, env.device, trainer_group)
+    else:
+        role = DistEnv(0, 1, env.local_rank, env.device)
+    use_role_env(role)
+    return RankRoles(env.rank, world, ranks, group, trainers, role)
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
 
 
-def send_json(obj: Any, dst: int) -> list[Any]:
-    """Send ``obj`` (JSON-serialisable) to world rank ``dst`` without waiting; returns the pending works
-    (``wait()`` them before exit; their tensors stay alive with them)."""
+def send_json(obj: Any, dst: int | Sequence[int]) -> list[Any]:
+    """Send ``obj`` (JSON-serialisable) to world rank ``dst`` (or to each of several) without waiting; returns
+    the pending works (``wait()`` them before exit; their tensors stay alive with them)."""
     data = _to_bytes(obj)
     size = torch.tensor([data.numel()], dtype=torch.int64)
-    return [(dist.isend(size, dst), size), (dist.isend(data, dst), data)]
+    out = []
+    for rank in [dst] if isinstance(dst, int) else dst:
+        out += [(dist.isend(size, rank), size), (dist.isend(data, rank), data)]
+    return out
 
 
 def recv_json(src: int) -> Any:
@@ -82,7 +107,8 @@ def recv_json(src: int) -> Any:
 
 
 def broadcast_json(obj: Any, roles: RankRoles) -> Any:
-    """``obj`` of trainer rank 0, on every rank of ``roles.group`` (a collective of that group)."""
+    """``obj`` of trainer rank 0, on every rank of ``roles.group`` (a collective of that group: only its
+    ranks call it)."""
     size = torch.zeros(1, dtype=torch.int64)
     data = _to_bytes(obj) if roles.rank == TRAINER_RANK else torch.empty(0, dtype=torch.uint8)
     size[0] = data.numel()
@@ -94,11 +120,17 @@ def broadcast_json(obj: Any, roles: RankRoles) -> Any:
 
 
 def broadcast_weights(module: torch.nn.Module, roles: RankRoles) -> None:
-    """Copy trainer rank 0's parameters and buffers into ``module``'s on the rollout ranks, in place (a
-    collective of ``roles.group``; ``module`` built alike on every rank and not sharded)."""
+    """Copy trainer rank 0's parameters and buffers into ``module``'s on the rollout ranks, in place.
+
+    Every trainer rank and rollout rank calls it, with ``module`` built alike everywhere (the same parameters
+    in the same order): a parameter sharded over the trainers (a DTensor) is gathered whole first, one at a
+    time (``full_tensor()``, a collective of the trainers' group), then broadcast on ``roles.group``; the
+    rollout ranks' copies are unsharded."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, TRAINER_RANK, group=roles.group)
+            full = t.full_tensor() if is_dtensor(t) else t.data
+            if roles.in_group:
+                dist.broadcast(full, TRAINER_RANK, group=roles.group)
 
 
 __all__ = ["TRAINER_RANK", "RankRoles", "broadcast_json", "broadcast_weights", "recv_json", "send_json", "split_ranks"]

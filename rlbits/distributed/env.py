@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,12 +16,16 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process stands: ``rank`` of ``world_size`` processes, on ``device``."""
+    """Where this process stands: ``rank`` of ``world_size`` processes, on ``device``; ``group``: the process
+    group of its collectives (``rlbits.distributed.reduce``, ``barrier``, sharding, checkpoints), None for the
+    default (world) group. With ``async_mode: ranks`` a trainer's ``DistEnv`` is its rank among the trainer
+    ranks and their group (``rlbits.distributed.async_ranks.split_ranks``)."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -56,11 +60,21 @@ def _elastic_store(rank: int, world_size: int) -> dict:
     return {"store": dist.PrefixStore(f"rlbits/attempt_{attempt}", store), "rank": rank, "world_size": world_size}
 
 
+_ROLE_ENV: list[DistEnv] = []
+
+
+def use_role_env(env: DistEnv) -> None:
+    """Make ``init()`` return ``env`` from now on in this process: its place within the ranks of its role
+    (``rlbits.distributed.async_ranks.split_ranks``, after the process group exists)."""
+    _ROLE_ENV[:] = [env]
+
+
 def init(device: str = "auto", timeout_s: float | None = None) -> DistEnv:
     """Return ``(rank, world_size, device)`` from the torchrun environment, initialising the process group.
 
     Without torchrun (no ``WORLD_SIZE`` in the environment, or 1) no process group is created and the
-    result is rank 0 of 1: the same code path as N ranks. NCCL on CUDA, gloo on CPU.
+    result is rank 0 of 1: the same code path as N ranks. NCCL on CUDA, gloo on CPU. Once
+    ``use_role_env`` has set this process's role (``async_mode: ranks``), that ``DistEnv`` is returned.
 
     Args:
         device: ``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda``, or a device string.
@@ -71,6 +85,8 @@ def init(device: str = "auto", timeout_s: float | None = None) -> DistEnv:
     Returns:
         A ``DistEnv``.
     """
+    if _ROLE_ENV:
+        return _ROLE_ENV[0]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -97,8 +113,9 @@ def is_collective_failure(error: BaseException) -> bool:
 
 
 def barrier(env: DistEnv) -> None:
+    """Wait for every rank of ``env.group`` (nothing at world size 1)."""
     if env.world_size > 1:
-        dist.barrier()
+        dist.barrier(group=env.group)
 
 
 def main_rank_first(fn: Callable[[], T]) -> T:
@@ -138,4 +155,5 @@ __all__ = [
     "init",
     "is_collective_failure",
     "main_rank_first",
+    "use_role_env",
 ]

@@ -73,7 +73,8 @@ def shard(
 
     Args:
         model: on ``env.device``, built the same way (same initial weights) on every rank.
-        env: from ``rlbits.distributed.init``; no sharding at world size 1.
+        env: from ``rlbits.distributed.init``; no sharding at world size 1. The model is sharded over the
+            ranks of ``env.group`` (all ranks when None).
         mixed_precision: FSDP2 ``MixedPrecisionPolicy`` with bf16 parameters in forward/backward and fp32
             gradient reduction (sharded master weights and optimizer states stay fp32). Ignored at world size 1,
             where the loops use ``torch.autocast`` instead.
@@ -100,9 +101,12 @@ def shard(
             block.compile()
     if env.world_size == 1:
         return model
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    if env.group is None:
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+    else:  # the ranks of env.group only (async_mode: ranks: the trainer ranks)
+        mesh = DeviceMesh.from_group(env.group, env.device.type)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mixed_precision

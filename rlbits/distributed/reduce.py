@@ -1,4 +1,5 @@
-"""Reductions across ranks: sums, maxima, an any-rank flag, global token counts, whitening and variance."""
+"""Reductions across ranks (those of ``env.group``): sums, maxima, an any-rank flag, global token counts, whitening
+and variance."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ def all_reduce_sum(x: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """Sum of ``x`` over ranks (``x`` itself at world size 1). Returns a new tensor."""
     out = x.detach().clone()
     if env.world_size > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=env.group)
     return out
 
 
@@ -20,7 +21,7 @@ def all_reduce_max(x: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """Elementwise maximum of ``x`` over ranks (``x`` itself at world size 1). Returns a new tensor."""
     out = x.detach().clone()
     if env.world_size > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=env.group)
     return out
 
 

@@ -629,14 +629,16 @@ class PolicyGradientConfig(OnlineConfig):
     sampled); ``simulated``, one process trains step t on the rows the policy of version max(0, t -
     max_staleness) sampled, exactly as rollout workers generating ahead through a queue of ``max_staleness``
     batches would (``rlbits.loops.staleness``); ``ranks``, under ``torchrun`` the last ``rollout_ranks`` ranks
-    generate while the others train, the same schedule for real (the ``reinforce`` and ``ppo`` loops)."""
+    generate while the others train together (FSDP2 over the trainer ranks), the same schedule for real (the
+    ``reinforce`` and ``ppo`` loops)."""
     max_staleness: int = ranged(0, ge=0, at_most=1024)
     """The most policy versions (steps) a row may lag the policy it trains when it is trained on (verl's
     ``staleness_threshold``, AReaL's ``max_head_offpolicyness``); 0 is the synchronous loop. Needs
     ``async_mode: simulated`` or ``ranks`` when > 0."""
     rollout_ranks: int = ranged(0, ge=0, at_most=1024)
     """With ``async_mode: ranks``: how many of torchrun's ranks (the last ones) only generate; 1 (one rollout
-    rank beside one trainer rank is what is built). 0 otherwise."""
+    rank is what is built), beside T = world size - 1 >= 1 trainer ranks that train as a colocated run at
+    world size T does, each on the rows the rollout rank produced as that run's rank would. 0 otherwise."""
     async_schedule: Literal["deterministic"] = "deterministic"
     """How ``async_mode: ranks`` schedules the rollout ranks: ``deterministic``, batch t + k is produced only
     with the weights of version t, the schedule of ``simulated`` (same rows, versions and weights)."""
@@ -655,7 +657,8 @@ class PolicyGradientConfig(OnlineConfig):
             )
         if self.async_mode == "ranks" and self.rollout_ranks != 1:
             raise ConfigError(
-                f"async_mode: ranks runs with rollout_ranks: 1 (one rollout rank), got {self.rollout_ranks}"
+                f"async_mode: ranks runs with rollout_ranks: 1 (one rollout rank beside any number of trainer "
+                f"ranks), got {self.rollout_ranks}"
             )
         if self.async_mode == "ranks" and self.loop not in ("reinforce", "ppo"):
             raise ConfigError(

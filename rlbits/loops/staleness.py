@@ -15,23 +15,26 @@ the statistics their production logged; it is a field of the loop's state, so a 
 ``state.json`` and a resumed run trains on the very rows the uninterrupted run would.
 
 With ``async_mode: ranks`` (under torchrun) a rollout rank runs the same schedule for real
-(``serve_rollouts``): it produces ``B_{t+k}`` once it holds the weights of version t, and sends each batch to
-the trainer, which receives them into the same queue (``next_rollouts``) and publishes its weights after each
-step (``publish``); the transport is ``rlbits.distributed.async_ranks``.
+(``serve_rollouts``): it produces ``B_{t+k}`` once it holds the weights of version t (as T shards for T
+trainer ranks, shard r as rank r of a colocated T-rank run would), and sends each batch to every trainer
+rank, which receive them into the same queue (``next_rollouts``) and publish the weights after each step
+(``publish``); the transport is ``rlbits.distributed.async_ranks``.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase, is_non_tensor
 
+from rlbits.distributed.env import DistEnv
 from rlbits.loops.metrics import StepMetrics
 
 VERSION_KEY = "policy_version"
@@ -166,27 +169,28 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
       smaller ``max_staleness``) is dropped and the next one taken. Adds ``staleness/mean`` and
       ``staleness/max`` (the rows' version lag ``state.step - policy_version``) and ``staleness/dropped_frac``
       (rows dropped over rows taken or dropped).
-    - ``ranks`` (on the trainer rank; ``produce`` is not called): the batches come from the rollout rank
+    - ``ranks`` (on every trainer rank; ``produce`` is not called): the batches come from the rollout rank
       (``serve_rollouts``) until batch ``step`` has arrived, then as ``simulated``; the first call sends the
-      rollout rank the weights and where to start. Adds ``time/trainer_idle`` and ``time/rollout_idle``
-      (seconds blocked waiting for the other side).
+      rollout rank the weights and where to start. With T trainer ranks each batch is T shards (the queue
+      holds them all, in trainer-rank order) and trainer rank r trains on shard r. Adds ``time/trainer_idle``
+      and ``time/rollout_idle`` (seconds blocked waiting for the other side; means over the trainer ranks).
     """
     if cfg.async_mode == "off":
         return stamp_version(produce(), state.step)
     queue: RolloutQueue = state.rollout_queue
-    k, dropped = cfg.max_staleness, 0
+    k, dropped, shards, shard = cfg.max_staleness, 0, 1, 0
     if cfg.async_mode == "ranks":
         if queue.link is None:
             queue.link = _TrainerLink(state, cfg)
         elif queue.link.version < state.step:  # a skipped step (on_nonfinite: skip) published nothing
             queue.link.publish(state, state.step)
-        fill, ahead = queue.link.receive, 0
+        fill, ahead, shards, shard = queue.link.receive, 0, queue.link.shards, state.env.rank
     else:
         fill, ahead = functools.partial(_produce_into, produce), k
     while True:
         while not queue.pending or queue.produced <= state.step + ahead:
             fill(state)
-        batch, rows = queue.pending.pop(0)
+        batch, rows = [queue.pending.pop(0) for _ in range(shards)][shard]
         batch = batch.to(state.env.device)
         lag = state.step - batch[VERSION_KEY]
         if int(lag.max()) <= k:
@@ -225,45 +229,63 @@ def _rollout_state(state: Any) -> dict[str, Any]:
     return {"stream": state.stream.state_dict(), "generators": gens}
 
 
+def _set_generator_state(gen: torch.Generator, data: str) -> None:
+    gen.set_state(torch.frombuffer(bytearray(base64.b64decode(data)), dtype=torch.uint8).clone())
+
+
 def _load_rollout_state(state: Any, saved: dict[str, Any]) -> None:
     state.stream.load_state_dict(saved["stream"])
     for name, data in saved["generators"].items():
-        raw = torch.frombuffer(bytearray(base64.b64decode(data)), dtype=torch.uint8).clone()
-        getattr(state, name).set_state(raw)
+        _set_generator_state(getattr(state, name), data)
 
 
 class _TrainerLink:
-    """The trainer's end of the rollout rank: sends the start (version, batches produced, the rollout
-    side's position) and the weights; receives the batches in index order."""
+    """A trainer rank's end of the rollout rank: trainer rank 0 sends the start (version, batches produced,
+    the rollout side's position) and every trainer rank its shard's sampling generators; all of them send the
+    weights (``broadcast_weights``) and receive every batch (all ``shards`` of it) in index order."""
 
     def __init__(self, state: Any, cfg: Any) -> None:
-        from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights
+        from rlbits.distributed.async_ranks import TRAINER_RANK, broadcast_json, broadcast_weights, send_json
 
         self.roles, self.k = _roles(), cfg.max_staleness
-        self.src = self.roles.rollout_ranks[0]
+        self.src, self.shards = self.roles.rollout_ranks[0], len(self.roles.trainer_ranks)
+        self.is_first = self.roles.rank == TRAINER_RANK
         queue = state.rollout_queue
-        # the rollout rank resumes from the last batch received: the checkpointed queue holds those after it
-        start = {"version": state.step, "produced": queue.produced, "rollout_state": _rollout_state(state)}
-        t0 = time.monotonic()
-        broadcast_json(start, self.roles)
+        if len(queue.pending) % self.shards:
+            raise RuntimeError(
+                f"the rollout queue holds {len(queue.pending)} batch shards, not a multiple of the {self.shards} "
+                "trainer ranks: resume async_mode: ranks with the number of trainer ranks the checkpoint was saved with"
+            )
+        t0, sends = time.monotonic(), []
+        # the rollout rank resumes from the last batch received: the queue holds those after it
+        if self.is_first:
+            start = {"version": state.step, "produced": queue.produced, "rollout_state": _rollout_state(state)}
+            broadcast_json(start, self.roles)
+        else:
+            sends = send_json(_rollout_state(state), self.src)
         broadcast_weights(state.policy, self.roles)
+        for work, _ in sends:
+            work.wait()
         self.version, self.received = state.step, queue.produced
-        state.metrics.sum("time/trainer_idle", time.monotonic() - t0)
+        state.metrics.same("time/trainer_idle", time.monotonic() - t0)
 
     def receive(self, state: Any) -> None:
-        """The next batch into ``state.rollout_queue``, the rollout side's position into ``state`` (what
-        a checkpoint saves), its idle time into ``state.metrics``."""
+        """The next batch (its shards) into ``state.rollout_queue``, this trainer rank's shard's rollout side's
+        position into ``state`` (what a checkpoint saves), the idle times into ``state.metrics``."""
         from rlbits.distributed.async_ranks import recv_json
 
         queue = state.rollout_queue
         t0 = time.monotonic()
         msg = recv_json(self.src)
-        state.metrics.sum("time/trainer_idle", time.monotonic() - t0)
-        if msg["index"] != queue.produced:
-            raise RuntimeError(f"rollout rank sent batch {msg['index']}, expected batch {queue.produced}")
-        _load_rollout_state(state, msg["rollout_state"])
-        state.metrics.sum("time/rollout_idle", float(msg["idle_s"]))
-        queue.pending.append((decode_batch(msg["batch"]), msg["metrics"]))
+        state.metrics.same("time/trainer_idle", time.monotonic() - t0)
+        if msg["index"] != queue.produced or len(msg["shards"]) != self.shards:
+            raise RuntimeError(
+                f"rollout rank sent batch {msg['index']} in {len(msg['shards'])} shards, expected batch "
+                f"{queue.produced} in {self.shards}"
+            )
+        _load_rollout_state(state, msg["shards"][state.env.rank]["rollout_state"])
+        state.metrics.same("time/rollout_idle", float(msg["idle_s"]))
+        queue.pending += [(decode_batch(s["batch"]), s["metrics"]) for s in msg["shards"]]
         queue.produced += 1
         self.received += 1
 
@@ -274,17 +296,20 @@ class _TrainerLink:
 
         t0 = time.monotonic()
         self.version = version
-        broadcast_json({"version": self.version}, self.roles)
+        if self.is_first:
+            broadcast_json({"version": self.version}, self.roles)
         broadcast_weights(state.policy, self.roles)
-        state.metrics.sum("time/trainer_idle", time.monotonic() - t0)
+        state.metrics.same("time/trainer_idle", time.monotonic() - t0)
         while state.rollout_queue.produced < self.version + self.k:
             self.receive(state)
 
     def stop(self) -> None:
-        """Tell the rollout rank to stop, and take the batches it produced with the last weights (unused)."""
+        """Tell the rollout rank to stop (trainer rank 0), and take the batches it produced with the last
+        weights (unused)."""
         from rlbits.distributed.async_ranks import broadcast_json, recv_json
 
-        broadcast_json({"stop": True}, self.roles)
+        if self.is_first:
+            broadcast_json({"stop": True}, self.roles)
         for _ in range(self.received, self.version + self.k + 1):
             recv_json(self.src)
 
@@ -302,11 +327,11 @@ def _roles() -> Any:
 def rank_role(cfg: Any) -> str:
     """``"off"`` unless ``cfg.async_mode`` is ``ranks``; then split torchrun's ranks (every rank calls it
     once, before the run starts: ``rlbits.distributed.async_ranks.split_ranks``) and return this rank's
-    role, ``"trainer"`` or ``"rollout"``.
+    role, ``"trainer"`` (the first world size - ``cfg.rollout_ranks`` ranks) or ``"rollout"``.
 
     Raises:
-        ConfigError: not under torchrun, or ``cfg.rollout_ranks`` leaves no trainer rank, or more than one
-            trainer rank (one trainer rank is what is built).
+        ConfigError: not under torchrun, or ``cfg.rollout_ranks`` leaves no trainer rank, or
+            ``dynamic_sampling`` with several trainer ranks (its draws are agreed over the ranks).
     """
     from rlbits.distributed.async_ranks import split_ranks
     from rlbits.loops.config import ConfigError
@@ -317,10 +342,16 @@ def rank_role(cfg: Any) -> str:
         import os
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != cfg.rollout_ranks + 1:
+        if world < cfg.rollout_ranks + 1:
             raise ConfigError(
-                f"async_mode: ranks runs under torchrun with rollout_ranks + 1 = {cfg.rollout_ranks + 1} processes "
-                f"(one trainer rank), got world size {world}"
+                f"async_mode: ranks runs under torchrun with at least rollout_ranks + 1 = {cfg.rollout_ranks + 1} "
+                f"processes (the trainer ranks, then the rollout ranks), got world size {world}"
+            )
+        if world > cfg.rollout_ranks + 1 and getattr(cfg, "dynamic_sampling", False):
+            raise ConfigError(
+                f"dynamic_sampling with async_mode: ranks runs with one trainer rank (world size "
+                f"{cfg.rollout_ranks + 1}), got {world - cfg.rollout_ranks}: its extra draws are agreed over the "
+                "trainer ranks, which the rollout rank cannot emulate; use async_mode: simulated"
             )
         try:
             _ROLES.append(split_ranks(cfg.rollout_ranks, cfg.device, cfg.collective_timeout_s))
@@ -330,16 +361,17 @@ def rank_role(cfg: Any) -> str:
 
 
 def publish(state: Any, cfg: Any) -> None:
-    """After step ``state.step``'s update, with ``async_mode: ranks``: the new weights (version step + 1) to
-    the rollout rank, and its batches up to step + 1 + k received (``_TrainerLink.publish``). Nothing
-    otherwise."""
+    """After step ``state.step``'s update, with ``async_mode: ranks`` (every trainer rank calls it): the new
+    weights (version step + 1) to the rollout rank, and its batches up to step + 1 + k received
+    (``_TrainerLink.publish``). Nothing otherwise."""
     link = state.rollout_queue.link
     if cfg.async_mode == "ranks" and link is not None:
         link.publish(state, state.step + 1)
 
 
 def stop_rollouts(state: Any, cfg: Any) -> None:
-    """At the end of a run with ``async_mode: ranks`` (trainer): stop the rollout rank. Nothing otherwise."""
+    """At the end of a run with ``async_mode: ranks`` (every trainer rank calls it): stop the rollout rank.
+    Nothing otherwise."""
     if cfg.async_mode != "ranks":
         return
     link = state.rollout_queue.link or _TrainerLink(state, cfg)  # a run that took no step starts it too
@@ -353,27 +385,34 @@ def serve_rollouts(
     """The rollout rank of ``async_mode: ranks`` (docs/async.md): build the loop's state as a 1-process run
     does (``init_state(cfg, env, setup=, **inputs)``; ``inputs``: ``reward``, ``prompts``, ``val_prompts``),
     then until the trainer says stop: take the weights and version v (in place into ``state.policy``),
-    produce (``produce(state)``) and send the batches up to index v + k with version v, each with its
-    statistics, the rollout side's position after it and the seconds spent waiting for weights since the
-    previous one. Writes nothing to the run directory; returns ``cfg.run_dir``."""
-    from rlbits.distributed.async_ranks import TRAINER_RANK, broadcast_json, broadcast_weights, send_json
+    produce and send the batches up to index v + k with version v, each with its statistics, the rollout
+    side's position after it and the seconds spent waiting for weights since the previous one, to every
+    trainer rank.
+
+    With T trainer ranks a batch is T shards, shard r the rows rank r of a colocated run at world size T
+    would produce (``produce(state)`` with ``state.env`` rank r of T, so the prompt stream gives it rank r's
+    slice of the same draw, and with rank r's sampling generator), each with its own statistics. Writes
+    nothing to the run directory; returns ``cfg.run_dir``."""
+    from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights, recv_json, send_json
     from rlbits.loops.runtime import Setup, setup
 
     roles = _roles()
     state = init_state(cfg, setup(cfg), setup=Setup.of(cfg), **inputs)
+    trainers = roles.trainer_ranks
     ctrl = broadcast_json(None, roles)
+    starts = [ctrl["rollout_state"], *(recv_json(r) for r in trainers[1:])]
     broadcast_weights(state.policy, roles)
-    _load_rollout_state(state, ctrl["rollout_state"])
+    shards = [_ShardState(state, start, r, len(trainers)) for r, start in enumerate(starts)]
     produced, version, idle, sends = ctrl["produced"], ctrl["version"], 0.0, []
     while True:
         while produced <= version + cfg.max_staleness:
-            state.metrics = StepMetrics()
-            batch = stamp_version(produce(state), version)
-            msg = {
-                "index": produced, "batch": encode_batch(batch), "metrics": _metric_rows(state.metrics),
-                "rollout_state": _rollout_state(state), "idle_s": idle,
-            }
-            sends += send_json(msg, TRAINER_RANK)
+            out = []
+            for shard in shards:  # in turn, each as its colocated rank draws (no collective runs here)
+                with shard.active(state):
+                    batch = stamp_version(produce(state), version)
+                    rows, position = _metric_rows(state.metrics), _rollout_state(state)
+                    out.append({"batch": encode_batch(batch), "metrics": rows, "rollout_state": position})
+            sends += send_json({"index": produced, "shards": out, "idle_s": idle}, trainers)
             produced, idle = produced + 1, 0.0
             sends = [(w, t) for w, t in sends if not w.is_completed()]
         t0 = time.monotonic()
@@ -385,6 +424,39 @@ def serve_rollouts(
     for work, _ in sends:
         work.wait()
     return Path(cfg.run_dir)
+
+
+class _ShardState:
+    """On the rollout rank, what shard ``rank`` of ``shards`` draws from, as rank ``rank`` of a colocated run
+    at world size ``shards`` would: its ``DistEnv`` (for the prompt stream's slice; ``state.env`` itself for
+    one shard), its prompt stream position and its rollout generators (shard 0 uses ``state``'s own), from
+    ``start`` (``_rollout_state``). ``active(state)`` puts them in ``state`` around one production."""
+
+    def __init__(self, state: Any, start: dict[str, Any], rank: int, shards: int) -> None:
+        self.env = DistEnv(rank, shards, state.env.local_rank, state.env.device) if shards > 1 else state.env
+        self.stream = start["stream"]
+        self.generators = {}
+        for name in ROLLOUT_GENERATORS:
+            own = getattr(state, name)
+            self.generators[name] = own if rank == 0 else torch.Generator(device=own.device)
+            _set_generator_state(self.generators[name], start["generators"][name])
+
+    @contextlib.contextmanager
+    def active(self, state: Any) -> Iterator[None]:
+        """``state`` as this shard's rank would hold it (a fresh ``state.metrics``); its stream position is
+        kept after a production that raised nothing."""
+        env, saved = state.env, {name: getattr(state, name) for name in ROLLOUT_GENERATORS}
+        state.env, state.metrics = self.env, StepMetrics()
+        state.stream.load_state_dict(self.stream)
+        for name, gen in self.generators.items():
+            setattr(state, name, gen)
+        try:
+            yield
+            self.stream = state.stream.state_dict()
+        finally:
+            state.env = env
+            for name, gen in saved.items():
+                setattr(state, name, gen)
 
 
 __all__ = [

@@ -192,3 +192,49 @@ def test_ranks_mode_refuses_what_is_not_built(tiny_path, tmp_path):
     with pytest.raises(ConfigError, match="critic_server"):
         ppo_values = values(tiny_path, tmp_path, "ppo", async_mode="ranks", rollout_ranks=1)
         config_from_dict(ppo.PPOConfig, {**ppo_values, "critic_server": "http://localhost:1"})
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path, tmp_path):
+    """World size 3: two trainer ranks (FSDP2 over their own group) and the rollout rank, which produces
+    each batch as two shards, shard r as rank r of a colocated 2-rank run would (its slice of the same
+    prompt draw, its own sampling generator). So the run equals the colocated 2-rank ``async_mode: simulated``
+    run with the same seeds (not a 1-process run: rank 1 samples with its own generator): the same metrics,
+    rows (rank 0's, which the samples log shows), versions, queue and weights."""
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    sim, ranks = tmp_path / "colocated", tmp_path / "ranks"
+    common = dict(max_num_steps=3)
+    torchrun(str(script), json.dumps(values(tiny_path, sim, async_mode="simulated", **common)), timeout=120)
+    torchrun(str(script), json.dumps(values(tiny_path, ranks, async_mode="ranks", rollout_ranks=1, **common)),
+             nproc=3, timeout=120)
+    got, want = untimed_by_step(metrics(ranks)), untimed_by_step(metrics(sim))
+    assert got.keys() == want.keys() == {1, 2, 3}
+    for step in want:
+        for key, value in want[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+    assert [m["staleness/max"] for m in metrics(ranks)] == [0, 1, 1]
+    assert _samples(ranks) == _samples(sim)
+    assert [r["policy_version"] for r in _samples(ranks)][-1] == 1
+    # the final checkpoint (step 3; DCP over the trainers' group): every trainer's queue holds both shards of B_3,
+    # rank 0's as the colocated rank 0's queue holds it
+    queue, colocated = _queue(ranks), _queue(sim)
+    assert queue["stream"] == colocated["stream"]
+    assert queue["rollout_queue"]["produced"] == colocated["rollout_queue"]["produced"] == 4
+    assert len(queue["rollout_queue"]["pending"]) == 2
+    assert queue["rollout_queue"]["pending"][0] == colocated["rollout_queue"]["pending"][0]
+    a, b = _weights(ranks), _weights(sim)
+    assert a.keys() == b.keys()
+    init = tiny_causal_lm("gpt2", 32, seed=0).state_dict()
+    assert any(not torch.equal(a[n], init[n]) for n in a if n in init)  # the weights moved
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
+
+
+def test_several_trainer_ranks_refuse_dynamic_sampling(tiny_path, tmp_path, monkeypatch):
+    """The colocated ranks agree on each extra draw of dynamic sampling; one rollout rank producing their
+    shards in turn cannot, so it is refused (before any process group is made) with several trainer ranks."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = values(tiny_path, tmp_path, async_mode="ranks", rollout_ranks=1, dynamic_sampling=True)
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        rank_role(config_from_dict(reinforce.ReinforceConfig, cfg))

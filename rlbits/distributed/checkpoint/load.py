@@ -59,7 +59,7 @@ def _agree(problem: str | None, env: DistEnv) -> str | None:
     import torch.distributed as dist
 
     problems: list[str | None] = [None] * env.world_size
-    dist.all_gather_object(problems, problem)
+    dist.all_gather_object(problems, problem, group=env.group)
     return next((p if r == env.rank else f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None), None)
 
 
@@ -262,7 +262,8 @@ def _load_verified(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 reader, planner = _SafeReader(path / "dcp"), _SafePlanner()
-                dcp.load(payload, storage_reader=reader, planner=planner, no_dist=env.world_size == 1)
+                dcp.load(payload, storage_reader=reader, planner=planner, no_dist=env.world_size == 1,
+                         process_group=env.group)
         except (Exception, CheckpointException) as e:  # on every rank (DCP gathers the ranks' failures)
             failed = e
     damaged = _agree(hashed.result() if hashed is not None else None, env)

@@ -153,7 +153,7 @@ def save_checkpoint(
         }
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(payload, checkpoint_id=tmp / "dcp", no_dist=env.world_size == 1)
+            dcp.save(payload, checkpoint_id=tmp / "dcp", no_dist=env.world_size == 1, process_group=env.group)
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(_rng_state(generators or {}), tmp / "rng" / f"rank_{env.rank}.pt")
         if env.is_main:
