@@ -348,6 +348,9 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
     if args.lengths == "uneven":
         lengths = _Lengths(args, args.num_prompts * 4)
         _force_rlbits_lengths(lengths, group_size=4)
+    resolved = resolve_config(dict(cfg))
+    switches = {k: getattr(resolved, k, None) for k in ("pack_sequences", "continuous_batching",
+                                                        "max_tokens_per_microbatch")}
     autocast = contextlib.nullcontext()
     if args.precision == "bf16":
         probe = resolve_config(dict(cfg))
@@ -375,6 +378,7 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
                     "loop_time_step": metrics["time/step"],
                     "phases": phases,
                     "response_len": metrics.get("response_len"),
+                    "switches": switches,
                     **(lengths.extra() if lengths is not None else {}),
                 }
             )
@@ -659,6 +663,7 @@ def _summarise(alive, failed) -> dict:
             "response_len": [m.get("response_len") for m in steps if m.get("response_len") is not None],
             "gen_len_mean": [m["gen_len_mean"] for m in steps if m.get("gen_len_mean") is not None],
             "gen_lengths_match": all(m.get("gen_lengths_match", True) for m in steps),
+            "rlbits_switches": steps[-1].get("switches"),
             "phases_last_step": steps[-1].get("phases"),
         }
         profiled = [m for m in w.messages if m["kind"] == "profile"]
