@@ -230,8 +230,8 @@ class _Lengths:
         self.last = first.tolist()
 
     def extra(self) -> dict:
-        if self.last is None:
-            return {"gen_len_mean": None, "gen_lengths_match": False}
+        if self.last is None:  # e.g. rlbits' rollout no longer calls phases.generate_rollout
+            raise RuntimeError("--lengths uneven: no rollout of this step went through the forced-lengths processor")
         return {
             "gen_len_mean": sum(self.last) / len(self.last),
             "gen_lengths_match": sorted(self.last) == sorted(self.lengths),
