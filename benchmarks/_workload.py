@@ -130,3 +130,75 @@ def build_smollm2_folder(path: str | os.PathLike, *, seed: int = 0) -> Path:
 
     config = smollm2_config(positions=2048)
     return _save_random_model(Path(path), LlamaForCausalLM, config, seed=seed, stamp=f"smollm2 {seed}")
+
+
+class ForcedLengths:
+    """A logits processor that ends row ``j`` of one ``generate`` call with EOS at exactly ``lengths[j]`` new
+    tokens (the uneven workload of ``bench_step.py --lengths uneven``), the same on every framework: an HF
+    ``LogitsProcessor`` and an rlbits ``logits_processor`` alike (``f(input_ids [A, P + t - 1], scores [A, V])
+    -> scores``, called once per new token with the ids so far). Use a new instance per ``generate`` call.
+
+    Rows are numbered group-major, as both rlbits and TRL lay out a batch: the call's distinct prompts in
+    order of first appearance ``g``, ``group_size`` samples each, so row ``g * group_size + k``. A row must be
+    recognised later from its own ids alone (rlbits' ``continuous_batching`` hands the processor only the rows
+    still decoding; HF keeps all rows), and the samples of one prompt share its ids: so at the first token
+    sample ``k`` may draw only ids ``== k (mod group_size)`` (its own distribution restricted to those ids),
+    and from then on ``k`` is its first response id modulo ``group_size`` and ``g`` is found by its prompt.
+
+    Each step: a row whose length is reached gets ``-inf`` everywhere but EOS (0); every other row gets
+    ``-inf`` at EOS (it never ends early; a finished row still in the batch keeps finite logits, so nothing
+    samples from NaN). The sampled tokens are otherwise the model's own. Behaviour logprobs are untouched
+    on both sides (rlbits' ``generate`` reports the raw logits', TRL recomputes them with a forward).
+
+    Raises:
+        ValueError: the first call's rows are not ``len(lengths)``, or a prompt has other than ``group_size``
+            rows.
+    """
+
+    def __init__(self, lengths, eos_token_id: int, group_size: int):
+        import torch
+
+        self.lengths = torch.as_tensor(list(lengths), dtype=torch.long)
+        self.eos = int(eos_token_id)
+        self.group_size = int(group_size)
+        self.prompt_len = None
+        self.keys = None  # [G] int64: each group's prompt hash, in order of first appearance
+
+    def _hash(self, prompts):
+        import torch
+
+        weights = torch.arange(1, prompts.shape[1] + 1, device=prompts.device, dtype=torch.long) * 1_000_003
+        return (prompts.long() * weights).sum(1) ^ (prompts.long().sum(1) << 20)
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        K, device = self.group_size, scores.device
+        lengths = self.lengths.to(device)
+        if self.prompt_len is None:  # the first token: every row of the call is here
+            self.prompt_len = input_ids.shape[1]
+            if input_ids.shape[0] != len(self.lengths):
+                raise ValueError(f"ForcedLengths: {len(self.lengths)} lengths for a call of {input_ids.shape[0]} rows")
+            keys = self._hash(input_ids).tolist()
+            order = list(dict.fromkeys(keys))  # distinct prompts, first appearance first
+            group = torch.tensor([order.index(key) for key in keys], device=device)
+            if any(keys.count(key) != K for key in order):
+                raise ValueError(f"ForcedLengths: every prompt needs {K} rows in the call")
+            self.keys = torch.tensor(order, device=device)
+            same = group[:, None] == group[None, :]
+            sample = (same & torch.ones_like(same).tril(-1)).sum(1)  # earlier rows of the same prompt
+            t = 1
+            ids = torch.arange(scores.shape[1], device=device)
+            own = (ids[None, :] % K) == sample[:, None]  # [A, V]: the ids sample k may start with
+            scores = scores.masked_fill(~own, float("-inf"))
+        else:
+            t = input_ids.shape[1] - self.prompt_len + 1  # the length once this token is appended
+            key = self._hash(input_ids[:, : self.prompt_len])
+            group = (key[:, None] == self.keys[None, :]).long().argmax(1)
+            sample = input_ids[:, self.prompt_len] % K
+        length = lengths[group * K + sample]
+        scores = scores.clone()
+        scores[:, self.eos] = float("-inf")
+        forced = torch.full_like(scores[0], float("-inf"))
+        forced[self.eos] = 0.0
+        return torch.where((length == t)[:, None], forced[None, :], scores)  # no host sync: fine on a GPU

@@ -9,6 +9,30 @@ PPOTrainer (trl 1.12, ``trl.experimental.ppo``), side by side, on two workloads 
   microbatch 16; GRPO and RLOO. ``smollm2-large``: the same model at a GPU-sized batch, 32 prompts x 4
   generations, 128 new tokens, microbatch 64.
 
+``--lengths uneven`` (issue 28; default ``uniform``, the workloads above): the same workload with response
+lengths of a long tail, the same on every framework. Budget ``--budget`` new tokens (default 128 on every
+workload); each rollout's B rows (B = prompts x 4: 32 standard, 16 smollm2) end at
+``uneven_generate.uneven_lengths(B, budget, seed=0)``: a tenth of the rows (``round(B / 10)``, at least one)
+at the budget, the rest uniform in 1 .. budget / 8, shuffled, the same lengths every step (at 128: standard
+mean 20.81 new tokens, 3 rows of 128; smollm2 mean 24.50, 2 rows of 128). The lengths are forced by
+one logits processor on both sides (``_workload.ForcedLengths``): EOS only at the row's length, never
+before; a row's first token drawn from the ids ``== k (mod 4)`` of its sample ``k`` (its own distribution
+restricted, so a row is known by its ids when ``continuous_batching`` drops finished rows); every other
+token sampled as before. rlbits: ``rlbits.train`` takes no logits processor, so the worker wraps
+``rlbits.loops.phases.generate_rollout`` (the rollout phase's call into ``generate``) to pass it;
+TRL (1.16 GRPO/RLOO and 1.12 PPO decode with the model's HF ``generate`` on CPU without vLLM): the worker
+wraps the policy's ``generate`` to add it to the ``logits_processor`` list. TRL's PPOTrainer then runs
+with ``stop_token="eos"`` (responses truncated after their EOS, as a user sets it); it samples one
+response per prompt, so its 32 rows take the same 32 lengths (group size 1). Each worker counts the
+lengths its rollouts really generated (up to and including the first EOS, from the ``generate`` output)
+and the tables report the mean per step and whether every rollout matched the workload's lengths
+exactly. Cost only: TRL's PPO takes its behaviour logprobs from the processed scores, so its forced EOS
+has logprob 0 there (rlbits' ``generate`` and TRL's GRPO/RLOO use the raw model's). ``--switches``
+chooses rlbits' ``pack_sequences`` and ``continuous_batching``: ``default`` (the config's; workers
+``rlbits-X``), ``off`` (``rlbits-X-off``), ``on`` (``rlbits-X-on``) or ``both`` (off and on beside TRL in
+one run); ``--rlbits-overrides KEY=VALUE ...`` sets more rlbits config fields (e.g.
+``max_tokens_per_microbatch=2304``). Results go to ``results/bench_step[_WORKLOAD]_uneven.json``.
+
 ``--device cuda`` runs both frameworks on the GPU (TRL with ``use_cpu=False``; bf16 is autocast on both
 sides, rlbits decoding from a bfloat16 copy) and reports each worker's peak GPU memory
 (``torch.cuda.max_memory_allocated``); a step's time then ends after a ``torch.cuda.synchronize()``.
@@ -59,6 +83,17 @@ profiler ("replayed alone": the profiler's own cost cannot inflate it).
     python benchmarks/bench_step.py --mode standalone --only rlbits-ppo --no-bf16 --profile-matmuls 1
     python benchmarks/bench_step.py --workload smollm2        # the 135M model, ~25 min quiet
     python benchmarks/bench_step.py --steps 3 --only rlbits-grpo trl-grpo --mode interleaved
+    python benchmarks/bench_step.py --lengths uneven --switches both          # uneven, rlbits off/on vs TRL
+    python benchmarks/bench_step.py --lengths uneven --steps 2 --mode standalone --no-bf16 \
+        --only rlbits-grpo trl-grpo                                           # smoke: both force the same lengths
+
+TRL's venvs (outside the repo, from the repo root; ``-c constraints.txt`` keeps the local CPU torch 2.13.0,
+an unpinned torch pulls CUDA packages; bench_step.py finds them at these paths by default)::
+
+    python3 -m venv /work/venv-trl116 && /work/venv-trl116/bin/pip install -c constraints.txt \
+        -r benchmarks/requirements-trl116.txt
+    python3 -m venv /work/venv-trl112 && /work/venv-trl112/bin/pip install -c constraints.txt \
+        -r benchmarks/requirements-trl112.txt
 
 Writes ``benchmarks/results/bench_step.json`` (``bench_step_smollm2.json``) and prints markdown tables.
 """
@@ -85,8 +120,10 @@ sys.path.insert(0, str(HERE))
 import _workload as W  # noqa: E402
 from _profile import matmul_calls, matmul_summary, profiler, replay_seconds  # noqa: E402
 from bench_decode import measured_peaks  # noqa: E402
+from uneven_generate import uneven_lengths  # noqa: E402
 
 ALGOS = ("grpo", "rloo", "ppo")
+UNEVEN_BUDGET = 128  # new tokens of every workload with --lengths uneven
 DEFAULT_TRL116 = "/work/venv-trl116/bin/python"
 DEFAULT_TRL112 = "/work/venv-trl112/bin/python"
 # Seconds the driver waits between handing turns: OpenMP threads of the worker that just finished may
@@ -172,6 +209,87 @@ class _Turns:
             self.t0 = time.perf_counter()
 
 
+class _Lengths:
+    """The uneven workload's forced lengths in a worker (``--lengths uneven``): the rows of every rollout end
+    at ``uneven_lengths(rows, budget)`` (``_workload.ForcedLengths``); records the lengths each rollout
+    really generated (counted from its output, up to and including the first EOS) for the step's report."""
+
+    def __init__(self, args, rows: int):
+        self.lengths = uneven_lengths(rows, args.new_tokens, seed=0)
+        self.last: list[int] | None = None
+
+    def processor(self, eos_token_id: int, group_size: int):
+        return W.ForcedLengths(self.lengths, eos_token_id, group_size)
+
+    def record_completions(self, completions, eos_token_id: int) -> None:
+        """``completions`` [B, R] ids after the prompt (HF ``generate``): each row's length up to its EOS."""
+        import torch
+
+        is_eos = completions == eos_token_id
+        first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completions.shape[1])
+        self.last = first.tolist()
+
+    def extra(self) -> dict:
+        if self.last is None:  # e.g. rlbits' rollout no longer calls phases.generate_rollout
+            raise RuntimeError("--lengths uneven: no rollout of this step went through the forced-lengths processor")
+        return {
+            "gen_len_mean": sum(self.last) / len(self.last),
+            "gen_lengths_match": sorted(self.last) == sorted(self.lengths),
+        }
+
+
+def _force_rlbits_lengths(lengths: _Lengths, group_size: int) -> None:
+    """Route every rollout of ``rlbits.train`` through ``lengths``' processor: ``rlbits.train`` takes no
+    logits processor (a callable has no config field), so the worker wraps ``phases.generate_rollout`` (the
+    rollout phase's call into ``generate``, which takes one) and counts each rollout's lengths."""
+    from rlbits.loops import phases
+
+    original = phases.generate_rollout
+
+    def generate_rollout(policy, tokenizer, prompts, **kwargs):
+        if kwargs.get("logits_processor") is not None:
+            raise RuntimeError("bench_step --lengths uneven: the rollout already has a logits_processor")
+        kwargs["logits_processor"] = lengths.processor(tokenizer.eos_token_id, group_size)
+        out = original(policy, tokenizer, prompts, **kwargs)
+        lengths.last = out["action_mask"].sum(1).tolist()
+        return out
+
+    phases.generate_rollout = generate_rollout
+
+
+def _force_hf_lengths(model, lengths: _Lengths, eos_token_id: int, group_size: int) -> None:
+    """Route every ``model.generate`` call (TRL's rollouts on CPU without vLLM: GRPOTrainer, RLOOTrainer and
+    PPOTrainer call the unwrapped model's ``generate``) through ``lengths``' processor, added to the caller's
+    ``logits_processor`` list; counts each call's lengths."""
+    from transformers import LogitsProcessorList
+
+    original = model.generate
+
+    def generate(*a, **kwargs):
+        processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
+        processors.append(lengths.processor(eos_token_id, group_size))
+        out = original(*a, logits_processor=processors, **kwargs)
+        ids = out if hasattr(out, "shape") else out.sequences
+        prompt = kwargs["input_ids"] if "input_ids" in kwargs else a[0]
+        lengths.record_completions(ids[:, prompt.shape[1]:], eos_token_id)
+        return out
+
+    model.generate = generate
+
+
+def _rlbits_overrides(pairs: list[str]) -> dict:
+    """``KEY=VALUE`` strings as config overrides, each value read as YAML (``true``, ``512``, ``null``)."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--rlbits-overrides: expected KEY=VALUE, got {pair!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
     import contextlib
 
@@ -225,6 +343,14 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
         )
         if algo == "rloo":
             cfg.update(kl_in_reward=True, kl_coef=0.05)
+    cfg.update(_rlbits_overrides(args.rlbits_overrides or []))
+    lengths = None
+    if args.lengths == "uneven":
+        lengths = _Lengths(args, args.num_prompts * 4)
+        _force_rlbits_lengths(lengths, group_size=4)
+    resolved = resolve_config(dict(cfg))
+    switches = {k: getattr(resolved, k, None) for k in ("pack_sequences", "continuous_batching",
+                                                        "max_tokens_per_microbatch")}
     autocast = contextlib.nullcontext()
     if args.precision == "bf16":
         probe = resolve_config(dict(cfg))
@@ -252,6 +378,8 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
                     "loop_time_step": metrics["time/step"],
                     "phases": phases,
                     "response_len": metrics.get("response_len"),
+                    "switches": switches,
+                    **(lengths.extra() if lengths is not None else {}),
                 }
             )
             if args.profile_matmuls and turns.count == total:
@@ -263,12 +391,12 @@ def _rlbits_worker(args, folder: Path, run_dir: Path) -> None:
         rlbits.train(reward_fn=W.rlbits_reward, prompts=prompts, config=cfg, callbacks=[Callback()])
 
 
-def _trl_callback(turns: _Turns):
+def _trl_callback(turns: _Turns, lengths: _Lengths | None = None):
     from transformers import TrainerCallback
 
     class Turn(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            turns.step_done()
+            turns.step_done(lengths.extra() if lengths is not None else None)
 
     return Turn()
 
@@ -309,14 +437,17 @@ def _trl_reinforce_worker(args, folder: Path, out_dir: Path) -> None:
     else:
         from trl import RLOOConfig as Config
         from trl import RLOOTrainer as Trainer
+    lengths = _Lengths(args, args.num_prompts * 4) if args.lengths == "uneven" else None
     trainer = Trainer(
         model=str(folder),
         reward_funcs=W.trl_reward,
         args=Config(**common),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[_trl_callback(_Turns(total))],
+        callbacks=[_trl_callback(_Turns(total), lengths)],
     )
+    if lengths is not None:
+        _force_hf_lengths(trainer.model, lengths, tokenizer.eos_token_id, group_size=4)
     trainer.train()
 
 
@@ -367,7 +498,8 @@ def _trl_ppo_worker(args, folder: Path, out_dir: Path) -> None:
         learning_rate=1e-5,
         total_episodes=32 * total,
         num_sample_generations=0,
-        stop_token=None,
+        # uneven: responses end at their EOS (truncated after it, the rest padding); uniform: EOS never sampled
+        stop_token="eos" if args.lengths == "uneven" else None,
         missing_eos_penalty=None,
         logging_steps=1,
         save_strategy="no",
@@ -378,6 +510,10 @@ def _trl_ppo_worker(args, folder: Path, out_dir: Path) -> None:
         disable_tqdm=True,
         seed=0,
     )
+    lengths = None
+    if args.lengths == "uneven":  # one response per prompt: each row its own length, the same 32 lengths
+        lengths = _Lengths(args, 32)
+        _force_hf_lengths(policy, lengths, tokenizer.eos_token_id, group_size=1)
     trainer = PPOTrainer(
         args=config,
         processing_class=tokenizer,
@@ -386,7 +522,7 @@ def _trl_ppo_worker(args, folder: Path, out_dir: Path) -> None:
         reward_model=RuleReward(),
         train_dataset=dataset,
         value_model=value,
-        callbacks=[_trl_callback(_Turns(total))],
+        callbacks=[_trl_callback(_Turns(total), lengths)],
     )
     trainer.train()
 
@@ -456,9 +592,9 @@ def _drive(specs, shared, steps, workers, label="step"):
     # Start the workers one at a time: each runs its warm-up step alone (18 threads of simultaneous
     # warm-ups on 2 cores thrash), then blocks until its first "go".
     failed = {}
-    for name, python, precision in specs:
+    for name, python, precision, extra, _ in specs:
         worker_name = name.removesuffix("-bf16")
-        w = Worker(name, python, [f"--worker={worker_name}", f"--precision={precision}", *shared])
+        w = Worker(name, python, [f"--worker={worker_name}", f"--precision={precision}", *extra, *shared])
         workers.append(w)
         try:
             w.read()
@@ -500,6 +636,15 @@ WORKLOADS = {
 }
 
 
+# ``--switches``: rlbits variants (name suffix, config overrides) beside TRL; "default" is the config's own.
+SWITCHES = {
+    "default": [("", {})],
+    "off": [("-off", {"pack_sequences": False, "continuous_batching": False})],
+    "on": [("-on", {"pack_sequences": True, "continuous_batching": True})],
+}
+SWITCHES["both"] = SWITCHES["off"] + SWITCHES["on"]
+
+
 def _summarise(alive, failed) -> dict:
     results = {}
     for w in alive:
@@ -516,6 +661,9 @@ def _summarise(alive, failed) -> dict:
                 m.get("loop_time_step") for m in steps if m.get("loop_time_step") is not None
             ],
             "response_len": [m.get("response_len") for m in steps if m.get("response_len") is not None],
+            "gen_len_mean": [m["gen_len_mean"] for m in steps if m.get("gen_len_mean") is not None],
+            "gen_lengths_match": all(m.get("gen_lengths_match", True) for m in steps),
+            "rlbits_switches": steps[-1].get("switches"),
             "phases_last_step": steps[-1].get("phases"),
         }
         profiled = [m for m in w.messages if m["kind"] == "profile"]
@@ -526,12 +674,16 @@ def _summarise(alive, failed) -> dict:
     return results
 
 
-def _table(results: dict, algos) -> list[str]:
+def _table(results: dict, algos, variants=("",)) -> list[str]:
+    """One row per worker: median and best step, memory, faults, TRL's median over this one's; with forced
+    lengths (``--lengths uneven``) also the mean generated length per step and whether every rollout
+    generated exactly the workload's lengths."""
     rows = []
+    uneven = any(r.get("gen_len_mean") for r in results.values())
     for algo in algos:
         for suffix in ("", "-bf16"):
             trl = results.get(f"trl-{algo}{suffix}", {})
-            for name in (f"rlbits-{algo}{suffix}", f"trl-{algo}{suffix}"):
+            for name in (*(f"rlbits-{algo}{v}{suffix}" for v in variants), f"trl-{algo}{suffix}"):
                 r = results.get(name)
                 if r is None or "error" in r:
                     continue
@@ -543,14 +695,18 @@ def _table(results: dict, algos) -> list[str]:
                 faults = sum(f or 0 for f in r.get("major_faults", []))
                 gpu = r.get("peak_cuda_mib")
                 gpu = "" if gpu is None else f"{gpu:.0f}"
-                rows.append((name, r["median_s"], r["best_s"], r["peak_rss_mib"], gpu, faults, ratio))
+                lens = r.get("gen_len_mean") or []
+                gen = f"{statistics.mean(lens):.2f} ({'exact' if r.get('gen_lengths_match') else 'MISMATCH'})" if lens else ""
+                rows.append((name, r["median_s"], r["best_s"], r["peak_rss_mib"], gpu, faults, ratio, gen))
     table = [
-        "| framework | median s/step | best s/step | peak RSS MiB | peak GPU MiB | major faults | TRL / this (median) |",
-        "|---|---|---|---|---|---|---|",
+        "| framework | median s/step | best s/step | peak RSS MiB | peak GPU MiB | major faults | TRL / this (median) |"
+        + (" mean generated tokens |" if uneven else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if uneven else ""),
     ]
-    for name, med, best, rss, gpu, faults, ratio in rows:
+    for name, med, best, rss, gpu, faults, ratio, gen in rows:
         ratio = "" if ratio is None else f"{ratio:.2f}x"
-        table.append(f"| {name} | {med:.3f} | {best:.3f} | {rss:.0f} | {gpu} | {faults} | {ratio} |")
+        table.append(f"| {name} | {med:.3f} | {best:.3f} | {rss:.0f} | {gpu} | {faults} | {ratio} |"
+                     + (f" {gen} |" if uneven else ""))
     return table
 
 
@@ -632,6 +788,17 @@ def main(argv=None) -> dict:
                    help="matmul GFLOP/s for --profile-matmuls' floor (default: measured, as bench_decode.py)")
     p.add_argument("--pack-decode-weights", type=int, default=1,
                    help="0: rlbits decodes with F.linear, not oneDNN on packed weights (pack_decode_weights)")
+    p.add_argument("--lengths", choices=("uniform", "uneven"), default="uniform",
+                   help="uneven: every rollout's rows end at the uneven workload's lengths, on every framework "
+                        "(see the module docstring); uniform: the workload's own new tokens, EOS never sampled")
+    p.add_argument("--budget", type=int, default=UNEVEN_BUDGET,
+                   help=f"with --lengths uneven: the new-token budget (default {UNEVEN_BUDGET})")
+    p.add_argument("--switches", choices=tuple(SWITCHES), default="default",
+                   help="rlbits' pack_sequences and continuous_batching: the config's defaults (default), both "
+                        "off (rlbits-X-off), both on (rlbits-X-on), or both variants beside TRL (both)")
+    p.add_argument("--rlbits-overrides", nargs="*", metavar="KEY=VALUE", default=[],
+                   help="more rlbits config overrides for every rlbits worker, values read as YAML "
+                        "(e.g. max_tokens_per_microbatch=2304); applied after --switches")
     args = p.parse_args(argv)
     if args.worker:
         _worker(args)
@@ -640,30 +807,35 @@ def main(argv=None) -> dict:
     global _IDLE_S
     _IDLE_S = args.idle
     num_prompts, prompt_len, new_tokens, microbatch, vocab, algos = WORKLOADS[args.workload]
+    if args.lengths == "uneven":
+        new_tokens = args.budget
     if args.workload == "standard":
         folder = W.build_model_folder(Path(tempfile.gettempdir()) / "rlbits_bench_standard_model")
     else:
         folder = W.build_smollm2_folder(Path(tempfile.gettempdir()) / "rlbits_bench_smollm2_model")
-    out = args.out or HERE / "results" / (
-        "bench_step.json" if args.workload == "standard" else f"bench_step_{args.workload}.json"
-    )
+    stem = "bench_step" if args.workload == "standard" else f"bench_step_{args.workload}"
+    out = args.out or HERE / "results" / (stem + ("_uneven" if args.lengths == "uneven" else "") + ".json")
     shared = [f"--steps={args.steps}", f"--threads={args.threads}", f"--prompt-len={prompt_len}",
               f"--new-tokens={new_tokens}", f"--model-folder={folder}", f"--num-prompts={num_prompts}",
               f"--microbatch={microbatch}", f"--vocab={vocab}", f"--pin-memory={1 if args.pin else 0}",
               f"--compile-generate={args.compile_generate}", f"--device={args.device}",
               f"--pack-decode-weights={args.pack_decode_weights}",
-              f"--profile-matmuls={args.profile_matmuls}"]
-    specs = []  # (name, python, precision)
+              f"--profile-matmuls={args.profile_matmuls}", f"--lengths={args.lengths}"]
+    variants = SWITCHES[args.switches]
+    specs = []  # (name, python, precision, extra worker argv, comparison)
     for algo in algos:
         trl_python = args.trl112_python if algo == "ppo" else args.trl116_python
         precisions = ("fp32",) if args.no_bf16 else ("fp32", "bf16")
         for precision in precisions:
             suffix = "" if precision == "fp32" else "-bf16"
-            specs.append((f"rlbits-{algo}{suffix}", sys.executable, precision))
+            for variant, overrides in variants:
+                pairs = [f"{k}={str(v).lower()}" for k, v in overrides.items()] + args.rlbits_overrides
+                extra = ["--rlbits-overrides", *pairs] if pairs else []
+                specs.append((f"rlbits-{algo}{variant}{suffix}", sys.executable, precision, extra, algo + suffix))
             if algo == "ppo" and precision == "bf16":
                 continue  # TRL's PPOTrainer is compared in fp32 only
             if Path(trl_python).exists():
-                specs.append((f"trl-{algo}{suffix}", trl_python, precision))
+                specs.append((f"trl-{algo}{suffix}", trl_python, precision, [], algo + suffix))
             else:
                 print(
                     f"skipping trl-{algo}{suffix}: {trl_python} not found (see benchmarks/RESULTS.md to install)"
@@ -676,7 +848,7 @@ def main(argv=None) -> dict:
     # at a time, so the idle gaps stay short and eight SmolLM2-sized workers never need RAM at once.
     groups: dict[str, list] = {}
     for spec in specs:
-        groups.setdefault(spec[0].split("-", 1)[1], []).append(spec)
+        groups.setdefault(spec[4], []).append(spec)
     for mode in modes:
         loads, failed, alive = [], {}, []
         for group in [[spec] for spec in specs] if mode == "standalone" else list(groups.values()):
@@ -693,7 +865,7 @@ def main(argv=None) -> dict:
             alive += group_alive
         by_mode[mode] = _summarise(alive, failed)
         loads_by_mode[mode] = loads
-    tables = {mode: _table(res, algos) for mode, res in by_mode.items()}
+    tables = {mode: _table(res, algos, [v for v, _ in variants]) for mode, res in by_mode.items()}
     matmul_report = None
     if args.profile_matmuls:
         peak = args.peak or measured_peaks(args.threads, args.device)["matmul_gflops"]
@@ -732,6 +904,11 @@ def main(argv=None) -> dict:
         "idle_s": args.idle,
         "rlbits_compile_generate": bool(args.compile_generate),
         "rlbits_pack_decode_weights": bool(args.pack_decode_weights),
+        "lengths": args.lengths,
+        "new_tokens": new_tokens,
+        "uneven_lengths": uneven_lengths(num_prompts * 4, new_tokens, seed=0) if args.lengths == "uneven" else None,
+        "rlbits_switches": {v or "default": o for v, o in variants},
+        "rlbits_overrides": args.rlbits_overrides,
         "versions": versions,
         "load_average_1min": {
             mode: {"start": ls[0], "per_step": ls[1:]} for mode, ls in loads_by_mode.items()
