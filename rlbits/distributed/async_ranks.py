@@ -106,6 +106,22 @@ def recv_json(src: int) -> Any:
     return json.loads(bytes(data.numpy()).decode())
 
 
+def all_gather_json(obj: Any, env: DistEnv) -> list[Any]:
+    """``obj`` (JSON-serialisable) of every rank of ``env.group`` (None: the world), in rank order: a
+    collective of that group. ``[obj]`` at world size 1."""
+    if env.world_size == 1:
+        return [obj]
+    data = _to_bytes(obj).to(env.device)  # on the device: NCCL gathers CUDA tensors only
+    sizes = [torch.zeros(1, dtype=torch.int64, device=env.device) for _ in range(env.world_size)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], device=env.device), group=env.group)
+    width = int(max(sizes).item())
+    padded = torch.zeros(width, dtype=torch.uint8, device=env.device)
+    padded[: data.numel()] = data
+    out = [torch.empty(width, dtype=torch.uint8, device=env.device) for _ in range(env.world_size)]
+    dist.all_gather(out, padded, group=env.group)
+    return [json.loads(bytes(t[: int(n.item())].cpu().numpy()).decode()) for t, n in zip(out, sizes, strict=True)]
+
+
 def broadcast_json(obj: Any, roles: RankRoles) -> Any:
     """``obj`` of trainer rank 0, on every rank of ``roles.group`` (a collective of that group: only its
     ranks call it)."""
@@ -133,4 +149,6 @@ def broadcast_weights(module: torch.nn.Module, roles: RankRoles) -> None:
                 dist.broadcast(full, TRAINER_RANK, group=roles.group)
 
 
-__all__ = ["TRAINER_RANK", "RankRoles", "broadcast_json", "broadcast_weights", "recv_json", "send_json", "split_ranks"]
+__all__ = [
+    "TRAINER_RANK", "RankRoles", "all_gather_json", "broadcast_json", "broadcast_weights", "recv_json", "send_json", "split_ranks",
+]

@@ -114,11 +114,14 @@ def merge_metrics(rows: list[list[Any]], into: StepMetrics) -> None:
 
 class RolloutQueue:
     """The batches produced ahead of the trainer (oldest first), each with the statistics its production
-    logged, and ``produced``: the batches produced so far (the next one's index). Saved with the state
-    (``state_dict`` / ``load_state_dict``, JSON); empty with ``async_mode: off``."""
+    logged, and ``produced``: the batches produced so far (the next one's index). At world size N each batch
+    is N shards, one per rank, all held by every rank in rank order (``shards``), so the queue that rank 0's
+    checkpoint saves is every rank's. Saved with the state (``state_dict`` / ``load_state_dict``, JSON); empty
+    with ``async_mode: off``."""
 
     def __init__(self) -> None:
         self.produced = 0
+        self.shards = 1
         self.pending: list[tuple[TensorDictBase, list[list[Any]]]] = []
         self.link: _TrainerLink | None = None
         """With ``async_mode: ranks``, on the trainer: the rollout rank's end (not saved)."""
@@ -129,6 +132,7 @@ class RolloutQueue:
     def state_dict(self) -> dict[str, Any]:
         return {
             "produced": self.produced,
+            "shards": self.shards,
             "pending": [{"batch": encode_batch(b), "metrics": m} for b, m in self.pending],
         }
 
@@ -140,20 +144,22 @@ class RolloutQueue:
             ValueError: a malformed queue (nothing is changed).
         """
         if "produced" not in saved:
-            self.produced, self.pending = 0, []
+            self.produced, self.shards, self.pending = 0, 1, []
             return
-        produced, pending = saved["produced"], saved.get("pending", [])
+        produced, shards, pending = saved["produced"], saved.get("shards", 1), saved.get("pending", [])
         if isinstance(produced, bool) or not isinstance(produced, int) or produced < 0:
             raise ValueError(f"rollout queue: produced must be an int >= 0, got {produced!r:.80}")
-        if not isinstance(pending, list) or len(pending) > produced:
-            raise ValueError("rollout queue: pending must be a list of at most `produced` batches")
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"rollout queue: shards must be an int >= 1, got {shards!r:.80}")
+        if not isinstance(pending, list) or len(pending) > produced * shards or len(pending) % shards:
+            raise ValueError("rollout queue: pending must be a list of at most `produced` batches of `shards` shards")
         loaded = []
         for entry in pending:
             metrics = entry.get("metrics", []) if isinstance(entry, dict) else None
             if not isinstance(metrics, list) or not all(isinstance(r, list) and len(r) == 3 for r in metrics):
                 raise ValueError("rollout queue: each pending entry needs metrics as [kind, name, value] rows")
             loaded.append((decode_batch(entry.get("batch", {})), metrics))
-        self.produced, self.pending = produced, loaded
+        self.produced, self.shards, self.pending = produced, shards, loaded
 
 
 def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -> TensorDictBase:
@@ -178,13 +184,20 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
     if cfg.async_mode == "off":
         return stamp_version(produce(), state.step)
     queue: RolloutQueue = state.rollout_queue
-    k, dropped, shards, shard = cfg.max_staleness, 0, 1, 0
+    k, dropped, shards, shard = cfg.max_staleness, 0, state.env.world_size, state.env.rank
+    if queue.pending and queue.shards != shards:  # a resumed queue: one shard per rank of the saving run
+        raise RuntimeError(
+            f"the checkpoint's rollout queue holds each batch in {queue.shards} shards (one per rank), this run "
+            f"has {shards} ranks: resume async_mode: {cfg.async_mode} at the world size it was saved with"
+            + (" (trainer ranks: the world size less rollout_ranks)" if cfg.async_mode == "ranks" else "")
+        )
+    queue.shards = shards
     if cfg.async_mode == "ranks":
         if queue.link is None:
             queue.link = _TrainerLink(state, cfg)
         elif queue.link.version < state.step:  # a skipped step (on_nonfinite: skip) published nothing
             queue.link.publish(state, state.step)
-        fill, ahead, shards, shard = queue.link.receive, 0, queue.link.shards, state.env.rank
+        fill, ahead = queue.link.receive, 0
     else:
         fill, ahead = functools.partial(_produce_into, produce), k
     while True:
@@ -206,13 +219,21 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
 
 def _produce_into(produce: Callable[[], TensorDictBase], state: Any) -> None:
     """Produce the next batch into ``state.rollout_queue`` with its statistics kept aside."""
-    queue = state.rollout_queue
+    queue, env = state.rollout_queue, state.env
     outer, state.metrics = state.metrics, StepMetrics()
     try:
         batch = stamp_version(produce(), state.step)
     finally:
         produced_metrics, state.metrics = state.metrics, outer
-    queue.pending.append((batch, _metric_rows(produced_metrics)))
+    rows = _metric_rows(produced_metrics)
+    if env.world_size == 1:
+        queue.pending.append((batch, rows))
+    else:  # every rank keeps every rank's shard (as the ranks mode's trainers do): rank 0's checkpoint saves all
+        from rlbits.distributed.async_ranks import all_gather_json
+
+        shards = all_gather_json({"batch": encode_batch(batch), "metrics": rows}, env)
+        queue.pending += [(batch, rows) if r == env.rank else (decode_batch(s["batch"]), s["metrics"])
+                          for r, s in enumerate(shards)]
     queue.produced += 1
 
 
@@ -251,11 +272,6 @@ class _TrainerLink:
         self.src, self.shards = self.roles.rollout_ranks[0], len(self.roles.trainer_ranks)
         self.is_first = self.roles.rank == TRAINER_RANK
         queue = state.rollout_queue
-        if len(queue.pending) % self.shards:
-            raise RuntimeError(
-                f"the rollout queue holds {len(queue.pending)} batch shards, not a multiple of the {self.shards} "
-                "trainer ranks: resume async_mode: ranks with the number of trainer ranks the checkpoint was saved with"
-            )
         t0, sends = time.monotonic(), []
         # the rollout rank resumes from the last batch received: the queue holds those after it
         if self.is_first:

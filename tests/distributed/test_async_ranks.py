@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from rlbits.loops import ppo, reinforce
 from rlbits.loops.config import ConfigError, config_from_dict
-from rlbits.loops.staleness import rank_role
+from rlbits.loops.staleness import decode_batch, encode_batch, rank_role
 from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
 from tests.distributed.test_dist import ROOT, _env, metrics, torchrun
 from tests.metrics_compare import untimed_by_step
@@ -34,8 +34,9 @@ def length_reward(prompts, responses):
 
 
 values = json.loads(sys.argv[1])
+resume = values.pop("resume", False)
 loop = {"reinforce": (reinforce, reinforce.ReinforceConfig), "ppo": (ppo, ppo.PPOConfig)}[values["loop"]]
-loop[0].train(config_from_dict(loop[1], values), reward=length_reward)
+loop[0].train(config_from_dict(loop[1], values), reward=length_reward, resume=resume)
 """
 LOOPS = {"reinforce": (reinforce, reinforce.ReinforceConfig), "ppo": (ppo, ppo.PPOConfig)}
 
@@ -194,8 +195,20 @@ def test_ranks_mode_refuses_what_is_not_built(tiny_path, tmp_path):
         config_from_dict(ppo.PPOConfig, {**ppo_values, "critic_server": "http://localhost:1"})
 
 
+@pytest.fixture(scope="module")
+def colocated_3(tiny_path, made_once):
+    """A colocated 2-rank ``async_mode: simulated`` run (k = 1) of 3 steps."""
+
+    def make(folder: Path) -> None:
+        (folder / "run.py").write_text(SCRIPT)
+        cfg = values(tiny_path, folder / "run", async_mode="simulated", max_num_steps=3)
+        torchrun(str(folder / "run.py"), json.dumps(cfg), timeout=120)
+
+    return made_once("async_colocated_3", make) / "run"
+
+
 @pytest.mark.slow
-def test_two_trainer_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path, tmp_path):
+def test_two_trainer_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path, tmp_path, colocated_3):
     """World size 3: two trainer ranks (FSDP2 over their own group) and the rollout rank, which produces
     each batch as two shards, shard r as rank r of a colocated 2-rank run would (its slice of the same
     prompt draw, its own sampling generator). So the run equals the colocated 2-rank ``async_mode: simulated``
@@ -203,10 +216,8 @@ def test_two_trainer_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path,
     rows (rank 0's, which the samples log shows), versions, queue and weights."""
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
-    sim, ranks = tmp_path / "colocated", tmp_path / "ranks"
-    common = dict(max_num_steps=3)
-    torchrun(str(script), json.dumps(values(tiny_path, sim, async_mode="simulated", **common)), timeout=120)
-    torchrun(str(script), json.dumps(values(tiny_path, ranks, async_mode="ranks", rollout_ranks=1, **common)),
+    sim, ranks = colocated_3, tmp_path / "ranks"
+    torchrun(str(script), json.dumps(values(tiny_path, ranks, async_mode="ranks", rollout_ranks=1, max_num_steps=3)),
              nproc=3, timeout=120)
     got, want = untimed_by_step(metrics(ranks)), untimed_by_step(metrics(sim))
     assert got.keys() == want.keys() == {1, 2, 3}
@@ -217,18 +228,39 @@ def test_two_trainer_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path,
     assert _samples(ranks) == _samples(sim)
     assert [r["policy_version"] for r in _samples(ranks)][-1] == 1
     # the final checkpoint (step 3; DCP over the trainers' group): every trainer's queue holds both shards of B_3,
-    # rank 0's as the colocated rank 0's queue holds it
+    # as every colocated rank's does. The sampler's logprobs agree to rounding only: the rollout rank samples
+    # with an unsharded copy, colocated rank 1 with its FSDP-gathered policy.
     queue, colocated = _queue(ranks), _queue(sim)
-    assert queue["stream"] == colocated["stream"]
-    assert queue["rollout_queue"]["produced"] == colocated["rollout_queue"]["produced"] == 4
+    assert queue["rollout_queue"]["produced"] == 4 and queue["rollout_queue"]["shards"] == 2
     assert len(queue["rollout_queue"]["pending"]) == 2
-    assert queue["rollout_queue"]["pending"][0] == colocated["rollout_queue"]["pending"][0]
+    for mine, theirs in zip(queue["rollout_queue"].pop("pending"), colocated["rollout_queue"].pop("pending"), strict=True):
+        a, b = decode_batch(mine.pop("batch")), decode_batch(theirs.pop("batch"))
+        torch.testing.assert_close(a.pop("logprobs"), b.pop("logprobs"), rtol=1e-5, atol=1e-6)
+        assert mine == theirs and encode_batch(a) == encode_batch(b)
+    assert queue == colocated
     a, b = _weights(ranks), _weights(sim)
     assert a.keys() == b.keys()
     init = tiny_causal_lm("gpt2", 32, seed=0).state_dict()
     assert any(not torch.equal(a[n], init[n]) for n in a if n in init)  # the weights moved
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_colocated_two_rank_simulated_run_resumes_exactly(tiny_path, tmp_path, colocated_3):
+    """Each rank trains on its own shard of a batch sampled k steps earlier; the checkpoint (rank 0's
+    state.json) holds every rank's shard, so after a resume rank 1 trains on its own rows, not rank 0's."""
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    run_dir = tmp_path / "run"
+    cfg = values(tiny_path, run_dir, async_mode="simulated", max_num_steps=2)
+    torchrun(str(script), json.dumps(cfg), timeout=120)
+    assert _queue(run_dir)["rollout_queue"]["shards"] == 2
+    torchrun(str(script), json.dumps({**cfg, "max_num_steps": 3, "resume": True}), timeout=120)
+    got, want = untimed_by_step(metrics(run_dir), 3), untimed_by_step(metrics(colocated_3), 3)
+    assert sorted(got) == [3] and got == want
+    a, b = _weights(run_dir), _weights(colocated_3)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
 def test_several_trainer_ranks_refuse_dynamic_sampling(tiny_path, tmp_path, monkeypatch):

@@ -118,6 +118,25 @@ def test_the_saved_queue_loads_bit_exact():
     assert encode_batch(batch)["rows"] == 3
 
 
+def test_a_queue_of_shards_resumes_only_at_its_world_size():
+    """At world size N every rank's queue holds the N shards of each batch; a checkpoint's queue is refused
+    at another world size (each rank would train on another rank's rows) and a malformed one on load."""
+    shard = TensorDict({"action_mask": torch.ones(2, 1, dtype=torch.bool), "policy_version": torch.tensor([0, 0])}, [2])
+    queue = RolloutQueue()
+    queue.pending, queue.produced, queue.shards = [(shard, []), (shard.clone(), [])], 1, 2
+    saved = json.loads(json.dumps(queue.state_dict()))
+    assert saved["shards"] == 2
+    for bad in ({**saved, "shards": 0}, {**saved, "shards": True}, {**saved, "pending": saved["pending"][:1]}):
+        with pytest.raises(ValueError, match="rollout queue"):
+            RolloutQueue().load_state_dict(bad)
+    state = type("S", (), {})()
+    state.step, state.metrics, state.rollout_queue, state.env = 0, StepMetrics(), RolloutQueue(), DistEnv()
+    state.rollout_queue.load_state_dict(saved)
+    cfg = type("C", (), {"async_mode": "simulated", "max_staleness": 1})()
+    with pytest.raises(RuntimeError, match="2 shards .* this run has 1 ranks"):
+        next_rollouts(state, cfg, lambda: shard)
+
+
 def test_max_staleness_needs_the_simulated_mode(tiny_path, tmp_path):
     with pytest.raises(ConfigError, match="max_staleness=1 needs async_mode: simulated"):
         make_cfg(reinforce.ReinforceConfig, tiny_path, tmp_path, max_staleness=1)
