@@ -14,6 +14,7 @@ _LAZY = {
     # async_ranks
     "TRAINER_RANK": "rlbits.distributed.async_ranks",
     "RankRoles": "rlbits.distributed.async_ranks",
+    "all_gather_json": "rlbits.distributed.async_ranks",
     "broadcast_json": "rlbits.distributed.async_ranks",
     "broadcast_weights": "rlbits.distributed.async_ranks",
     "recv_json": "rlbits.distributed.async_ranks",
