@@ -11,7 +11,9 @@ task, tiny GPT-2), ``--steps`` steps, every rank with ``OMP_NUM_THREADS=1``:
 - ``colocated``: ``async_mode=off`` on 2 data-parallel ranks, each with half the prompts per step (the same rows
   per optimizer step): on CPU, where colocation costs nothing, the honest reference.
 
-For each: wall time of the launch, the final greedy ``val_reward`` (500 held-out prompts), and the means of
+For each: wall time of the launch, the steady-state seconds per step (``time_s`` of the metrics rows, from
+step 5 to the step before the last: without start-up, model load and the final validation, which the wall
+time includes), the final greedy ``val_reward`` (500 held-out prompts), and the means of
 ``time/trainer_idle`` and ``time/rollout_idle`` (seconds per step each side waited on the other).
 
     python benchmarks/async_ranks.py                    # 30 steps, seed 0
@@ -50,6 +52,16 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return round(sum(values) / len(values), 3) if values else None
 
 
+def steady_s_per_step(rows: list[dict], first: int = 5) -> float | None:
+    """Seconds per step between the rows of step ``first`` and of the step before the last (whose row
+    follows the final validation)."""
+    times = {r["step"]: r["time_s"] for r in rows if "time_s" in r}
+    last = max(times, default=0) - 1
+    if first not in times or last not in times or last <= first:
+        return None
+    return round((times[last] - times[first]) / (last - first), 4)
+
+
 def launch(name: str, extra: list[str], steps: int, seed: int, workdir: Path) -> dict:
     """One ``torchrun --nproc_per_node 2`` launch of the workload; its wall time and the metrics above."""
     run_dir = workdir / f"{name.replace(' ', '_').replace('=', '')}_s{seed}"
@@ -68,10 +80,15 @@ def launch(name: str, extra: list[str], steps: int, seed: int, workdir: Path) ->
     val = [r["val_reward"] for r in rows if "val_reward" in r]
     return {
         "variant": name, "seed": seed, "steps": steps, "wall_s": round(wall, 2),
-        "val_reward": val[-1] if val else None,
+        "val_reward": val[-1] if val else None, "steady_s_per_step": steady_s_per_step(rows),
         "trainer_idle_s": _mean(rows, "time/trainer_idle"), "rollout_idle_s": _mean(rows, "time/rollout_idle"),
         "command": " ".join(cmd[1:]),
     }
+
+
+def _ratio(a: dict, b: dict) -> str:
+    x, y = a["steady_s_per_step"], b["steady_s_per_step"]
+    return f"{x / y:.2f}x" if x and y else "n/a"
 
 
 def main() -> int:
@@ -87,12 +104,15 @@ def main() -> int:
                 row = launch(name, extra, args.steps, seed, Path(tmp))
                 rows.append(row)
                 idle = f"trainer idle {row['trainer_idle_s']}, rollout idle {row['rollout_idle_s']}"
-                print(f"{name:10s} seed {seed}: {row['wall_s']:7.1f} s, val_reward {row['val_reward']}, {idle}", flush=True)
+                print(f"{name:10s} seed {seed}: {row['wall_s']:7.1f} s, {row['steady_s_per_step']} s/step steady, "
+                      f"val_reward {row['val_reward']}, {idle}", flush=True)
     for seed in args.seeds:
         by = {r["variant"]: r for r in rows if r["seed"] == seed}
         print(
             f"seed {seed}: ranks k=0 / ranks k=1 = {by['ranks k=0']['wall_s'] / by['ranks k=1']['wall_s']:.2f}x; "
-            f"colocated / ranks k=1 = {by['colocated']['wall_s'] / by['ranks k=1']['wall_s']:.2f}x"
+            f"colocated / ranks k=1 = {by['colocated']['wall_s'] / by['ranks k=1']['wall_s']:.2f}x (wall); "
+            f"per step, steady: k=0 / k=1 = {_ratio(by['ranks k=0'], by['ranks k=1'])}, "
+            f"colocated / k=1 = {_ratio(by['colocated'], by['ranks k=1'])}"
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
