@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import textwrap
 import types
 import typing
@@ -161,7 +162,8 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(cls: type, name: str, value: Any, tp: Any) -> Any:
     """``value`` checked against the annotation ``tp`` (int, float, bool, str, dict, X | None, Literal[...]);
-    an int or a numeric string (YAML 1.1 reads ``1e-5`` as one) for a float becomes a float."""
+    an int or a numeric string (YAML 1.1 reads ``1e-5`` as one) for a float becomes a float, a path
+    (``os.PathLike``) for a str its string."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -203,6 +205,8 @@ def _coerce(cls: type, name: str, value: Any, tp: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, os.PathLike):  # run_dir=Path(...) in a notebook: a path field holds its string
+            return os.fspath(value)
     elif tp is dict or origin is dict:
         if isinstance(value, dict):
             return value

@@ -109,6 +109,12 @@ def test_a_config_is_checked_when_built_and_when_replaced():
     cfg.check()  # callable again: it checks the same things
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.seed = 4  # type: ignore[misc]
+    # a path for a str field (run_dir=Path(...) in a notebook) is stored as its string; other types are not
+    from pathlib import Path
+
+    assert PPOConfig(run_dir=Path("runs") / "x", policy=Path("pol")).run_dir == str(Path("runs") / "x")
+    with pytest.raises(ConfigError, match="run_dir must be str, got 3"):
+        PPOConfig(run_dir=3)
 
 
 @pytest.mark.parametrize("loop", list(LOOPS))
