@@ -147,11 +147,25 @@ LOOPS = {
 }
 
 
+@pytest.fixture(scope="module")
+def two_rank_run(tiny_path, made_once):
+    """``two_rank_run(loop)``: the folder of a 2-step ``torchrun`` run of ``loop`` at 2 ranks, made once per
+    session (read by the test below; test_checkpoint_moves_between_two_ranks_and_one resumes a copy)."""
+
+    def get(loop: str) -> Path:
+        def make(folder: Path) -> None:
+            torchrun("-m", "rlbits", "train", CONFIGS[loop], f"policy={tiny_path}", f"run_dir={folder / 'run'}",
+                     *COMMON, *LOOPS[loop])
+
+        return made_once(f"two_rank_run_{loop}", make) / "run"
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("loop", list(LOOPS))
-def test_torchrun_two_ranks_runs_each_loop(loop, tiny_path, tmp_path):
-    run_dir = tmp_path / "run"
-    torchrun("-m", "rlbits", "train", CONFIGS[loop], f"policy={tiny_path}", f"run_dir={run_dir}", *COMMON, *LOOPS[loop])
+def test_torchrun_two_ranks_runs_each_loop(loop, two_rank_run):
+    run_dir = two_rank_run(loop)
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(v is None or v == v for r in rows for v in r.values())  # nothing NaN
@@ -165,13 +179,14 @@ def test_torchrun_two_ranks_runs_each_loop(loop, tiny_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_moves_between_two_ranks_and_one(tiny_path, tmp_path):
+def test_checkpoint_moves_between_two_ranks_and_one(tiny_path, tmp_path, two_rank_run):
+    import shutil
+
     from rlbits.distributed.checkpoint import load_checkpoint
     from rlbits.models.load import load_pretrained
 
     run_dir = tmp_path / "run"
-    args = [CONFIGS["reinforce"], f"policy={tiny_path}", f"run_dir={run_dir}", *COMMON, *LOOPS["reinforce"]]
-    torchrun("-m", "rlbits", "train", *args)  # steps 1-2 on 2 ranks
+    shutil.copytree(two_rank_run("reinforce"), run_dir)  # steps 1-2 on 2 ranks
     consumed = [_consumed_samples(run_dir, 2)]
     # The sharded DCP weights of step 2, loaded in one process, are the policy rank 0 exported at step 2.
     exported, _ = load_pretrained(run_dir / "final")
