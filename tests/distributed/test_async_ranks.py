@@ -74,6 +74,16 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _assert_trained_alike(got: Path, want: Path) -> None:
+    """The two runs' ``final/`` weights are equal within 1e-5, and moved away from the initial policy."""
+    a, b = _weights(got), _weights(want)
+    assert a.keys() == b.keys()
+    init = tiny_causal_lm("gpt2", 32, seed=0).state_dict()
+    assert any(not torch.equal(a[n], init[n]) for n in a if n in init)  # the weights moved
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
+
+
 def _samples(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
     return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
@@ -109,12 +119,7 @@ def test_ranks_mode_equals_the_simulated_run(tiny_path, tmp_path, loop, k):
     assert [r["policy_version"] for r in _samples(ranks)][-1] == 3 - k  # step 4 (t = 3) trains version 3 - k
     assert _samples(ranks) == _samples(sim)
     assert _queue(ranks) == _queue(sim)
-    a, b = _weights(ranks), _weights(sim)
-    assert a.keys() == b.keys()
-    init = tiny_causal_lm("gpt2", 32, seed=0).state_dict()
-    assert any(not torch.equal(a[n], init[n]) for n in a if n in init)  # the weights moved
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
+    _assert_trained_alike(ranks, sim)
 
 
 @pytest.fixture(scope="module")
@@ -239,12 +244,7 @@ def test_two_trainer_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path,
         torch.testing.assert_close(a.pop("logprobs"), b.pop("logprobs"), rtol=1e-5, atol=1e-6)
         assert mine == theirs and encode_batch(a) == encode_batch(b)
     assert queue == colocated
-    a, b = _weights(ranks), _weights(sim)
-    assert a.keys() == b.keys()
-    init = tiny_causal_lm("gpt2", 32, seed=0).state_dict()
-    assert any(not torch.equal(a[n], init[n]) for n in a if n in init)  # the weights moved
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5)
+    _assert_trained_alike(ranks, sim)
 
 
 @pytest.mark.slow

@@ -216,6 +216,26 @@ def mismatches(pinned_rows: list[dict], got_rows: list[dict]) -> list[str]:
     return lines
 
 
+def run_pinned_setup(loop: str, tmp_path: Path, name: str, **overrides) -> list[dict]:
+    """The pinned setup of ``loop`` (the config in ``golden/LOOP.json``, this file's reward and prompts, a
+    fresh tiny policy) with ``overrides``, at one intra-op thread: its ``comparable`` metrics rows. For the
+    tests that a switch keeps the numbers: compare two such runs with ``mismatches``."""
+    config = json.loads((GOLDEN_DIR / f"{loop}.json").read_text())["config"]
+    policy = tmp_path / "policy"
+    if not policy.is_dir():
+        tiny_causal_lm("gpt2", VOCAB, seed=0).save_pretrained(policy)
+        tiny_tokenizer(VOCAB).save_pretrained(policy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_dir = rlbits.train(reward_fn=reward, prompts=PROMPTS, config={
+            **config, "policy": str(policy), "run_dir": str(tmp_path / name), **overrides,
+        })
+    finally:
+        torch.set_num_threads(threads)
+    return [comparable(json.loads(line)) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory) -> str:
     """A random tiny GPT-2 (seed 0) and the character tokenizer, saved as an HF folder."""

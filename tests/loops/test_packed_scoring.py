@@ -24,18 +24,16 @@ from rlbits.loops.preference import stack_pairs
 from rlbits.loops.runtime import disable_dropout
 from rlbits.models import forward
 from rlbits.models.heads import ValueModel
-from rlbits.models.tiny import tiny_causal_lm, tiny_tokenizer
+from rlbits.models.tiny import tiny_causal_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_worker import V, fixed_batch  # noqa: E402
+from test_golden import mismatches, run_pinned_setup  # noqa: E402
+from test_packed_update import SPLITS as UPDATE_SPLITS  # noqa: E402
 from test_packed_update import multiturn, policy  # noqa: E402
 
 OFF = {"microbatch_size": 3}
-SPLITS = {
-    "packed": {"pack_sequences": True, "microbatch_size": 3},
-    "packed_budget": {"pack_sequences": True, "max_tokens_per_microbatch": 24},
-    "padded_budget": {"max_tokens_per_microbatch": 30},
-}
+SPLITS = {name: split for name, split in UPDATE_SPLITS.items() if split != OFF}  # the update tests' splits
 SCORES = ("ref_logprobs", "old_logprobs", "rollout_is_weights", "values")
 
 
@@ -182,47 +180,15 @@ def test_a_run_logs_the_same_metrics_with_the_switches_on(loop, tmp_path, monkey
     """The golden setups of tests/loops/test_golden.py (3 steps, validation) with the rollout correction on
     (the old-logprob pass): ``pack_sequences: true`` and a token budget log the metrics of the padded run
     (the golden tolerance: 1e-4 relative + 1e-6), and the scoring passes did pack."""
-    import json
-
-    import rlbits
-
-    golden = json.loads((Path(__file__).parent / "golden" / f"{loop}.json").read_text())
-    model = tmp_path / "policy"
-    tiny_causal_lm("gpt2", 64, seed=0).save_pretrained(model)
-    tiny_tokenizer(64).save_pretrained(model)
-
-    def reward(prompts, responses, **_):  # tests/loops/test_golden.py's
-        return [(sum(map(ord, r)) % 7) / 6 for r in responses]
-
     scoring_packs = []
     original = forward._packed_rows
     monkeypatch.setattr(
         forward, "_packed_rows", lambda *a: scoring_packs.append(torch.is_grad_enabled()) or original(*a)
     )
-    prompts = ["the plot", "a film", "it was", "my day", "so this", "hello", "we saw", "an end"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    runs = []
-    try:
-        for on in (False, True):
-            config = {
-                **golden["config"],
-                "rollout_correction": {"mode": "tis"},
-                "policy": str(model),
-                "run_dir": str(tmp_path / f"run{on}"),
-                **({"pack_sequences": True, "max_tokens_per_microbatch": 40} if on else {}),
-            }
-            run_dir = rlbits.train(reward_fn=reward, prompts=prompts, config=config)
-            runs.append([json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()])
-    finally:
-        torch.set_num_threads(threads)
+    correction = {"rollout_correction": {"mode": "tis"}}
+    off = run_pinned_setup(loop, tmp_path, "off", **correction)
+    assert not scoring_packs
+    on = run_pinned_setup(loop, tmp_path, "on", **correction, pack_sequences=True, max_tokens_per_microbatch=40)
     assert scoring_packs.count(False) >= 2 * 3  # the scoring passes (no gradient) of every step packed
-    off, on = runs
     assert len(off) == len(on) > 1
-    for got, pinned in zip(on, off, strict=True):
-        assert set(got) == set(pinned)
-        for key, value in pinned.items():
-            if key in ("time_s", "tokens_per_s") or key.startswith("time/") or value is None:
-                continue
-            atol = 0.025 if key.endswith("clipfrac") else 1e-6
-            assert abs(got[key] - value) <= atol + 1e-4 * abs(value), (key, got["step"], got[key], value)
+    assert not mismatches(off, on), "\n".join(mismatches(off, on))

@@ -358,49 +358,16 @@ def test_a_run_logs_the_same_metrics_with_the_switch_on(loop, tmp_path, monkeypa
     end early: ``continuous_batching: true`` logs the metrics of ``false`` (the golden tolerance: 1e-4
     relative + 1e-6)."""
     import json
-    from pathlib import Path
 
-    import rlbits
+    from tests.loops.test_golden import GOLDEN_DIR, mismatches, run_pinned_setup
 
-    golden = json.loads((Path(__file__).parents[1] / "loops" / "golden" / f"{loop}.json").read_text())
-    policy = tmp_path / "policy"
-    tiny_causal_lm("gpt2", 64, seed=0).save_pretrained(policy)
-    tiny_tokenizer(64).save_pretrained(policy)
-
-    def reward(prompts, responses, **_):  # tests/loops/test_golden.py's
-        return [(sum(map(ord, r)) % 7) / 6 for r in responses]
-
-    prompts = ["the plot", "a film", "it was", "my day", "so this", "hello", "we saw", "an end"]
     compactions = []
     select = generate_mod.select_rows
     monkeypatch.setattr(
         generate_mod, "select_rows", lambda d, rows: compactions.append(len(rows)) or select(d, rows)
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    runs = []
-    try:
-        for on in (False, True):
-            config = {
-                **golden["config"],
-                "max_new_tokens": 48,
-                "continuous_batching": on,
-                "policy": str(policy),
-                "run_dir": str(tmp_path / f"run{on}"),
-            }
-            run_dir = rlbits.train(reward_fn=reward, prompts=prompts, config=config)
-            runs.append(
-                [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-            )
-    finally:
-        torch.set_num_threads(threads)
+    off = run_pinned_setup(loop, tmp_path, "off", max_new_tokens=48, continuous_batching=False)
+    on = run_pinned_setup(loop, tmp_path, "on", max_new_tokens=48, continuous_batching=True)
     assert compactions  # rows did end early and leave the decode batch
-    off, on = runs
-    assert len(off) == len(on) == len(golden["rows"])
-    for got, pinned in zip(on, off, strict=True):
-        assert set(got) == set(pinned)
-        for key, value in pinned.items():
-            if key in ("time_s", "tokens_per_s") or key.startswith("time/") or value is None:
-                continue
-            atol = 0.025 if key.endswith("clipfrac") else 1e-6
-            assert abs(got[key] - value) <= atol + 1e-4 * abs(value), (key, got["step"], got[key], value)
+    assert len(off) == len(on) == len(json.loads((GOLDEN_DIR / f"{loop}.json").read_text())["rows"])
+    assert not mismatches(off, on), "\n".join(mismatches(off, on))
