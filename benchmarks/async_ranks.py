@@ -62,13 +62,13 @@ def steady_s_per_step(rows: list[dict], first: int = 5) -> float | None:
     return round((times[last] - times[first]) / (last - first), 4)
 
 
-def launch(name: str, extra: list[str], steps: int, seed: int, workdir: Path) -> dict:
+def launch(name: str, extra: list[str], steps: int, seed: int, workdir: Path, overrides: list[str] = ()) -> dict:
     """One ``torchrun --nproc_per_node 2`` launch of the workload; its wall time and the metrics above."""
     run_dir = workdir / f"{name.replace(' ', '_').replace('=', '')}_s{seed}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rlbits",
         "train", str(CONFIG), f"run_dir={run_dir}", f"max_num_steps={steps}", f"val_period={steps}",
-        f"seed={seed}", "progress=false", "tensorboard=false", *extra,
+        f"seed={seed}", "progress=false", "tensorboard=false", *overrides, *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
@@ -96,18 +96,25 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument(
+        "--overrides", nargs="*", default=[], metavar="KEY=VALUE",
+        help="config overrides for every run, e.g. dynamic_sampling=false",
+    )
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
-            for name, extra in VARIANTS.items():
-                row = launch(name, extra, args.steps, seed, Path(tmp))
+            for name in args.variants:
+                row = launch(name, VARIANTS[name], args.steps, seed, Path(tmp), args.overrides)
                 rows.append(row)
                 idle = f"trainer idle {row['trainer_idle_s']}, rollout idle {row['rollout_idle_s']}"
                 print(f"{name:10s} seed {seed}: {row['wall_s']:7.1f} s, {row['steady_s_per_step']} s/step steady, "
                       f"val_reward {row['val_reward']}, {idle}", flush=True)
     for seed in args.seeds:
         by = {r["variant"]: r for r in rows if r["seed"] == seed}
+        if len(by) < len(VARIANTS):
+            continue
         print(
             f"seed {seed}: ranks k=0 / ranks k=1 = {by['ranks k=0']['wall_s'] / by['ranks k=1']['wall_s']:.2f}x; "
             f"colocated / ranks k=1 = {by['colocated']['wall_s'] / by['ranks k=1']['wall_s']:.2f}x (wall); "
