@@ -24,8 +24,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from rlbits.batch import build_batch
 from rlbits.data.stream import PromptStream
+from rlbits.distributed.async_ranks import all_gather_json
 from rlbits.distributed.env import init
 from rlbits.loops import ppo, reinforce
+from rlbits.loops import update as update_engine
 from rlbits.loops.runtime import disable_dropout, prepare
 from rlbits.models.forward import critic_values, policy_logprobs
 from rlbits.models.heads import ValueModel
@@ -56,6 +58,16 @@ def fixed_batch(policy: torch.nn.Module) -> torch.Tensor:
 
 def main(algo: str, out: str, overrides: dict | None = None) -> None:
     env = init("cpu")
+    balanced = []  # per optimizer step: the tokens of this rank's rows before and after balance_rows
+    real_balance_rows = update_engine.balance_rows
+
+    def spy(minibatch, *args, **kwargs):
+        out = real_balance_rows(minibatch, *args, **kwargs)
+        tokens = lambda td: td["attention_mask"].sum(-1).tolist()  # noqa: E731
+        balanced.append({"before": tokens(minibatch), "after": tokens(out[0]), "rows": list(out[1].rows)})
+        return out
+
+    update_engine.balance_rows = spy
     torch.manual_seed(0)
     policy = disable_dropout(tiny_causal_lm("gpt2", V, seed=0)).train()
     batch = fixed_batch(policy)
@@ -99,6 +111,9 @@ def main(algo: str, out: str, overrides: dict | None = None) -> None:
             local = phase(state, local, cfg)
         models = {"policy": policy}
     logged = state.metrics.reduce(env)  # every rank: one collective
+    update_engine.balance_rows = real_balance_rows
+    if cfg.balance_batch:  # per optimizer step, every rank's rows in the update
+        logged["_balanced_rows"] = all_gather_json(balanced, env)
     full = {
         name: get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         for name, m in models.items()

@@ -1,7 +1,7 @@
 """Distributed helpers, the only package in rlbits that imports ``torch.distributed``: the process group and
 its ``DistEnv`` (``env``), reductions across ranks (``reduce``), FSDP2 sharding (``parallelize``), checkpoints
-at any world size (``checkpoint``), and the rollout queue and weight broadcast of ``async_mode: ranks``
-(``async_ranks``).
+at any world size (``checkpoint``), the rollout queue and weight broadcast of ``async_mode: ranks``
+(``async_ranks``), and rows balanced by tokens over the data-parallel ranks (``balance``).
 
 Names load on first use, so ``import rlbits.distributed`` stays cheap (no transformers until a checkpoint
 name is used)."""
@@ -20,6 +20,10 @@ _LAZY = {
     "recv_json": "rlbits.distributed.async_ranks",
     "send_json": "rlbits.distributed.async_ranks",
     "split_ranks": "rlbits.distributed.async_ranks",
+    # balance
+    "Placement": "rlbits.distributed.balance",
+    "all_gather_batch": "rlbits.distributed.balance",
+    "balance_rows": "rlbits.distributed.balance",
     # checkpoint
     "checkpoint": "rlbits.distributed.checkpoint",
     # env

@@ -27,7 +27,7 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     return out
 
 
-def balanced_partition(lengths: Sequence[int], k: int) -> list[list[int]]:
+def balanced_partition(lengths: Sequence[int], k: int, *, equal_size: bool = False) -> list[list[int]]:
     """Split rows ``0 .. n-1`` into ``k`` sets whose summed ``lengths`` are about equal (Karmarkar-Karp).
 
     Each row starts as a k-way partial partition (itself in one set, k - 1 empty sets); repeatedly the two
@@ -35,9 +35,15 @@ def balanced_partition(lengths: Sequence[int], k: int) -> list[list[int]]:
     one joined with the lightest of the other, until one partition remains. Ties go to the lower row index,
     so the result depends on ``lengths`` only.
 
+    With ``equal_size`` every set gets ``n // k`` or ``n // k + 1`` rows (verl's ``equal_size=True``, used to
+    give data-parallel ranks the same row count): the rows, longest first, are taken ``k`` at a time, each
+    group a partial partition with one row per set (the last group filled up with rows of length 0 that are
+    dropped at the end); merging such partitions keeps the set sizes equal.
+
     Args:
         lengths: n non-negative ints, the cost of each row (its tokens).
         k: number of sets, >= 1.
+        equal_size: sets of equal row counts (to within one), above.
 
     Returns:
         ``k`` lists of row indices, each sorted ascending, the lists ordered by their first index (empty
@@ -53,9 +59,16 @@ def balanced_partition(lengths: Sequence[int], k: int) -> list[list[int]]:
         return [[] for _ in range(k)]
     # A heap entry: (-spread, tie-break, sets); sets is a list of (sum, rows) sorted by sum descending.
     heap = []
-    for i, x in enumerate(lengths):
-        sets = [(x, [i])] + [(0, []) for _ in range(k - 1)]
-        heapq.heappush(heap, (-x, i, sets))
+    if equal_size:
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        for start in range(0, len(order), k):
+            group = order[start : start + k]
+            sets = [(lengths[i], [i]) for i in group] + [(0, []) for _ in range(k - len(group))]
+            heapq.heappush(heap, (sets[-1][0] - sets[0][0], min(group), sets))
+    else:
+        for i, x in enumerate(lengths):
+            sets = [(x, [i])] + [(0, []) for _ in range(k - 1)]
+            heapq.heappush(heap, (-x, i, sets))
     while len(heap) > 1:
         _, tie_a, a = heapq.heappop(heap)
         _, tie_b, b = heapq.heappop(heap)

@@ -566,6 +566,16 @@ class PolicyGradientConfig(OnlineConfig):
     num_minibatches: int = ranged(1, ge=1, at_most=MAX_ROWS)
     """Optimizer steps per pass over a rollout batch: the batch is shuffled (whole prompt groups, seeded) and
     dealt into this many minibatches (at most ``num_prompts_per_step``)."""
+    balance_batch: bool = False
+    """Balance each minibatch's tokens over the data-parallel ranks before the update (verl
+    ``trainer.balance_batch``, ``RayPPOTrainer._balance_batch``): the ranks gather the minibatch's rows and
+    each keeps a set of equal row count and about equal tokens (Karmarkar-Karp,
+    ``rlbits.distributed.balance.balance_rows``), so no rank waits at the update's collectives for one that
+    drew the long responses. The minibatch's rows over all ranks are unchanged, so the loss and gradients
+    equal the unbalanced update's to float rounding (tested at 2 ranks), except under
+    ``seq-mean-token-sum-norm`` without ``loss_scale_factor``, whose divisor is each rank's padded response
+    width. Costs one all-gather of the minibatch per optimizer step. No effect on one process.
+    docs/packing.md."""
     clip_eps: float = ranged(0.2, ge=0)
     """Lower clip range of the importance ratio (and upper, unless ``clip_eps_high``), verl's
     ``actor.clip_ratio_low``: for ``vanilla``, ratios outside [1 - clip_eps, 1 + clip_eps_high] get no gradient

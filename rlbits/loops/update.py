@@ -8,6 +8,7 @@ of its models on one microbatch and the loss, one expression over the global ``D
         minibatches (whole groups, shuffled by `shuffle`; or the batch as it is)
         for each minibatch:
             den = global token / sequence / row counts of the minibatch, over all ranks
+            with cfg.balance_batch: rows moved between ranks, about equal tokens on each
             for each microbatch (as many on every rank): cfg.microbatch_size rows, or rows balanced by
                     length within cfg.max_tokens_per_microbatch tokens
                 loss, stats = objective(state, micro, cfg, den)      under autocast; packed with
@@ -39,6 +40,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlbits.batch import split_microbatches, split_microbatches_by_tokens, split_minibatches
+from rlbits.distributed.balance import balance_rows
 from rlbits.distributed.env import DistEnv
 from rlbits.distributed.parallelize import grad_norm_and_clip
 from rlbits.distributed.reduce import all_reduce_max, all_reduce_sum, any_rank
@@ -265,7 +267,8 @@ def optimize(
 
     Raises:
         ValueError: ``num_minibatches > 1`` without ``shuffle``; ``pack_sequences`` with an objective that
-            runs no packed forward pass (ILQL's, the reward model's); a row over ``max_tokens_per_microbatch``.
+            runs no packed forward pass (ILQL's, the reward model's); ``balance_batch`` with an objective that
+            returns per-row statistics (the reward model's); a row over ``max_tokens_per_microbatch``.
         NonFiniteError: a non-finite loss (checked before each backward and agreed over ranks) or gradient
             norm, naming step, phase, where and the values; every gradient is zeroed and no optimizer steps.
     """
@@ -273,6 +276,8 @@ def optimize(
         raise ValueError(f"num_minibatches={num_minibatches} needs a shuffle generator")
     env, metrics = state.env, state.metrics
     num_updates = epochs * num_minibatches
+    balance = getattr(cfg, "balance_batch", False) and env.world_size > 1
+    pad_token_id = getattr(getattr(state, "tokenizer", None), "pad_token_id", None)
     rows: dict[str, list] = {}
     for epoch in range(epochs):
         minibatches = (
@@ -280,6 +285,9 @@ def optimize(
         )
         for index, minibatch in enumerate(minibatches):
             den = denominators(minibatch, mask, env)
+            placement = None
+            if balance:  # after the counts: the union of the rows over ranks is the same
+                minibatch, placement = balance_rows(minibatch, env, pad_token_id)
             where = f"step {state.step + 1}, phase {phase}, epoch {epoch}, minibatch {index}"
             micros, micro_rows = microbatches(minibatch, cfg, env)
             minibatch_rows: dict[str, list] = {}
@@ -299,6 +307,12 @@ def optimize(
                     )
                 loss.backward()
                 log_stats(metrics, stats, num_updates, minibatch_rows)
+            if placement is not None and minibatch_rows:
+                raise ValueError(
+                    f"balance_batch=True but the {phase} objective returns per-row statistics "
+                    f"({', '.join(sorted(minibatch_rows))}), which would belong to other ranks' rows; set "
+                    "balance_batch=False"
+                )
             for name, values in minibatch_rows.items():
                 rows.setdefault(name, []).append(_in_row_order(values, micro_rows))
             step_optimizers(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 # case: (algo, the config fields its 2-rank run overrides). The one-process reference is always the padded
-# update with row microbatches: packing (rows concatenated; a packed token budget of about two rows) and a
-# padded token budget must not change the step.
+# update with row microbatches: packing (rows concatenated; a packed token budget of about two rows), a
+# padded token budget and balancing the rows over the ranks must not change the step.
 UPDATE_CASES = {
     "ppo": ("ppo", []),
     "rloo": ("rloo", []),
@@ -19,6 +19,8 @@ UPDATE_CASES = {
     "ppo-packed": ("ppo", ["pack_sequences=true"]),
     "rloo-packed_budget": ("rloo", ["pack_sequences=true", "max_tokens_per_microbatch=16"]),
     "rloo-padded_budget": ("rloo", ["max_tokens_per_microbatch=20"]),
+    "ppo-balanced": ("ppo", ["balance_batch=true"]),
+    "rloo-balanced_packed": ("rloo", ["balance_batch=true", "pack_sequences=true", "max_tokens_per_microbatch=16"]),
 }
 
 

@@ -50,6 +50,39 @@ def test_balanced_partition_is_near_optimal_and_deterministic(seed):
     assert balanced_partition(lengths, k) == parts  # resume-safe: the same lengths give the same sets
 
 
+def best_equal_size_max_sum(lengths: list[int], k: int) -> int:
+    """The smallest largest set sum over every split into k sets of n // k or n // k + 1 rows (brute force)."""
+    n, best = len(lengths), math.inf
+    for labels in itertools.product(range(k), repeat=n):
+        sizes = [labels.count(j) for j in range(k)]
+        if max(sizes) - min(sizes) <= 1:
+            best = min(best, max(sum(x for x, j in zip(lengths, labels, strict=True) if j == s) for s in range(k)))
+    return best
+
+
+def test_balanced_partition_equal_size_hand_computed():
+    # 8 7 6 5 4 3 into 2, longest first in pairs: (8 | 7), (6 | 5), (4 | 3); merged largest spread first,
+    # heaviest with lightest: {8, 5, 3} = 16 and {7, 6, 4} = 17
+    assert balanced_partition([8, 7, 6, 5, 4, 3], 2, equal_size=True) == [[0, 3, 5], [1, 2, 4]]
+    assert balanced_partition([1, 9, 1, 9], 2, equal_size=True) == [[0, 3], [1, 2]]  # a 9 and a 1 each
+    assert balanced_partition([5], 3, equal_size=True) == [[0], [], []]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_balanced_partition_equal_size_near_optimal(seed):
+    rng = random.Random(seed)
+    n, k = rng.randint(1, 8), rng.randint(1, 3)
+    lengths = [rng.choice([rng.randint(1, 10), rng.randint(50, 64)]) for _ in range(n)]
+    parts = balanced_partition(lengths, k, equal_size=True)
+    assert len(parts) == k and covers(parts, n)
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1
+    sums = [sum(lengths[i] for i in p) for p in parts]
+    assert max(sums) - min(sums) <= max(lengths)
+    assert max(sums) <= best_equal_size_max_sum(lengths, k) + max(lengths) / 2
+    assert balanced_partition(lengths, k, equal_size=True) == parts
+
+
 def test_balanced_partition_balances_a_long_tail():
     rng = random.Random(0)
     lengths = [64 if rng.random() < 0.1 else rng.randint(4, 16) for _ in range(200)]
