@@ -17,8 +17,8 @@ the statistics their production logged; it is a field of the loop's state, so a 
 With ``async_mode: ranks`` (under torchrun) the rollout ranks run the same schedule for real
 (``serve_rollouts``): they produce ``B_{t+k}`` once they hold the weights of version t (as T shards for T
 trainer ranks, shard r as rank r of a colocated T-rank run would, by the rollout rank owning it), and send
-each batch's shards to every trainer rank, which receive them into the same queue (``next_rollouts``) and publish the weights after each step
-(``publish``); the transport is ``rlbits.distributed.async_ranks``.
+each batch's shards to every trainer rank, which receive them into the same queue (``next_rollouts``) and
+publish the weights after each step (``publish``); the transport is ``rlbits.distributed.async_ranks``.
 """
 
 from __future__ import annotations
@@ -393,9 +393,9 @@ def rank_role(cfg: Any) -> str:
             )
         if world > cfg.rollout_ranks + 1 and getattr(cfg, "dynamic_sampling", False):
             raise ConfigError(
-                f"dynamic_sampling with async_mode: ranks runs with one trainer rank (world size "
-                f"{cfg.rollout_ranks + 1}), got {world - cfg.rollout_ranks}: its extra draws are agreed over the "
-                "trainer ranks, which the rollout ranks cannot emulate; use async_mode: simulated"
+                f"dynamic_sampling with async_mode: ranks runs with one trainer rank (and so one rollout rank: "
+                f"world size 2), got {trainers}: its extra draws are agreed over the trainer ranks, which rollout "
+                "ranks producing their shards in turn cannot emulate; use async_mode: simulated"
             )
         try:
             _ROLES.append(split_ranks(cfg.rollout_ranks, cfg.device, cfg.collective_timeout_s))
