@@ -17,6 +17,7 @@ _LAZY = {
     "all_gather_json": "rlbits.distributed.async_ranks",
     "broadcast_json": "rlbits.distributed.async_ranks",
     "broadcast_weights": "rlbits.distributed.async_ranks",
+    "owned_shards": "rlbits.distributed.async_ranks",
     "recv_json": "rlbits.distributed.async_ranks",
     "send_json": "rlbits.distributed.async_ranks",
     "split_ranks": "rlbits.distributed.async_ranks",

@@ -2,8 +2,9 @@
 generate, the bounded rollout queue between them (point-to-point messages) and the weight broadcast.
 
 The first ``T = world size - rollout_ranks`` ranks train together (FSDP2 over their own process group, as a
-colocated run at world size T); the last ranks only generate. Messages are JSON objects sent as uint8
-tensors (a length, then the bytes): no pickle crosses ranks. The weights go from trainer rank 0 on a group
+colocated run at world size T); the last R = ``rollout_ranks`` ranks only generate, rollout rank j the shards
+r with r % R == j of every batch (``owned_shards``; R <= T). Messages are JSON objects sent as uint8 tensors (a
+length, then the bytes): no pickle crosses ranks. The weights go from trainer rank 0 on a group
 made of it and the rollout ranks, in place into the rollout ranks' tensors (a sharded trainer policy's
 parameters are gathered one at a time first). Gloo on CPU (the tensors stay on the CPU).
 """
@@ -50,6 +51,37 @@ class RankRoles:
         """True on the ranks of ``group``: trainer rank 0 and the rollout ranks."""
         return self.rank == TRAINER_RANK or self.is_rollout
 
+    def shards_of(self, rollout_rank: int) -> tuple[int, ...]:
+        """The shards (trainer ranks, ascending) that the rollout rank of world rank ``rollout_rank`` produces
+        (``owned_shards``)."""
+        index = self.rollout_ranks.index(rollout_rank)
+        return owned_shards(index, len(self.trainer_ranks), len(self.rollout_ranks))
+
+    def owner_of(self, shard: int) -> int:
+        """The world rank of the rollout rank that produces shard ``shard`` (trainer rank ``shard``'s rows)."""
+        return next(r for r in self.rollout_ranks if shard in self.shards_of(r))
+
+
+def owned_shards(rollout_index: int, trainers: int, rollouts: int) -> tuple[int, ...]:
+    """The shards of each batch that rollout rank ``rollout_index`` (0 .. ``rollouts`` - 1) produces, with
+    ``trainers`` trainer ranks: shard r (trainer rank r's rows, as rank r of a colocated run at world size
+    ``trainers`` draws them) belongs to rollout rank ``r % rollouts``, so each produces every ``rollouts``-th
+    shard and the shards of a batch are spread as evenly as they can be.
+
+    Raises:
+        ValueError: ``rollouts`` not in 1 .. ``trainers`` (a shard is one colocated rank's draw: it cannot be
+            split over rollout ranks without changing the samples), or ``rollout_index`` not in 0 .. ``rollouts`` - 1.
+    """
+    if not 1 <= rollouts <= trainers:
+        raise ValueError(
+            f"{rollouts} rollout ranks for {trainers} trainer ranks: each rollout rank produces whole shards (a "
+            "shard is one colocated rank's draw and cannot be split without changing the samples), so there are "
+            "at least 1 and at most as many rollout ranks as trainer ranks"
+        )
+    if not 0 <= rollout_index < rollouts:
+        raise ValueError(f"rollout_index must be in 0 .. {rollouts - 1}, got {rollout_index}")
+    return tuple(range(rollout_index, trainers, rollouts))
+
 
 def split_ranks(rollout_ranks: int, device: str = "cpu", timeout_s: float | None = None) -> RankRoles:
     """Initialise torchrun's process group (``rlbits.distributed.env.init``), give the last ``rollout_ranks``
@@ -62,13 +94,17 @@ def split_ranks(rollout_ranks: int, device: str = "cpu", timeout_s: float | None
     (its policy unsharded; it builds its state as a 1-process run does).
 
     Raises:
-        ValueError: not under torchrun (``WORLD_SIZE`` < 2), or ``rollout_ranks`` not in 1 .. world size - 1.
+        ValueError: not under torchrun (``WORLD_SIZE`` < 2), or ``rollout_ranks`` not in 1 .. T (each rollout
+            rank produces whole shards of the trainers' batches: ``owned_shards``).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world < 2:
         raise ValueError("async_mode: ranks runs under torchrun with at least 2 processes (WORLD_SIZE >= 2)")
-    if not 1 <= rollout_ranks < world:
-        raise ValueError(f"rollout_ranks must be in 1 .. {world - 1} (world size {world}), got {rollout_ranks}")
+    if not 1 <= rollout_ranks <= world - rollout_ranks:
+        raise ValueError(
+            f"rollout_ranks must be in 1 .. {world // 2} (at most the trainer ranks; world size {world}), got "
+            f"{rollout_ranks}"
+        )
     env = init(device, timeout_s=timeout_s)
     trainers = tuple(range(world - rollout_ranks))
     ranks = tuple(range(world - rollout_ranks, world))
@@ -150,5 +186,6 @@ def broadcast_weights(module: torch.nn.Module, roles: RankRoles) -> None:
 
 
 __all__ = [
-    "TRAINER_RANK", "RankRoles", "all_gather_json", "broadcast_json", "broadcast_weights", "recv_json", "send_json", "split_ranks",
+    "TRAINER_RANK", "RankRoles", "all_gather_json", "broadcast_json", "broadcast_weights", "owned_shards", "recv_json",
+    "send_json", "split_ranks",
 ]

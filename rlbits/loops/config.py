@@ -646,9 +646,10 @@ class PolicyGradientConfig(OnlineConfig):
     ``staleness_threshold``, AReaL's ``max_head_offpolicyness``); 0 is the synchronous loop. Needs
     ``async_mode: simulated`` or ``ranks`` when > 0."""
     rollout_ranks: int = ranged(0, ge=0, at_most=1024)
-    """With ``async_mode: ranks``: how many of torchrun's ranks (the last ones) only generate; 1 (one rollout
-    rank is what is built), beside T = world size - 1 >= 1 trainer ranks that train as a colocated run at
-    world size T does, each on the rows the rollout rank produced as that run's rank would. 0 otherwise."""
+    """With ``async_mode: ranks``: how many of torchrun's ranks (the last ones, R) only generate, beside T =
+    world size - R trainer ranks that train as a colocated run at world size T does, each on the rows a
+    rollout rank produced as that run's rank would (rollout rank j produces trainer ranks r with r % R == j;
+    1 <= R <= T, checked at launch). 0 otherwise."""
     async_schedule: Literal["deterministic"] = "deterministic"
     """How ``async_mode: ranks`` schedules the rollout ranks: ``deterministic``, batch t + k is produced only
     with the weights of version t, the schedule of ``simulated`` (same rows, versions and weights)."""
@@ -663,12 +664,8 @@ class PolicyGradientConfig(OnlineConfig):
         if (self.async_mode == "ranks") != (self.rollout_ranks > 0):
             raise ConfigError(
                 f"rollout_ranks={self.rollout_ranks} with async_mode: {self.async_mode}: async_mode: ranks needs "
-                "rollout_ranks >= 1 (the ranks that only generate), and rollout_ranks is 0 otherwise"
-            )
-        if self.async_mode == "ranks" and self.rollout_ranks != 1:
-            raise ConfigError(
-                f"async_mode: ranks runs with rollout_ranks: 1 (one rollout rank beside any number of trainer "
-                f"ranks), got {self.rollout_ranks}"
+                "rollout_ranks >= 1 (the ranks that only generate; at most the trainer ranks), and rollout_ranks is 0 "
+                "otherwise"
             )
         if self.async_mode == "ranks" and self.loop not in ("reinforce", "ppo"):
             raise ConfigError(

@@ -14,11 +14,11 @@ same order as by one rollout worker. ``RolloutQueue`` holds the batches produced
 the statistics their production logged; it is a field of the loop's state, so a checkpoint saves it in
 ``state.json`` and a resumed run trains on the very rows the uninterrupted run would.
 
-With ``async_mode: ranks`` (under torchrun) a rollout rank runs the same schedule for real
-(``serve_rollouts``): it produces ``B_{t+k}`` once it holds the weights of version t (as T shards for T
-trainer ranks, shard r as rank r of a colocated T-rank run would), and sends each batch to every trainer
-rank, which receive them into the same queue (``next_rollouts``) and publish the weights after each step
-(``publish``); the transport is ``rlbits.distributed.async_ranks``.
+With ``async_mode: ranks`` (under torchrun) the rollout ranks run the same schedule for real
+(``serve_rollouts``): they produce ``B_{t+k}`` once they hold the weights of version t (as T shards for T
+trainer ranks, shard r as rank r of a colocated T-rank run would, by the rollout rank owning it), and send
+each batch's shards to every trainer rank, which receive them into the same queue (``next_rollouts``) and
+publish the weights after each step (``publish``); the transport is ``rlbits.distributed.async_ranks``.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class RolloutQueue:
         self.shards = 1
         self.pending: list[tuple[TensorDictBase, list[list[Any]]]] = []
         self.link: _TrainerLink | None = None
-        """With ``async_mode: ranks``, on the trainer: the rollout rank's end (not saved)."""
+        """With ``async_mode: ranks``, on the trainer: the rollout ranks' end (not saved)."""
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -175,11 +175,12 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
       smaller ``max_staleness``) is dropped and the next one taken. Adds ``staleness/mean`` and
       ``staleness/max`` (the rows' version lag ``state.step - policy_version``) and ``staleness/dropped_frac``
       (rows dropped over rows taken or dropped).
-    - ``ranks`` (on every trainer rank; ``produce`` is not called): the batches come from the rollout rank
+    - ``ranks`` (on every trainer rank; ``produce`` is not called): the batches come from the rollout ranks
       (``serve_rollouts``) until batch ``step`` has arrived, then as ``simulated``; the first call sends the
-      rollout rank the weights and where to start. With T trainer ranks each batch is T shards (the queue
+      rollout ranks the weights and where to start. With T trainer ranks each batch is T shards (the queue
       holds them all, in trainer-rank order) and trainer rank r trains on shard r. Adds ``time/trainer_idle``
-      and ``time/rollout_idle`` (seconds blocked waiting for the other side; means over the trainer ranks).
+      and ``time/rollout_idle`` (seconds blocked waiting for the other side; the means over the trainer
+      ranks and over the rollout ranks).
     """
     if cfg.async_mode == "off":
         return stamp_version(produce(), state.step)
@@ -261,24 +262,25 @@ def _load_rollout_state(state: Any, saved: dict[str, Any]) -> None:
 
 
 class _TrainerLink:
-    """A trainer rank's end of the rollout rank: trainer rank 0 sends the start (version, batches produced,
-    the rollout side's position) and every trainer rank its shard's sampling generators; all of them send the
-    weights (``broadcast_weights``) and receive every batch (all ``shards`` of it) in index order."""
+    """A trainer rank's end of the rollout ranks: trainer rank 0 sends the start (version, batches produced,
+    the rollout side's position) to all of them and every other trainer rank its shard's sampling generators
+    to the rollout rank that produces its shard; all of them send the weights (``broadcast_weights``) and
+    receive every batch (all ``shards`` of it, one message per rollout rank) in index order."""
 
     def __init__(self, state: Any, cfg: Any) -> None:
         from rlbits.distributed.async_ranks import TRAINER_RANK, broadcast_json, broadcast_weights, send_json
 
         self.roles, self.k = _roles(), cfg.max_staleness
-        self.src, self.shards = self.roles.rollout_ranks[0], len(self.roles.trainer_ranks)
+        self.shards = len(self.roles.trainer_ranks)
         self.is_first = self.roles.rank == TRAINER_RANK
         queue = state.rollout_queue
         t0, sends = time.monotonic(), []
-        # the rollout rank resumes from the last batch received: the queue holds those after it
+        # the rollout ranks resume from the last batch received: the queue holds those after it
         if self.is_first:
             start = {"version": state.step, "produced": queue.produced, "rollout_state": _rollout_state(state)}
             broadcast_json(start, self.roles)
         else:
-            sends = send_json(_rollout_state(state), self.src)
+            sends = send_json(_rollout_state(state), self.roles.owner_of(self.roles.rank))
         broadcast_weights(state.policy, self.roles)
         for work, _ in sends:
             work.wait()
@@ -292,22 +294,18 @@ class _TrainerLink:
 
         queue = state.rollout_queue
         t0 = time.monotonic()
-        msg = recv_json(self.src)
+        msgs = {src: recv_json(src) for src in self.roles.rollout_ranks}
         state.metrics.same("time/trainer_idle", time.monotonic() - t0)
-        if msg["index"] != queue.produced or len(msg["shards"]) != self.shards:
-            raise RuntimeError(
-                f"rollout rank sent batch {msg['index']} in {len(msg['shards'])} shards, expected batch "
-                f"{queue.produced} in {self.shards}"
-            )
-        _load_rollout_state(state, msg["shards"][state.env.rank]["rollout_state"])
-        state.metrics.same("time/rollout_idle", float(msg["idle_s"]))
-        queue.pending += [(decode_batch(s["batch"]), s["metrics"]) for s in msg["shards"]]
+        shards = _merge_shards(msgs, self.roles, queue.produced)
+        _load_rollout_state(state, shards[state.env.rank]["rollout_state"])
+        state.metrics.same("time/rollout_idle", sum(float(m["idle_s"]) for m in msgs.values()) / len(msgs))
+        queue.pending += [(decode_batch(s["batch"]), s["metrics"]) for s in shards]
         queue.produced += 1
         self.received += 1
 
     def publish(self, state: Any, version: int) -> None:
         """Send the weights as ``version``, then receive the batches up to ``version + k - 1`` (those the
-        rollout rank produced with the previous weights meanwhile): the queue a checkpoint of this step saves."""
+        rollout ranks produced with the previous weights meanwhile): the queue a checkpoint of this step saves."""
         from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights
 
         t0 = time.monotonic()
@@ -320,14 +318,35 @@ class _TrainerLink:
             self.receive(state)
 
     def stop(self) -> None:
-        """Tell the rollout rank to stop (trainer rank 0), and take the batches it produced with the last
+        """Tell the rollout ranks to stop (trainer rank 0), and take the batches they produced with the last
         weights (unused)."""
         from rlbits.distributed.async_ranks import broadcast_json, recv_json
 
         if self.is_first:
             broadcast_json({"stop": True}, self.roles)
         for _ in range(self.received, self.version + self.k + 1):
-            recv_json(self.src)
+            for src in self.roles.rollout_ranks:
+                recv_json(src)
+
+
+def _merge_shards(msgs: dict[int, Any], roles: Any, index: int) -> list[dict[str, Any]]:
+    """Batch ``index``'s shards in trainer-rank order, from ``msgs``: each rollout rank's message (by world
+    rank) holding the shards it owns (``RankRoles.shards_of``), in their order.
+
+    Raises:
+        RuntimeError: a message of another batch, or with another number of shards than its rollout rank owns.
+    """
+    out: list[Any] = [None] * len(roles.trainer_ranks)
+    for src, msg in msgs.items():
+        owned = roles.shards_of(src)
+        if msg["index"] != index or len(msg["shards"]) != len(owned):
+            raise RuntimeError(
+                f"rollout rank {src} sent batch {msg['index']} in {len(msg['shards'])} shards, expected batch "
+                f"{index} in {len(owned)} (shards {list(owned)})"
+            )
+        for shard, part in zip(owned, msg["shards"], strict=True):
+            out[shard] = part
+    return out
 
 
 _ROLES: list[Any] = []
@@ -346,8 +365,9 @@ def rank_role(cfg: Any) -> str:
     role, ``"trainer"`` (the first world size - ``cfg.rollout_ranks`` ranks) or ``"rollout"``.
 
     Raises:
-        ConfigError: not under torchrun, or ``cfg.rollout_ranks`` leaves no trainer rank, or
-            ``dynamic_sampling`` with several trainer ranks (its draws are agreed over the ranks).
+        ConfigError: not under torchrun, or ``cfg.rollout_ranks`` leaves no trainer rank or exceeds the
+            trainer ranks (a rollout rank produces whole shards), or ``dynamic_sampling`` with several trainer
+            ranks (its draws are agreed over the ranks).
     """
     from rlbits.distributed.async_ranks import split_ranks
     from rlbits.loops.config import ConfigError
@@ -363,11 +383,19 @@ def rank_role(cfg: Any) -> str:
                 f"async_mode: ranks runs under torchrun with at least rollout_ranks + 1 = {cfg.rollout_ranks + 1} "
                 f"processes (the trainer ranks, then the rollout ranks), got world size {world}"
             )
+        trainers = world - cfg.rollout_ranks
+        if cfg.rollout_ranks > trainers:
+            raise ConfigError(
+                f"rollout_ranks: {cfg.rollout_ranks} with {trainers} trainer ranks (world size {world}): at most as "
+                "many rollout ranks as trainer ranks, since each rollout rank produces whole shards of a batch (a "
+                "shard is one colocated trainer rank's draw and cannot be split without changing the samples); "
+                f"use rollout_ranks <= {world // 2}"
+            )
         if world > cfg.rollout_ranks + 1 and getattr(cfg, "dynamic_sampling", False):
             raise ConfigError(
-                f"dynamic_sampling with async_mode: ranks runs with one trainer rank (world size "
-                f"{cfg.rollout_ranks + 1}), got {world - cfg.rollout_ranks}: its extra draws are agreed over the "
-                "trainer ranks, which the rollout rank cannot emulate; use async_mode: simulated"
+                f"dynamic_sampling with async_mode: ranks runs with one trainer rank (and so one rollout rank: "
+                f"world size 2), got {trainers}: its extra draws are agreed over the trainer ranks, which rollout "
+                "ranks producing their shards in turn cannot emulate; use async_mode: simulated"
             )
         try:
             _ROLES.append(split_ranks(cfg.rollout_ranks, cfg.device, cfg.collective_timeout_s))
@@ -378,7 +406,7 @@ def rank_role(cfg: Any) -> str:
 
 def publish(state: Any, cfg: Any) -> None:
     """After step ``state.step``'s update, with ``async_mode: ranks`` (every trainer rank calls it): the new
-    weights (version step + 1) to the rollout rank, and its batches up to step + 1 + k received
+    weights (version step + 1) to the rollout ranks, and their batches up to step + 1 + k received
     (``_TrainerLink.publish``). Nothing otherwise."""
     link = state.rollout_queue.link
     if cfg.async_mode == "ranks" and link is not None:
@@ -386,7 +414,7 @@ def publish(state: Any, cfg: Any) -> None:
 
 
 def stop_rollouts(state: Any, cfg: Any) -> None:
-    """At the end of a run with ``async_mode: ranks`` (every trainer rank calls it): stop the rollout rank.
+    """At the end of a run with ``async_mode: ranks`` (every trainer rank calls it): stop the rollout ranks.
     Nothing otherwise."""
     if cfg.async_mode != "ranks":
         return
@@ -398,7 +426,7 @@ def stop_rollouts(state: Any, cfg: Any) -> None:
 def serve_rollouts(
     cfg: Any, init_state: Callable[..., Any], produce: Callable[[Any], TensorDictBase], **inputs: Any
 ) -> Path:
-    """The rollout rank of ``async_mode: ranks`` (docs/async.md): build the loop's state as a 1-process run
+    """A rollout rank of ``async_mode: ranks`` (docs/async.md): build the loop's state as a 1-process run
     does (``init_state(cfg, env, setup=, **inputs)``; ``inputs``: ``reward``, ``prompts``, ``val_prompts``),
     then until the trainer says stop: take the weights and version v (in place into ``state.policy``),
     produce and send the batches up to index v + k with version v, each with its statistics, the rollout
@@ -407,18 +435,19 @@ def serve_rollouts(
 
     With T trainer ranks a batch is T shards, shard r the rows rank r of a colocated run at world size T
     would produce (``produce(state)`` with ``state.env`` rank r of T, so the prompt stream gives it rank r's
-    slice of the same draw, and with rank r's sampling generator), each with its own statistics. Writes
-    nothing to the run directory; returns ``cfg.run_dir``."""
+    slice of the same draw, and with rank r's sampling generator), each with its own statistics. Of the R
+    rollout ranks, each produces the shards it owns (``RankRoles.shards_of``: r with r % R == its index) and
+    sends them as one message per batch. Writes nothing to the run directory; returns ``cfg.run_dir``."""
     from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights, recv_json, send_json
     from rlbits.loops.runtime import Setup, setup
 
     roles = _roles()
     state = init_state(cfg, setup(cfg), setup=Setup.of(cfg), **inputs)
-    trainers = roles.trainer_ranks
-    ctrl = broadcast_json(None, roles)
-    starts = [ctrl["rollout_state"], *(recv_json(r) for r in trainers[1:])]
+    trainers, owned = roles.trainer_ranks, roles.shards_of(roles.rank)
+    ctrl = broadcast_json(None, roles)  # trainer rank 0's start: its position is shard 0's
+    starts = [ctrl["rollout_state"] if r == 0 else recv_json(trainers[r]) for r in owned]
     broadcast_weights(state.policy, roles)
-    shards = [_ShardState(state, start, r, len(trainers)) for r, start in enumerate(starts)]
+    shards = [_ShardState(state, start, r, len(trainers)) for r, start in zip(owned, starts, strict=True)]
     produced, version, idle, sends = ctrl["produced"], ctrl["version"], 0.0, []
     while True:
         while produced <= version + cfg.max_staleness:

@@ -16,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlbits.distributed.async_ranks import RankRoles, owned_shards
+from rlbits.distributed.env import DistEnv
 from rlbits.loops import ppo, reinforce
 from rlbits.loops.config import ConfigError, config_from_dict
 from rlbits.loops.staleness import decode_batch, encode_batch, rank_role
@@ -191,8 +193,10 @@ def test_ranks_mode_refuses_what_is_not_built(tiny_path, tmp_path):
         cfg(async_mode="ranks")
     with pytest.raises(ConfigError, match="rollout_ranks"):
         cfg(async_mode="simulated", rollout_ranks=1)
-    with pytest.raises(ConfigError, match="rollout_ranks: 1"):
-        cfg(async_mode="ranks", rollout_ranks=2)
+    with pytest.raises(ConfigError, match=r"rollout_ranks >= 1 \(the ranks that only generate; at most the trainer"):
+        cfg(async_mode="ranks", rollout_ranks=0)
+    # rollout_ranks: 2 is checked against the world size at launch
+    assert cfg(async_mode="ranks", rollout_ranks=2).rollout_ranks == 2
     with pytest.raises(ConfigError, match="torchrun"):  # one process: no rollout rank (train's first call)
         rank_role(cfg(async_mode="ranks", rollout_ranks=1))
     assert rank_role(cfg(async_mode="simulated")) == "off"
@@ -233,10 +237,14 @@ def test_two_trainer_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path,
     assert [m["staleness/max"] for m in metrics(ranks)] == [0, 1, 1]
     assert _samples(ranks) == _samples(sim)
     assert [r["policy_version"] for r in _samples(ranks)][-1] == 1
-    # the final checkpoint (step 3; DCP over the trainers' group): every trainer's queue holds both shards of B_3,
-    # as every colocated rank's does. The sampler's logprobs agree to rounding only: the rollout rank samples
-    # with an unsharded copy, colocated rank 1 with its FSDP-gathered policy.
-    queue, colocated = _queue(ranks), _queue(sim)
+    _assert_same_queue(_queue(ranks), _queue(sim))
+    _assert_trained_alike(ranks, sim)
+
+
+def _assert_same_queue(queue: dict, colocated: dict) -> None:
+    """The final checkpoint (step 3; DCP over the trainers' group): every trainer's queue holds both shards of
+    B_3, as every colocated rank's does. The sampler's logprobs agree to rounding only: a rollout rank samples
+    with an unsharded copy, colocated rank 1 with its FSDP-gathered policy."""
     assert queue["rollout_queue"]["produced"] == 4 and queue["rollout_queue"]["shards"] == 2
     assert len(queue["rollout_queue"]["pending"]) == 2
     for mine, theirs in zip(queue["rollout_queue"].pop("pending"), colocated["rollout_queue"].pop("pending"), strict=True):
@@ -244,7 +252,6 @@ def test_two_trainer_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path,
         torch.testing.assert_close(a.pop("logprobs"), b.pop("logprobs"), rtol=1e-5, atol=1e-6)
         assert mine == theirs and encode_batch(a) == encode_batch(b)
     assert queue == colocated
-    _assert_trained_alike(ranks, sim)
 
 
 @pytest.mark.slow
@@ -271,3 +278,54 @@ def test_several_trainer_ranks_refuse_dynamic_sampling(tiny_path, tmp_path, monk
     cfg = values(tiny_path, tmp_path, async_mode="ranks", rollout_ranks=1, dynamic_sampling=True)
     with pytest.raises(ConfigError, match="dynamic_sampling"):
         rank_role(config_from_dict(reinforce.ReinforceConfig, cfg))
+
+
+def test_rollout_rank_j_owns_the_shards_r_with_r_mod_R_equal_to_j():
+    assert owned_shards(0, 1, 1) == (0,)
+    assert owned_shards(0, 3, 1) == (0, 1, 2)
+    assert [owned_shards(j, 5, 2) for j in range(2)] == [(0, 2, 4), (1, 3)]
+    assert [owned_shards(j, 3, 3) for j in range(3)] == [(0,), (1,), (2,)]
+    for trainers in range(1, 6):  # every shard has exactly one owner
+        for rollouts in range(1, trainers + 1):
+            owned = [r for j in range(rollouts) for r in owned_shards(j, trainers, rollouts)]
+            assert sorted(owned) == list(range(trainers)), (trainers, rollouts)
+    with pytest.raises(ValueError, match="3 rollout ranks for 2 trainer ranks.*cannot be split"):
+        owned_shards(0, 2, 3)
+    with pytest.raises(ValueError, match="rollout_index"):
+        owned_shards(2, 4, 2)
+    # world 5 = 3 trainer ranks + 2 rollout ranks (world ranks 3 and 4): both sides read the same ownership
+    roles = RankRoles(0, 5, (3, 4), None, (0, 1, 2), DistEnv(0, 3, 0, torch.device("cpu")))
+    assert [roles.shards_of(r) for r in roles.rollout_ranks] == [(0, 2), (1,)]
+    assert [roles.owner_of(r) for r in roles.trainer_ranks] == [3, 4, 3]
+
+
+def test_more_rollout_ranks_than_trainer_ranks_are_refused(tiny_path, tmp_path, monkeypatch):
+    """A shard is one colocated trainer rank's draw: with R > T some rollout rank would have no whole shard,
+    so it is refused (before any process group is made), naming both numbers."""
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    cfg = values(tiny_path, tmp_path, async_mode="ranks", rollout_ranks=3)
+    with pytest.raises(ConfigError, match=r"rollout_ranks: 3 with 2 trainer ranks \(world size 5\).*cannot be split"):
+        rank_role(config_from_dict(reinforce.ReinforceConfig, cfg))
+
+
+@pytest.mark.slow
+def test_two_rollout_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path, tmp_path, colocated_3):
+    """World size 4: two trainer ranks and two rollout ranks, rollout rank j producing shard j of every batch
+    (one message per rollout rank and batch; every trainer merges them in trainer-rank order). The run equals
+    the colocated 2-rank ``async_mode: simulated`` run, as the one-rollout-rank run does."""
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    sim, ranks = colocated_3, tmp_path / "ranks"
+    torchrun(str(script), json.dumps(values(tiny_path, ranks, async_mode="ranks", rollout_ranks=2, max_num_steps=3)),
+             nproc=4, timeout=180)
+    got, want = untimed_by_step(metrics(ranks)), untimed_by_step(metrics(sim))
+    assert got.keys() == want.keys() == {1, 2, 3}
+    for step in want:
+        for key, value in want[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+    assert [m["staleness/max"] for m in metrics(ranks)] == [0, 1, 1]
+    assert all(m["time/rollout_idle"] >= 0 for m in metrics(ranks))
+    assert _samples(ranks) == _samples(sim)
+    assert sorted(p.name for p in ranks.iterdir()) == sorted(p.name for p in sim.iterdir())  # rank 0's files only
+    _assert_same_queue(_queue(ranks), _queue(sim))
+    _assert_trained_alike(ranks, sim)
