@@ -472,13 +472,15 @@ class OnlineConfig(PolicyConfig):
     same samples to float rounding, faster matmuls at decode batch sizes (docs/benchmarks.md), one extra copy
     of the weights in memory during the rollout. ``false``: PyTorch's default ``F.linear``. Ignored on GPU and
     with ``compile_generate``."""
-    continuous_batching: bool = False
+    continuous_batching: bool = True
     """Finished rows leave the rollout's decode batch (``generate(continuous_batching=...)``): the rows still
     decoding are compacted, with their KV cache rows, to the next power of two, so a batch of uneven response
     lengths pays for its generated tokens rather than its longest row's. The same samples and logprobs as
-    without it (float rounding of the logits at another batch size aside). Every ``generate`` call of the
-    loops: rollouts, multi-turn episodes, validation, ReMax's greedy baseline and the preference loop's
-    offline pairs. A ``logits_processor`` sees only the rows still decoding. docs/packing.md."""
+    without it (float rounding of the logits at another batch size aside), so it is on by default (the
+    golden pins hold either way); ``false`` decodes every row to the end, as HF ``generate`` does. Every
+    ``generate`` call of the loops: rollouts, multi-turn episodes, validation, ReMax's greedy baseline and
+    the preference loop's offline pairs. A ``logits_processor`` sees only the rows still decoding.
+    docs/packing.md."""
     logprob_head: Literal["auto", "fused", "unfused"] = "auto"
     """How the training and reference forwards apply the output layer
     (``rlbits.models.forward.policy_logprobs``): ``fused`` never holds a microbatch's [b, R, V] logits
