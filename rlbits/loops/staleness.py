@@ -269,6 +269,7 @@ class _TrainerLink:
         from rlbits.distributed.async_ranks import TRAINER_RANK, broadcast_json, broadcast_weights, send_json
 
         self.roles, self.k = _roles(), cfg.max_staleness
+        self.eager, self.weight_sends = cfg.async_schedule == "eager", []
         self.src, self.shards = self.roles.rollout_ranks[0], len(self.roles.trainer_ranks)
         self.is_first = self.roles.rank == TRAINER_RANK
         queue = state.rollout_queue
@@ -308,10 +309,15 @@ class _TrainerLink:
     def publish(self, state: Any, version: int) -> None:
         """Send the weights as ``version``, then receive the batches up to ``version + k - 1`` (those the
         rollout rank produced with the previous weights meanwhile): the queue a checkpoint of this step saves."""
-        from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights
+        from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights, isend_weights
 
         t0 = time.monotonic()
         self.version = version
+        if self.eager:  # sent without waiting; the rollout rank takes them when it looks (serve_rollouts)
+            self._wait_weight_sends()
+            self.weight_sends = isend_weights(state.policy, self.roles, version)
+            state.metrics.same("time/trainer_idle", time.monotonic() - t0)
+            return
         if self.is_first:
             broadcast_json({"version": self.version}, self.roles)
         broadcast_weights(state.policy, self.roles)
@@ -322,12 +328,24 @@ class _TrainerLink:
     def stop(self) -> None:
         """Tell the rollout rank to stop (trainer rank 0), and take the batches it produced with the last
         weights (unused)."""
-        from rlbits.distributed.async_ranks import broadcast_json, recv_json
+        from rlbits.distributed.async_ranks import broadcast_json, isend_weights, recv_json
 
+        if self.eager:  # the rollout rank answers the stop with an end message after its last batch
+            self._wait_weight_sends()
+            self.weight_sends = isend_weights(None, self.roles, self.version, stop=True)
+            while not recv_json(self.src).get("end"):
+                pass
+            self._wait_weight_sends()
+            return
         if self.is_first:
             broadcast_json({"stop": True}, self.roles)
         for _ in range(self.received, self.version + self.k + 1):
             recv_json(self.src)
+
+    def _wait_weight_sends(self) -> None:
+        for work, _ in self.weight_sends:
+            work.wait()
+        self.weight_sends = []
 
 
 _ROLES: list[Any] = []
@@ -420,6 +438,9 @@ def serve_rollouts(
     broadcast_weights(state.policy, roles)
     shards = [_ShardState(state, start, r, len(trainers)) for r, start in enumerate(starts)]
     produced, version, idle, sends = ctrl["produced"], ctrl["version"], 0.0, []
+    if cfg.async_schedule == "eager":
+        _serve_eager(cfg, state, produce, shards, produced, version)
+        return Path(cfg.run_dir)
     while True:
         while produced <= version + cfg.max_staleness:
             out = []
@@ -440,6 +461,77 @@ def serve_rollouts(
     for work, _ in sends:
         work.wait()
     return Path(cfg.run_dir)
+
+
+EAGER_POLL_S = 0.002
+"""How long the ``eager`` rollout rank sleeps when it may not produce (k + 1 batches ahead) and no weights
+have arrived, between two looks."""
+
+
+def _serve_eager(
+    cfg: Any, state: Any, produce: Callable[[Any], TensorDictBase], shards: list[_ShardState], produced: int,
+    version: int,
+) -> None:
+    """The rollout rank's ``async_schedule: eager`` loop (docs/async.md): between batches, take the newest
+    weights that have arrived (``WeightInbox``, without blocking); produce batch ``produced`` when it is at
+    most ``version + k`` (its rows then train at most k versions old), else sleep ``EAGER_POLL_S``; on the
+    trainer's stop, send every trainer an end message. With ``cfg.partial_rollouts`` the decode loop also
+    looks for new weights between two decode steps (``state.decode_hook``, ``generate(on_step=...)``); a
+    row's ``policy_version`` is then its oldest token's (``token_version``)."""
+    from rlbits.distributed.async_ranks import WeightInbox, send_json
+
+    roles, inbox, k = _roles(), WeightInbox(), cfg.max_staleness
+    trainers, idle, sends, stop = roles.trainer_ranks, 0.0, [], False
+
+    def take() -> None:  # the newest weights that have arrived (each update is taken in turn)
+        nonlocal version, stop
+        while not stop and (got := inbox.take(state.policy)) is not None:
+            new, stop = got
+            if not stop:
+                version = new
+                if getattr(state, "decode_copy", None) is not None:  # precision: bf16 decodes from a copy
+                    from rlbits.loops.phases import bf16_copy
+
+                    bf16_copy(state.policy, state.decode_copy)
+
+    def on_step(t: int) -> int:
+        take()
+        return version
+
+    state.decode_hook = on_step if cfg.partial_rollouts else None
+    while True:
+        take()
+        if stop:
+            break
+        if produced > version + k:  # k + 1 batches ahead of the trainer's newest weights: wait for newer ones
+            t0 = time.monotonic()
+            time.sleep(EAGER_POLL_S)
+            idle += time.monotonic() - t0
+            continue
+        out = []
+        for shard in shards:
+            with shard.active(state):
+                start = version
+                batch = _stamp_oldest(produce(state), start)
+                rows, position = _metric_rows(state.metrics), _rollout_state(state)
+                out.append({"batch": encode_batch(batch), "metrics": rows, "rollout_state": position})
+        sends += send_json({"index": produced, "shards": out, "idle_s": idle}, trainers)
+        produced, idle = produced + 1, 0.0
+        sends = [(w, t) for w, t in sends if not w.is_completed()]
+    sends += send_json({"end": True}, trainers)
+    for work, _ in sends:
+        work.wait()
+
+
+def _stamp_oldest(batch: TensorDictBase, version: int) -> TensorDictBase:
+    """``policy_version`` of each row: ``version`` (the weights its production started with), or with
+    ``token_version`` (partial rollouts) the oldest version among its action tokens."""
+    stamp_version(batch, version)
+    if "token_version" in batch.keys():
+        tokens = batch["token_version"].masked_fill(~batch["action_mask"], torch.iinfo(torch.int64).max)
+        oldest = tokens.min(dim=1).values
+        batch[VERSION_KEY] = torch.where(oldest == torch.iinfo(torch.int64).max, batch[VERSION_KEY], oldest)
+    return batch
 
 
 class _ShardState:
