@@ -5,7 +5,9 @@ The first ``T = world size - rollout_ranks`` ranks train together (FSDP2 over th
 colocated run at world size T); the last ranks only generate. Messages are JSON objects sent as uint8
 tensors (a length, then the bytes): no pickle crosses ranks. The weights go from trainer rank 0 on a group
 made of it and the rollout ranks, in place into the rollout ranks' tensors (a sharded trainer policy's
-parameters are gathered one at a time first). Gloo on CPU (the tensors stay on the CPU).
+parameters are gathered one at a time first); under ``async_schedule: eager`` trainer rank 0 sends them point
+to point without waiting (``isend_weights``) and the rollout rank takes them when it looks (``WeightInbox``).
+Gloo on CPU (the tensors stay on the CPU).
 """
 
 from __future__ import annotations
@@ -150,9 +152,9 @@ def broadcast_weights(module: torch.nn.Module, roles: RankRoles) -> None:
                 dist.broadcast(full, TRAINER_RANK, group=roles.group)
 
 
-def isend_weights(module: torch.nn.Module, roles: RankRoles, version: int, stop: bool = False) -> list[Any]:
+def isend_weights(module: torch.nn.Module | None, roles: RankRoles, version: int, stop: bool = False) -> list[Any]:
     """The ``eager`` schedule's weight update, trainer side: trainer rank 0 sends each rollout rank a header
-    (``version``, ``stop``) and, unless ``stop``, a copy of every parameter and buffer of ``module`` (in
+    (``version``, ``stop``) and, unless ``stop`` (``module`` then unused), a copy of every parameter and buffer of ``module`` (in
     ``broadcast_weights``' order), point to point, without waiting; the rollout rank takes them when it looks
     (``WeightInbox``). Every trainer rank calls it: a sharded parameter is gathered whole first
     (``full_tensor()``, a collective of the trainers' group). Returns the pending works with their tensors

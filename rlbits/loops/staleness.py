@@ -18,7 +18,10 @@ With ``async_mode: ranks`` (under torchrun) a rollout rank runs the same schedul
 (``serve_rollouts``): it produces ``B_{t+k}`` once it holds the weights of version t (as T shards for T
 trainer ranks, shard r as rank r of a colocated T-rank run would), and sends each batch to every trainer
 rank, which receive them into the same queue (``next_rollouts``) and publish the weights after each step
-(``publish``); the transport is ``rlbits.distributed.async_ranks``.
+(``publish``); the transport is ``rlbits.distributed.async_ranks``. With ``async_schedule: eager`` the
+rollout rank instead produces back to back with the newest weights it holds (batch i with version v only if
+i <= v + k), the trainer sends each version without waiting for it to be taken, and with ``partial_rollouts``
+new weights are taken between decode steps (``_serve_eager``).
 """
 
 from __future__ import annotations
@@ -180,6 +183,7 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
       rollout rank the weights and where to start. With T trainer ranks each batch is T shards (the queue
       holds them all, in trainer-rank order) and trainer rank r trains on shard r. Adds ``time/trainer_idle``
       and ``time/rollout_idle`` (seconds blocked waiting for the other side; means over the trainer ranks).
+      With ``cfg.async_schedule: eager`` the versions the batches carry depend on timing (docs/async.md).
     """
     if cfg.async_mode == "off":
         return stamp_version(produce(), state.step)
