@@ -218,6 +218,10 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
     state.metrics.mean("staleness/mean", lag.sum().float(), n)
     state.metrics.max("staleness/max", lag.max().float())
     state.metrics.mean("staleness/dropped_frac", float(dropped), n + dropped)
+    if "token_version" in batch.keys():  # partial rollouts: the tokens' own lag (rows count their oldest token's)
+        mask = batch["action_mask"]
+        token_lag = (state.step - batch["token_version"]).masked_fill(~mask, 0)
+        state.metrics.mean("staleness/token_mean", token_lag.sum().float(), mask.sum().float())
     return batch
 
 
@@ -499,7 +503,10 @@ def _serve_eager(
                     bf16_copy(state.policy, state.decode_copy)
 
     def on_step(t: int) -> int:
+        before = version
         take()
+        if version != before:
+            state.metrics.sum("staleness/partial_updates", 1.0)
         return version
 
     state.decode_hook = on_step if cfg.partial_rollouts else None

@@ -283,12 +283,18 @@ def test_eager_schedule_with_partial_rollouts_trains_every_row_once_within_the_b
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     run_dir = tmp_path / "eager"
+    # longer responses than the simulated run's (the prompts do not change): the rollout rank is the slower side,
+    # so new weights arrive while it decodes
     cfg = values(tiny_path, run_dir, async_mode="ranks", rollout_ranks=1, max_num_steps=6,
-                 async_schedule="eager", partial_rollouts=True)
+                 async_schedule="eager", partial_rollouts=True, max_new_tokens=24)
     torchrun(str(script), json.dumps(cfg), timeout=120)
     trained = [m for m in metrics(run_dir) if "staleness/max" in m]
     assert [m["step"] for m in trained] == list(range(1, 7))
     assert all(m["staleness/max"] <= 1 and m["staleness/dropped_frac"] == 0 for m in trained)
+    # tokens sampled after an update are newer than their row's (oldest) version
+    assert all(m["staleness/token_mean"] <= m["staleness/mean"] + 1e-6 for m in trained)
+    # the rollout rank, never idle here, takes each new version mid-decode (1 per step on this machine)
+    assert sum(m.get("staleness/partial_updates", 0) for m in trained) >= 1
     assert all(m["time/trainer_idle"] >= 0 and m["time/rollout_idle"] >= 0 for m in trained)
     got, want = _samples(run_dir), _samples(simulated_6)
     # every row of every step is logged (log_samples = the 4 rows of a step): the prompts trained, in order, are
