@@ -154,9 +154,9 @@ def broadcast_weights(module: torch.nn.Module, roles: RankRoles) -> None:
 
 def isend_weights(module: torch.nn.Module | None, roles: RankRoles, version: int, stop: bool = False) -> list[Any]:
     """The ``eager`` schedule's weight update, trainer side: trainer rank 0 sends each rollout rank a header
-    (``version``, ``stop``) and, unless ``stop`` (``module`` then unused), a copy of every parameter and buffer of ``module`` (in
-    ``broadcast_weights``' order), point to point, without waiting; the rollout rank takes them when it looks
-    (``WeightInbox``). Every trainer rank calls it: a sharded parameter is gathered whole first
+    (``version``, ``stop``) and, unless ``stop`` (``module`` then unused), a copy of every parameter and
+    buffer of ``module`` (in ``broadcast_weights``' order), point to point, without waiting; the rollout rank
+    takes them when it looks (``WeightInbox``). Every trainer rank calls it: a sharded parameter is gathered whole first
     (``full_tensor()``, a collective of the trainers' group). Returns the pending works with their tensors
     (``wait()`` them before the next call: one copy of the weights in flight at most)."""
     header = torch.tensor([int(version), int(stop)], dtype=torch.int64)
@@ -199,6 +199,6 @@ class WeightInbox:
 
 
 __all__ = [
-    "TRAINER_RANK", "RankRoles", "WeightInbox", "all_gather_json", "broadcast_json", "broadcast_weights", "isend_weights",
-    "recv_json", "send_json", "split_ranks",
+    "TRAINER_RANK", "RankRoles", "WeightInbox", "all_gather_json", "broadcast_json", "broadcast_weights",
+    "isend_weights", "recv_json", "send_json", "split_ranks",
 ]

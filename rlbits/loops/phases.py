@@ -243,8 +243,8 @@ def sample(state: Any, batch: TensorDictBase, cfg: RunConfig, policy: torch.nn.M
     ``rlbits.loops.staleness``) goes to ``generate(on_step=...)``.
 
     Raises:
-        ValueError: a multi-turn task with ``state.decode_hook``, or with ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``,
-            ``stop_strings`` or ``chunk_size`` set."""
+        ValueError: a multi-turn task with ``state.decode_hook``, or with ``top_k``, ``top_p``,
+            ``repetition_penalty``, ``min_new_tokens``, ``stop_strings`` or ``chunk_size`` set."""
     common = dict(
         num_samples=cfg.num_generations_per_prompt, generator=state.sampling_generator,
         compile=cfg.compile_generate, pack_weights=pack_weights(cfg),

@@ -460,8 +460,8 @@ def generate(
 
     Raises:
         ValueError: missing keys, mismatched shapes, an empty batch, a row without prompt tokens, a prompt
-            or pad id outside the vocabulary, bad sampling arguments, a ``continuous_batching`` not a bool, or ``P + max_new_tokens`` beyond the
-            model's context; ``on_step`` returning something other than an int.
+            or pad id outside the vocabulary, bad sampling arguments, a ``continuous_batching`` not a bool, or
+            ``P + max_new_tokens`` beyond the model's context; ``on_step`` returning something other than an int.
         FloatingPointError: a step's distribution held NaN (NaN/inf logits, or a temperature so small that
             ``logits / temperature`` overflows): checked once after decoding, the message names the row.
     """

@@ -721,7 +721,10 @@ def test_on_step_swaps_weights_mid_decode(continuous_batching):
     assert out["token_version"].tolist() == [[7 if t < 3 else 8 for t in range(R)]] * 6
     for i, (prompt, response) in enumerate(_rows(out)):
         # the reference: per token, a full forward of the weights that sampled it over the prompt and tokens so far
-        ref = [_reference_logprobs(old if t < 3 else new, prompt, response[: t + 1], 0.9)[t] for t in range(len(response))]
+        ref = [
+            _reference_logprobs(old if t < 3 else new, prompt, response[: t + 1], 0.9)[t]
+            for t in range(len(response))
+        ]
         got = out["logprobs"][i, : len(response)].double()
         assert (got - torch.tensor(ref, dtype=torch.float64)).abs().max().item() <= 1e-5
 
