@@ -522,6 +522,8 @@ def _serve_eager(
         out = []
         for shard in shards:
             with shard.active(state):
+                if cfg.partial_rollouts:  # in every shard's statistics: the trainer ranks reduce the same keys
+                    state.metrics.sum("staleness/partial_updates", 0.0)
                 start = version
                 batch = _stamp_oldest(produce(state), start)
                 rows, position = _metric_rows(state.metrics), _rollout_state(state)
