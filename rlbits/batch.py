@@ -99,6 +99,7 @@ SCHEMA: dict[str, KeySpec] = {
     "returns": KeySpec(_BR, _F, "return (value target) of each action token"),
     "turn_rewards": KeySpec(_BR, _F, "episodes: each turn's reward on that turn's last action token"),
     "turn_index": KeySpec(_BR, _I, "episodes: 0-based turn of a token (an observation: its turn's)", -1),
+    "token_version": KeySpec(_BR, _I, "partial rollouts: the policy version that sampled each response token"),
     # one value per row
     "rewards": KeySpec(_B, _F, "sequence-level score (episodes: the sum of the turn rewards)"),
     "reference_rewards": KeySpec(_B, _F, "score of a reference-policy response to the same prompt (PPO)"),

@@ -418,7 +418,7 @@ def test_collate_repads_episode_batches_like_a_row_by_row_reference(seed):
     out = rb.collate(batches, pad_token_id=PAD)
     rb.check(out, required=rb.SCHEMA.keys() - {"ref_logprobs", "entropy", "values", "token_rewards",
              "advantages", "returns", "reference_rewards", "retokenized", "old_logprobs",
-             "rollout_is_weights", "reward_baselines", "ref_logps", "policy_version"}, check_values=True)
+             "rollout_is_weights", "reward_baselines", "ref_logps", "policy_version", "token_version"}, check_values=True)
     expected = collate_reference(batches, PAD)
     assert set(out.keys()) == set(expected)
     for key, rows in expected.items():

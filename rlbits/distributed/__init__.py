@@ -14,10 +14,12 @@ _LAZY = {
     # async_ranks
     "TRAINER_RANK": "rlbits.distributed.async_ranks",
     "RankRoles": "rlbits.distributed.async_ranks",
+    "WeightInbox": "rlbits.distributed.async_ranks",
     "all_gather_json": "rlbits.distributed.async_ranks",
     "broadcast_json": "rlbits.distributed.async_ranks",
     "broadcast_weights": "rlbits.distributed.async_ranks",
     "owned_shards": "rlbits.distributed.async_ranks",
+    "isend_weights": "rlbits.distributed.async_ranks",
     "recv_json": "rlbits.distributed.async_ranks",
     "send_json": "rlbits.distributed.async_ranks",
     "split_ranks": "rlbits.distributed.async_ranks",

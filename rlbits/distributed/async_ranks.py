@@ -6,7 +6,9 @@ colocated run at world size T); the last R = ``rollout_ranks`` ranks only genera
 r with r % R == j of every batch (``owned_shards``; R <= T). Messages are JSON objects sent as uint8 tensors (a
 length, then the bytes): no pickle crosses ranks. The weights go from trainer rank 0 on a group
 made of it and the rollout ranks, in place into the rollout ranks' tensors (a sharded trainer policy's
-parameters are gathered one at a time first). Gloo on CPU (the tensors stay on the CPU).
+parameters are gathered one at a time first); under ``async_schedule: eager`` trainer rank 0 sends them point
+to point without waiting (``isend_weights``) and the rollout rank takes them when it looks (``WeightInbox``).
+Gloo on CPU (the tensors stay on the CPU).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -185,7 +188,53 @@ def broadcast_weights(module: torch.nn.Module, roles: RankRoles) -> None:
                 dist.broadcast(full, TRAINER_RANK, group=roles.group)
 
 
+def isend_weights(module: torch.nn.Module | None, roles: RankRoles, version: int, stop: bool = False) -> list[Any]:
+    """The ``eager`` schedule's weight update, trainer side: trainer rank 0 sends each rollout rank a header
+    (``version``, ``stop``) and, unless ``stop`` (``module`` then unused), a copy of every parameter and
+    buffer of ``module`` (in ``broadcast_weights``' order), point to point, without waiting; the rollout rank
+    takes them when it looks (``WeightInbox``). Every trainer rank calls it: a sharded parameter is gathered whole first
+    (``full_tensor()``, a collective of the trainers' group). Returns the pending works with their tensors
+    (``wait()`` them before the next call: one copy of the weights in flight at most)."""
+    header = torch.tensor([int(version), int(stop)], dtype=torch.int64)
+    copies = []
+    with torch.no_grad():
+        for t in [] if stop else [*module.parameters(), *module.buffers()]:
+            full = t.full_tensor() if is_dtensor(t) else t.data
+            if roles.rank == TRAINER_RANK:  # a copy: training goes on in place while the send is pending
+                copies.append(full.detach().to("cpu", copy=True))
+    if roles.rank != TRAINER_RANK:
+        return []
+    return [(dist.isend(t, dst), t) for dst in roles.rollout_ranks for t in (header, *copies)]
+
+
+class WeightInbox:
+    """The ``eager`` schedule's weight updates, rollout-rank side: ``take(module)`` looks, without blocking,
+    for a header ``isend_weights`` sent; when one has arrived it receives the weights into ``module``'s
+    parameters and buffers in place and returns ``(version, stop)``, else None. The header's receive is posted
+    ahead and waited on by a daemon thread (gloo's ``irecv`` reports completion only once waited)."""
+
+    def __init__(self) -> None:
+        self._post()
+
+    def _post(self) -> None:
+        self.header = torch.zeros(2, dtype=torch.int64)
+        work = dist.irecv(self.header, TRAINER_RANK)
+        self.thread = threading.Thread(target=work.wait, daemon=True)
+        self.thread.start()
+
+    def take(self, module: torch.nn.Module) -> tuple[int, bool] | None:
+        if self.thread.is_alive():
+            return None
+        version, stop = (int(v) for v in self.header.tolist())
+        if not stop:
+            with torch.no_grad():
+                for t in [*module.parameters(), *module.buffers()]:
+                    dist.recv(t.data, TRAINER_RANK)
+            self._post()
+        return version, bool(stop)
+
+
 __all__ = [
-    "TRAINER_RANK", "RankRoles", "all_gather_json", "broadcast_json", "broadcast_weights", "owned_shards", "recv_json",
-    "send_json", "split_ranks",
+    "TRAINER_RANK", "RankRoles", "WeightInbox", "all_gather_json", "broadcast_json", "broadcast_weights",
+    "isend_weights", "owned_shards", "recv_json", "send_json", "split_ranks",
 ]

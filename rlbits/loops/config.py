@@ -652,9 +652,20 @@ class PolicyGradientConfig(OnlineConfig):
     world size - R trainer ranks that train as a colocated run at world size T does, each on the rows a
     rollout rank produced as that run's rank would (rollout rank j produces trainer ranks r with r % R == j;
     1 <= R <= T, checked at launch). 0 otherwise."""
-    async_schedule: Literal["deterministic"] = "deterministic"
-    """How ``async_mode: ranks`` schedules the rollout ranks: ``deterministic``, batch t + k is produced only
-    with the weights of version t, the schedule of ``simulated`` (same rows, versions and weights)."""
+    async_schedule: Literal["deterministic", "eager"] = "deterministic"
+    """How ``async_mode: ranks`` schedules the rollout ranks (docs/async.md): ``deterministic``, batch t + k is
+    produced only with the weights of version t, the schedule of ``simulated`` (same rows, versions and
+    weights); ``eager``, the rollout rank produces batches back to back with the newest weights it holds,
+    taking each new version as soon as it has arrived, and with version v in hand produces batches up to
+    index v + ``max_staleness`` (AReaL's ``max_head_offpolicyness``, verl fully-async's
+    ``staleness_threshold``, prime-rl's ``max_off_policy_steps``): which version samples which batch depends on
+    timing. One rollout rank only."""
+    partial_rollouts: bool = False
+    """With ``async_schedule: eager``: a weight update that arrives while a batch is being decoded is loaded at
+    once, between two decode steps, and the batch goes on with it (the KV cache recomputed with the new weights
+    over the tokens so far); each token records its version in ``token_version`` and a row's
+    ``policy_version`` is its oldest token's (AReaL's partial rollout, verl fully-async's ``partial_rollout``;
+    docs/async.md). Single-turn tasks only."""
 
     def check(self) -> None:
         super().check()
@@ -668,6 +679,20 @@ class PolicyGradientConfig(OnlineConfig):
                 f"rollout_ranks={self.rollout_ranks} with async_mode: {self.async_mode}: async_mode: ranks needs "
                 "rollout_ranks >= 1 (the ranks that only generate; at most the trainer ranks), and rollout_ranks is 0 "
                 "otherwise"
+            )
+        if self.async_schedule == "eager" and self.async_mode != "ranks":
+            raise ConfigError(
+                f"async_schedule: eager schedules the rollout ranks of async_mode: ranks, got async_mode: "
+                f"{self.async_mode} (async_mode: simulated runs the deterministic schedule)"
+            )
+        if self.async_schedule == "eager" and self.rollout_ranks > 1:
+            raise ConfigError(
+                f"async_schedule: eager runs one rollout rank, got rollout_ranks: {self.rollout_ranks}"
+            )
+        if self.partial_rollouts and self.async_schedule != "eager":
+            raise ConfigError(
+                "partial_rollouts: true continues a rollout with the weights that arrive during it, which only "
+                f"async_schedule: eager does (with async_mode: ranks); got async_schedule: {self.async_schedule}"
             )
         if self.async_mode == "ranks" and self.loop not in ("reinforce", "ppo"):
             raise ConfigError(

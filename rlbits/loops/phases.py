@@ -239,21 +239,27 @@ def sample(state: Any, batch: TensorDictBase, cfg: RunConfig, policy: torch.nn.M
     ``cfg``'s generation fields (``generation_options``; groups contiguous), drawn with
     ``state.sampling_generator``: ``generate_rollout`` (``cfg.chunk_size`` prompts per call), or for a
     multi-turn task (``state.make_env``) one episode per sample at ``cfg.temperature`` (``run_episodes``).
-    Returns the new batch (docs/batch.md).
+    Returns the new batch (docs/batch.md). A ``state.decode_hook`` (partial rollouts,
+    ``rlbits.loops.staleness``) goes to ``generate(on_step=...)``.
 
     Raises:
-        ValueError: a multi-turn task with ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``,
-            ``stop_strings`` or ``chunk_size`` set."""
+        ValueError: a multi-turn task with ``state.decode_hook``, or with ``top_k``, ``top_p``,
+            ``repetition_penalty``, ``min_new_tokens``, ``stop_strings`` or ``chunk_size`` set."""
     common = dict(
         num_samples=cfg.num_generations_per_prompt, generator=state.sampling_generator,
         compile=cfg.compile_generate, pack_weights=pack_weights(cfg),
         continuous_batching=cfg.continuous_batching,
     )
+    on_step = getattr(state, "decode_hook", None)  # partial rollouts (rlbits.loops.staleness, eager schedule)
     if state.make_env is not None:
         _check_single_turn(cfg)
+        if on_step is not None:
+            raise ValueError("partial_rollouts apply to single-turn rollouts only; a multi-turn task's episodes do not")
         return run_episodes(
             policy, state.tokenizer, prompt_texts(batch), state.make_env, cfg, temperature=cfg.temperature, **common
         )
+    if on_step is not None:
+        common["on_step"] = on_step
     return generate_rollout(
         policy, state.tokenizer, prompt_texts(batch), chunk_size=cfg.chunk_size, **generation_options(cfg), **common
     )

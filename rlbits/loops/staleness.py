@@ -19,6 +19,9 @@ With ``async_mode: ranks`` (under torchrun) the rollout ranks run the same sched
 trainer ranks, shard r as rank r of a colocated T-rank run would, by the rollout rank owning it), and send
 each batch's shards to every trainer rank, which receive them into the same queue (``next_rollouts``) and
 publish the weights after each step (``publish``); the transport is ``rlbits.distributed.async_ranks``.
+With ``async_schedule: eager`` (one rollout rank) it instead produces back to back with the newest weights it
+holds (batch i with version v only if i <= v + k), the trainer sends each version without waiting for it to
+be taken, and with ``partial_rollouts`` new weights are taken between decode steps (``_serve_eager``).
 """
 
 from __future__ import annotations
@@ -181,6 +184,7 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
       holds them all, in trainer-rank order) and trainer rank r trains on shard r. Adds ``time/trainer_idle``
       and ``time/rollout_idle`` (seconds blocked waiting for the other side; the means over the trainer
       ranks and over the rollout ranks).
+      With ``cfg.async_schedule: eager`` the versions the batches carry depend on timing (docs/async.md).
     """
     if cfg.async_mode == "off":
         return stamp_version(produce(), state.step)
@@ -215,6 +219,10 @@ def next_rollouts(state: Any, cfg: Any, produce: Callable[[], TensorDictBase]) -
     state.metrics.mean("staleness/mean", lag.sum().float(), n)
     state.metrics.max("staleness/max", lag.max().float())
     state.metrics.mean("staleness/dropped_frac", float(dropped), n + dropped)
+    if "token_version" in batch.keys():  # partial rollouts: the tokens' own lag (rows count their oldest token's)
+        mask = batch["action_mask"]
+        token_lag = (state.step - batch["token_version"]).masked_fill(~mask, 0)
+        state.metrics.mean("staleness/token_mean", token_lag.sum().float(), mask.sum().float())
     return batch
 
 
@@ -272,6 +280,8 @@ class _TrainerLink:
 
         self.roles, self.k = _roles(), cfg.max_staleness
         self.shards = len(self.roles.trainer_ranks)
+        self.eager, self.weight_sends = cfg.async_schedule == "eager", []
+        self.src = self.roles.rollout_ranks[0]  # the eager schedule's one rollout rank
         self.is_first = self.roles.rank == TRAINER_RANK
         queue = state.rollout_queue
         t0, sends = time.monotonic(), []
@@ -306,10 +316,15 @@ class _TrainerLink:
     def publish(self, state: Any, version: int) -> None:
         """Send the weights as ``version``, then receive the batches up to ``version + k - 1`` (those the
         rollout ranks produced with the previous weights meanwhile): the queue a checkpoint of this step saves."""
-        from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights
+        from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights, isend_weights
 
         t0 = time.monotonic()
         self.version = version
+        if self.eager:  # sent without waiting; the rollout rank takes them when it looks (serve_rollouts)
+            self._wait_weight_sends()
+            self.weight_sends = isend_weights(state.policy, self.roles, version)
+            state.metrics.same("time/trainer_idle", time.monotonic() - t0)
+            return
         if self.is_first:
             broadcast_json({"version": self.version}, self.roles)
         broadcast_weights(state.policy, self.roles)
@@ -320,13 +335,25 @@ class _TrainerLink:
     def stop(self) -> None:
         """Tell the rollout ranks to stop (trainer rank 0), and take the batches they produced with the last
         weights (unused)."""
-        from rlbits.distributed.async_ranks import broadcast_json, recv_json
+        from rlbits.distributed.async_ranks import broadcast_json, isend_weights, recv_json
 
+        if self.eager:  # the rollout rank answers the stop with an end message after its last batch
+            self._wait_weight_sends()
+            self.weight_sends = isend_weights(None, self.roles, self.version, stop=True)
+            while not recv_json(self.src).get("end"):
+                pass
+            self._wait_weight_sends()
+            return
         if self.is_first:
             broadcast_json({"stop": True}, self.roles)
         for _ in range(self.received, self.version + self.k + 1):
             for src in self.roles.rollout_ranks:
                 recv_json(src)
+
+    def _wait_weight_sends(self) -> None:
+        for work, _ in self.weight_sends:
+            work.wait()
+        self.weight_sends = []
 
 
 def _merge_shards(msgs: dict[int, Any], roles: Any, index: int) -> list[dict[str, Any]]:
@@ -449,6 +476,9 @@ def serve_rollouts(
     broadcast_weights(state.policy, roles)
     shards = [_ShardState(state, start, r, len(trainers)) for r, start in zip(owned, starts, strict=True)]
     produced, version, idle, sends = ctrl["produced"], ctrl["version"], 0.0, []
+    if cfg.async_schedule == "eager":
+        _serve_eager(cfg, state, produce, shards, produced, version)
+        return Path(cfg.run_dir)
     while True:
         while produced <= version + cfg.max_staleness:
             out = []
@@ -469,6 +499,82 @@ def serve_rollouts(
     for work, _ in sends:
         work.wait()
     return Path(cfg.run_dir)
+
+
+EAGER_POLL_S = 0.002
+"""How long the ``eager`` rollout rank sleeps when it may not produce (k + 1 batches ahead) and no weights
+have arrived, between two looks."""
+
+
+def _serve_eager(
+    cfg: Any, state: Any, produce: Callable[[Any], TensorDictBase], shards: list[_ShardState], produced: int,
+    version: int,
+) -> None:
+    """The rollout rank's ``async_schedule: eager`` loop (docs/async.md): between batches, take the newest
+    weights that have arrived (``WeightInbox``, without blocking); produce batch ``produced`` when it is at
+    most ``version + k`` (its rows then train at most k versions old), else sleep ``EAGER_POLL_S``; on the
+    trainer's stop, send every trainer an end message. With ``cfg.partial_rollouts`` the decode loop also
+    looks for new weights between two decode steps (``state.decode_hook``, ``generate(on_step=...)``); a
+    row's ``policy_version`` is then its oldest token's (``token_version``)."""
+    from rlbits.distributed.async_ranks import WeightInbox, send_json
+
+    roles, inbox, k = _roles(), WeightInbox(), cfg.max_staleness
+    trainers, idle, sends, stop = roles.trainer_ranks, 0.0, [], False
+
+    def take() -> None:  # the newest weights that have arrived (each update is taken in turn)
+        nonlocal version, stop
+        while not stop and (got := inbox.take(state.policy)) is not None:
+            new, stop = got
+            if not stop:
+                version = new
+                if getattr(state, "decode_copy", None) is not None:  # precision: bf16 decodes from a copy
+                    from rlbits.loops.phases import bf16_copy
+
+                    bf16_copy(state.policy, state.decode_copy)
+
+    def on_step(t: int) -> int:
+        before = version
+        take()
+        if version != before:
+            state.metrics.sum("staleness/partial_updates", 1.0)
+        return version
+
+    state.decode_hook = on_step if cfg.partial_rollouts else None
+    while True:
+        take()
+        if stop:
+            break
+        if produced > version + k:  # k + 1 batches ahead of the trainer's newest weights: wait for newer ones
+            t0 = time.monotonic()
+            time.sleep(EAGER_POLL_S)
+            idle += time.monotonic() - t0
+            continue
+        out = []
+        for shard in shards:
+            with shard.active(state):
+                if cfg.partial_rollouts:  # in every shard's statistics: the trainer ranks reduce the same keys
+                    state.metrics.sum("staleness/partial_updates", 0.0)
+                start = version
+                batch = _stamp_oldest(produce(state), start)
+                rows, position = _metric_rows(state.metrics), _rollout_state(state)
+                out.append({"batch": encode_batch(batch), "metrics": rows, "rollout_state": position})
+        sends += send_json({"index": produced, "shards": out, "idle_s": idle}, trainers)
+        produced, idle = produced + 1, 0.0
+        sends = [(w, t) for w, t in sends if not w.is_completed()]
+    sends += send_json({"end": True}, trainers)
+    for work, _ in sends:
+        work.wait()
+
+
+def _stamp_oldest(batch: TensorDictBase, version: int) -> TensorDictBase:
+    """``policy_version`` of each row: ``version`` (the weights its production started with), or with
+    ``token_version`` (partial rollouts) the oldest version among its action tokens."""
+    stamp_version(batch, version)
+    if "token_version" in batch.keys():
+        tokens = batch["token_version"].masked_fill(~batch["action_mask"], torch.iinfo(torch.int64).max)
+        oldest = tokens.min(dim=1).values
+        batch[VERSION_KEY] = torch.where(oldest == torch.iinfo(torch.int64).max, batch[VERSION_KEY], oldest)
+    return batch
 
 
 class _ShardState:

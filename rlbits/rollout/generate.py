@@ -232,6 +232,7 @@ def decode_n_tokens(
     pad_token_id: int,
     min_new_tokens: int = 0,
     compact: bool = False,
+    swap: Callable[[int, _Samples], tuple[Decoder, torch.Tensor] | None] | None = None,
     **sampling: Any,
 ) -> int:
     """Sample up to ``max_new_tokens`` tokens per row from the prefill's ``logits`` on, writing ``out``.
@@ -251,6 +252,9 @@ def decode_n_tokens(
     whole batch, as without ``compact``, and the rows still in the batch sample with their own draws.
     ``stopping`` sees the whole batch as without ``compact``; ``logits_processor`` sees the rows in the
     decode batch only.
+
+    ``swap(t, part)``, before each step t >= 1 (``part``: the decode batch): None to go on, or a new
+    ``(decoder, logits)`` to continue from (``generate``'s ``on_step``: new weights, their cache and logits).
     """
     P, temperature = out.prompt_len, sampling["temperature"]
     device, B = logits.device, logits.shape[0]
@@ -260,6 +264,8 @@ def decode_n_tokens(
     part, rows = out, None
     steps = 0
     for t in range(max_new_tokens):
+        if swap is not None and t > 0 and (swapped := swap(t, part)) is not None:
+            decoder, logits = swapped
         banned = stop if t < min_new_tokens and stop.numel() else None
         uniforms = None
         if rows is not None and temperature > 0:
@@ -365,6 +371,7 @@ def generate(
     repetition_penalty: float = 1.0,
     min_new_tokens: int = 0,
     continuous_batching: bool = False,
+    on_step: Callable[[int], int] | None = None,
 ) -> TensorDict:
     """Sample ``num_samples`` responses per prompt with a KV cache.
 
@@ -430,6 +437,14 @@ def generate(
             ``stopping`` still gets all B rows; ``logits_processor`` gets the ``[A, P + t]`` ids and
             ``[A, V]`` logits of the A rows in the decode batch, so it must treat each row on its own. False:
             every row decodes until the last one ends.
+        on_step: partial rollouts (``async_mode: ranks`` with ``partial_rollouts``, docs/async.md):
+            ``on_step(t) -> version``, called before the prefill (t = 0) and before each later token t, returns
+            the version of ``policy``'s weights for token t; the callback may first load new weights into
+            ``policy`` in place. When the version changes, the weights are re-read (re-packed with
+            ``pack_weights``) and the KV cache is recomputed with them over the prompt and the t tokens so far
+            (one prefill of P + t positions), so token t on is sampled from, and its ``logprobs`` are, exactly
+            the new policy's (a teacher-forced forward of the new weights; tested to 1e-5). Adds
+            ``token_version``. None: nothing is called.
 
     Returns:
         TensorDict with batch size [B * K]:
@@ -439,12 +454,14 @@ def generate(
         ``input_ids`` = cat(prompts, responses), ``attention_mask`` = cat(prompt_mask, response_mask),
         ``logprobs`` [B*K, R] float32 (0 where ``action_mask`` is False), ``group`` [B*K] int64,
         ``truncated`` [B*K] bool (True when the response hit ``max_new_tokens`` without a stop token; for
-        overlong filtering), and ``entropy`` with ``return_entropy``. R <= ``max_new_tokens``.
+        overlong filtering), ``entropy`` with ``return_entropy``, and with ``on_step`` ``token_version``
+        [B*K, R] int64: the version ``on_step`` returned for each column (the same in every row,
+        nondecreasing). R <= ``max_new_tokens``.
 
     Raises:
         ValueError: missing keys, mismatched shapes, an empty batch, a row without prompt tokens, a prompt
-            or pad id outside the vocabulary, bad sampling arguments, a ``continuous_batching`` not a bool, or ``P + max_new_tokens`` beyond the
-            model's context.
+            or pad id outside the vocabulary, bad sampling arguments, a ``continuous_batching`` not a bool, or
+            ``P + max_new_tokens`` beyond the model's context; ``on_step`` returning something other than an int.
         FloatingPointError: a step's distribution held NaN (NaN/inf logits, or a temperature so small that
             ``logits / temperature`` overflows): checked once after decoding, the message names the row.
     """
@@ -484,7 +501,10 @@ def generate(
     was_training = policy.training
     policy.eval()
     packing = contextlib.ExitStack()
+    versions: list[int] = []
     try:
+        if on_step is not None:
+            versions.append(_step_version(on_step, 0))
         if pack_weights and not compile:  # the compiled step traces F.linear, not the packed op
             packing.enter_context(packed_linears(policy, batch_size=B))
         decoder = setup_decoder(policy, B, prompts.shape[1] + max_new_tokens, device, compile)
@@ -492,6 +512,19 @@ def generate(
             prompt_rows, mask_rows, max_new_tokens, decoder.cache_len, pad_token_id, return_entropy
         )
         logits = prefill(decoder, prompts, prompt_mask, K)
+
+        def swap(t: int, part: _Samples) -> tuple[Decoder, torch.Tensor] | None:
+            versions.append(_step_version(on_step, t))
+            if versions[-1] == versions[-2]:
+                return None
+            # New weights: re-pack them, and recompute the cache of the prompt and the t tokens so far with them.
+            packing.close()
+            if pack_weights and not compile:
+                packing.enter_context(packed_linears(policy, batch_size=B))
+            fresh = setup_decoder(policy, part.input_ids.shape[0], prompts.shape[1] + max_new_tokens, device, compile)
+            length = part.prompt_len + t
+            return fresh, prefill(fresh, part.input_ids[:, :length], part.attention_mask[:, :length], 1)
+
         sampling = dict(
             temperature=temperature,
             top_k=top_k,
@@ -510,12 +543,24 @@ def generate(
             pad_token_id=pad_token_id,
             min_new_tokens=min_new_tokens,
             compact=continuous_batching,
+            swap=None if on_step is None else swap,
             **sampling,
         )
     finally:
         packing.close()
         policy.train(was_training)
-    return _to_batch(out, prompt_rows, mask_rows, steps, num_samples, max_new_tokens, temperature)
+    batch = _to_batch(out, prompt_rows, mask_rows, steps, num_samples, max_new_tokens, temperature)
+    if on_step is not None:
+        R = batch["responses"].shape[1]
+        batch["token_version"] = torch.tensor(versions[:R], dtype=torch.int64, device=device).expand(B, R).clone()
+    return batch
+
+
+def _step_version(on_step: Callable[[int], int], t: int) -> int:
+    version = on_step(t)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ValueError(f"on_step({t}) must return the weights' version as an int, got {version!r:.80}")
+    return version
 
 
 def stop_strings_stopping(tokenizer: Any, stop_strings: Sequence[str]) -> StoppingFn:
@@ -542,7 +587,7 @@ def stop_strings_stopping(tokenizer: Any, stop_strings: Sequence[str]) -> Stoppi
 
 def _pad_columns(batch: TensorDictBase, length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
     """The per-token response columns of a ``generate`` batch right-padded to ``length``: ``responses`` with
-    ``pad_token_id``, the masks with False, ``logprobs``/``entropy`` with 0."""
+    ``pad_token_id``, the masks with False, ``logprobs``/``entropy``/``token_version`` with 0."""
     pad = length - batch["responses"].shape[1]
     out = {}
     for key, value in (
@@ -550,6 +595,7 @@ def _pad_columns(batch: TensorDictBase, length: int, pad_token_id: int) -> dict[
         ("action_mask", False),
         ("logprobs", 0.0),
         ("entropy", 0.0),
+        ("token_version", 0),
     ):
         if key in batch.keys():
             out[key] = torch.nn.functional.pad(batch[key], (0, pad), value=value)
@@ -575,11 +621,13 @@ def generate_texts(
     compile: bool = False,
     pack_weights: bool | None = None,
     continuous_batching: bool = False,
+    on_step: Callable[[int], int] | None = None,
 ) -> TensorDict:
     """``generate`` from prompt strings: tokenize them (``tokenize_prompts``), sample ``num_samples``
     responses each with the policy in eval mode and no gradient, decode the texts (``decode``).
 
-    ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``, ``continuous_batching``: as ``generate``.
+    ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``, ``continuous_batching``, ``on_step``: as
+    ``generate`` (``on_step`` is called by each chunk's call, from t = 0).
     ``stop_strings``: a
     response ends after the token that completes one of them (``stop_strings_stopping``; one host sync per
     step). ``chunk_size``: generate the prompts ``chunk_size`` at a time (trlx ``method.chunk_size``; None:
@@ -627,6 +675,7 @@ def generate_texts(
                     compile=compile,
                     pack_weights=pack_weights,
                     continuous_batching=continuous_batching,
+                    on_step=on_step,
                 )
                 for start in range(0, n, size)
             ]

@@ -329,3 +329,48 @@ def test_two_rollout_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path,
     assert sorted(p.name for p in ranks.iterdir()) == sorted(p.name for p in sim.iterdir())  # rank 0's files only
     _assert_same_queue(_queue(ranks), _queue(sim))
     _assert_trained_alike(ranks, sim)
+
+
+@pytest.mark.slow
+def test_eager_schedule_with_partial_rollouts_trains_every_row_once_within_the_bound(tiny_path, tmp_path, simulated_6):
+    """``async_schedule: eager`` with ``partial_rollouts`` (1 + 1 ranks, k = 1): which version samples which
+    batch depends on timing, but batches are produced in index order from the same prompt stream, so the run
+    trains on the prompts of the deterministic run, in the same order (no row lost or trained twice); every
+    trained row is at most k versions old (nothing dropped: the rollout rank holding version v produces batches
+    up to v + k only)."""
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    run_dir = tmp_path / "eager"
+    # longer responses than the simulated run's (the prompts do not change): the rollout rank is the slower side,
+    # so new weights arrive while it decodes
+    cfg = values(tiny_path, run_dir, async_mode="ranks", rollout_ranks=1, max_num_steps=6,
+                 async_schedule="eager", partial_rollouts=True, max_new_tokens=24)
+    torchrun(str(script), json.dumps(cfg), timeout=120)
+    trained = [m for m in metrics(run_dir) if "staleness/max" in m]
+    assert [m["step"] for m in trained] == list(range(1, 7))
+    assert all(m["staleness/max"] <= 1 and m["staleness/dropped_frac"] == 0 for m in trained)
+    # tokens sampled after an update are newer than their row's (oldest) version
+    assert all(m["staleness/token_mean"] <= m["staleness/mean"] + 1e-6 for m in trained)
+    # the rollout rank, never idle here, takes each new version mid-decode (1 per step on this machine)
+    assert sum(m.get("staleness/partial_updates", 0) for m in trained) >= 1
+    assert all(m["time/trainer_idle"] >= 0 and m["time/rollout_idle"] >= 0 for m in trained)
+    got, want = _samples(run_dir), _samples(simulated_6)
+    # every row of every step is logged (log_samples = the 4 rows of a step): the prompts trained, in order, are
+    # the stream's, each batch once (a lost batch would shift them, a duplicated one repeat a step's prompts)
+    assert len(got) == 6 * 4
+    assert [(r["step"], r["prompt"]) for r in got] == [(r["step"], r["prompt"]) for r in want]
+    assert all(r["step"] - 1 - r["policy_version"] <= 1 for r in got)
+    _weights(run_dir)  # the run saved its final weights
+
+
+def test_eager_schedule_and_partial_rollouts_refuse_other_modes(tiny_path, tmp_path):
+    def cfg(**o):
+        return config_from_dict(reinforce.ReinforceConfig, values(tiny_path, tmp_path, **o))
+
+    with pytest.raises(ConfigError, match="async_schedule: eager"):
+        cfg(async_mode="simulated", async_schedule="eager")
+    with pytest.raises(ConfigError, match="partial_rollouts"):
+        cfg(async_mode="ranks", rollout_ranks=1, partial_rollouts=True)
+    with pytest.raises(ConfigError, match="partial_rollouts"):
+        cfg(async_mode="simulated", partial_rollouts=True)
+    assert cfg(async_mode="ranks", rollout_ranks=1, async_schedule="eager", partial_rollouts=True).partial_rollouts

@@ -692,3 +692,44 @@ def test_compiled_decode_step_without_small_batch_head(models, monkeypatch):
     assert len(steps) == kw["max_new_tokens"] - 1  # every decode step went through the compiled step
     assert torch.equal(eager["responses"], compiled["responses"])
     torch.testing.assert_close(eager["logprobs"], compiled["logprobs"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("continuous_batching", [False, True])
+def test_on_step_swaps_weights_mid_decode(continuous_batching):
+    """Partial rollouts: new weights loaded in place at token 3 sample tokens 3.. with their own logprobs (the
+    cache recomputed), the first tokens keep the old weights'; ``token_version`` says which."""
+    old, new = tiny_causal_lm("llama", V, seed=3), tiny_causal_lm("llama", V, seed=4)
+    model = tiny_causal_lm("llama", V, seed=3)
+    calls = []
+
+    def on_step(t):
+        calls.append(t)
+        if t == 3:
+            with torch.no_grad():
+                for dst, src in zip(model.parameters(), new.parameters(), strict=True):
+                    dst.copy_(src)
+        return 7 if t < 3 else 8
+
+    out = generate(
+        model, _prompts([5, 2, 9]), max_new_tokens=8, temperature=0.9, eos_token_id=EOS, pad_token_id=PAD,
+        num_samples=2, generator=_gen(1), on_step=on_step, continuous_batching=continuous_batching,
+        pack_weights=True,
+    )
+    check(out, check_values=True)
+    R = out["responses"].shape[1]
+    assert calls[0] == 0 and calls == list(range(len(calls)))
+    assert out["token_version"].tolist() == [[7 if t < 3 else 8 for t in range(R)]] * 6
+    for i, (prompt, response) in enumerate(_rows(out)):
+        # the reference: per token, a full forward of the weights that sampled it over the prompt and tokens so far
+        ref = [
+            _reference_logprobs(old if t < 3 else new, prompt, response[: t + 1], 0.9)[t]
+            for t in range(len(response))
+        ]
+        got = out["logprobs"][i, : len(response)].double()
+        assert (got - torch.tensor(ref, dtype=torch.float64)).abs().max().item() <= 1e-5
+
+
+def test_on_step_must_return_an_int(models):
+    with pytest.raises(ValueError, match="on_step"):
+        generate(models["gpt2"], _prompts([3]), max_new_tokens=2, eos_token_id=EOS, pad_token_id=PAD,
+                 generator=_gen(0), on_step=lambda t: None)
