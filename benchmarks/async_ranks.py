@@ -8,6 +8,8 @@ task, tiny GPT-2), ``--steps`` steps, every rank with ``OMP_NUM_THREADS=1``:
   (the synchronous schedule, split over two processes);
 - ``ranks k=1``: the same with ``max_staleness=1``: the rollout rank samples step t+1 while the trainer trains
   step t; overlap can buy up to (R + U) / max(R, U);
+- ``ranks k=1 eager``: the same with ``async_schedule=eager`` (the rollout rank produces back to back with the
+  newest weights it holds, up to version + k; the trainer does not wait for the weights to be taken);
 - ``colocated``: ``async_mode=off`` on 2 data-parallel ranks, each with half the prompts per step (the same rows
   per optimizer step): on CPU, where colocation costs nothing, the honest reference.
 
@@ -38,6 +40,7 @@ CONFIG = ROOT / "configs" / "grpo_arithmetic.yaml"
 VARIANTS = {
     "ranks k=0": ["async_mode=ranks", "rollout_ranks=1", "max_staleness=0"],
     "ranks k=1": ["async_mode=ranks", "rollout_ranks=1", "max_staleness=1"],
+    "ranks k=1 eager": ["async_mode=ranks", "rollout_ranks=1", "max_staleness=1", "async_schedule=eager"],
     "colocated": ["num_prompts_per_step=16"],
 }
 
@@ -109,7 +112,7 @@ def main() -> int:
                 row = launch(name, VARIANTS[name], args.steps, seed, Path(tmp), args.overrides)
                 rows.append(row)
                 idle = f"trainer idle {row['trainer_idle_s']}, rollout idle {row['rollout_idle_s']}"
-                print(f"{name:10s} seed {seed}: {row['wall_s']:7.1f} s, {row['steady_s_per_step']} s/step steady, "
+                print(f"{name:15s} seed {seed}: {row['wall_s']:7.1f} s, {row['steady_s_per_step']} s/step steady, "
                       f"val_reward {row['val_reward']}, {idle}", flush=True)
     for seed in args.seeds:
         by = {r["variant"]: r for r in rows if r["seed"] == seed}
@@ -119,7 +122,9 @@ def main() -> int:
             f"seed {seed}: ranks k=0 / ranks k=1 = {by['ranks k=0']['wall_s'] / by['ranks k=1']['wall_s']:.2f}x; "
             f"colocated / ranks k=1 = {by['colocated']['wall_s'] / by['ranks k=1']['wall_s']:.2f}x (wall); "
             f"per step, steady: k=0 / k=1 = {_ratio(by['ranks k=0'], by['ranks k=1'])}, "
-            f"colocated / k=1 = {_ratio(by['colocated'], by['ranks k=1'])}"
+            f"colocated / k=1 = {_ratio(by['colocated'], by['ranks k=1'])}; "
+            f"k=0 / k=1 eager = {by['ranks k=0']['wall_s'] / by['ranks k=1 eager']['wall_s']:.2f}x (wall), "
+            f"{_ratio(by['ranks k=0'], by['ranks k=1 eager'])} (steady)"
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
