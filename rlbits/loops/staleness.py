@@ -392,15 +392,23 @@ def rank_role(cfg: Any) -> str:
     role, ``"trainer"`` (the first world size - ``cfg.rollout_ranks`` ranks) or ``"rollout"``.
 
     Raises:
-        ConfigError: not under torchrun, or ``cfg.rollout_ranks`` leaves no trainer rank or exceeds the
-            trainer ranks (a rollout rank produces whole shards), or ``dynamic_sampling`` with several trainer
-            ranks (its draws are agreed over the ranks).
+        ConfigError: ``partial_rollouts`` with a multi-turn task; not under torchrun, or ``cfg.rollout_ranks``
+            leaves no trainer rank or exceeds the trainer ranks (a rollout rank produces whole shards), or
+            ``dynamic_sampling`` with several trainer ranks (its draws are agreed over the ranks).
     """
     from rlbits.distributed.async_ranks import split_ranks
     from rlbits.loops.config import ConfigError
 
     if cfg.async_mode != "ranks":
         return "off"
+    if getattr(cfg, "partial_rollouts", False) and cfg.task is not None:
+        from rlbits.tasks import get_task
+
+        if getattr(get_task(cfg.task), "make_env", None) is not None:  # before any rank waits on another
+            raise ConfigError(
+                f"partial_rollouts apply to single-turn rollouts; task {cfg.task!r} is multi-turn (its episodes "
+                "are not decoded in one generate call); set partial_rollouts: false"
+            )
     if not _ROLES:
         import os
 

@@ -308,6 +308,15 @@ def test_more_rollout_ranks_than_trainer_ranks_are_refused(tiny_path, tmp_path, 
         rank_role(config_from_dict(reinforce.ReinforceConfig, cfg))
 
 
+def test_partial_rollouts_of_a_multi_turn_task_are_refused_before_the_ranks_split(tiny_path, tmp_path):
+    """A multi-turn task's episodes are not one generate call: ``partial_rollouts`` is refused on every rank
+    before any of them waits on another (not at the rollout rank's first batch)."""
+    cfg = values(tiny_path, tmp_path, task="calculator", async_mode="ranks", rollout_ranks=1,
+                 async_schedule="eager", partial_rollouts=True)
+    with pytest.raises(ConfigError, match="task 'calculator' is multi-turn"):
+        rank_role(config_from_dict(reinforce.ReinforceConfig, cfg))
+
+
 @pytest.mark.slow
 def test_two_rollout_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path, tmp_path, colocated_3):
     """World size 4: two trainer ranks and two rollout ranks, rollout rank j producing shard j of every batch
