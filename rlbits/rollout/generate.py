@@ -9,7 +9,9 @@ loop reads a value on the host except one "have all rows finished?" check per st
 ``_EOS_CHECK_EVERY`` steps on an accelerator, where a sync per step would stall the launch queue). A step
 whose distribution holds NaN gets a NaN logprob, and ``generate`` raises ``FloatingPointError`` once after
 the loop. With ``continuous_batching`` the finished rows leave the decode batch at those checks (the
-rows still decoding, compacted with their KV cache rows to a power of two; the same noise per row).
+rows still decoding, compacted with their KV cache rows to a power of two; the same noise per row). With
+``max_num_seqs`` the decode batch is a fixed number of slots that the samples take in turn as samples finish
+(``decode_with_slots``; one noise table per call, so other samples than without it).
 
 On CPU the eager steps run every linear layer through oneDNN on weights reordered once per call
 (``pack_weights``, ``rlbits.models.packed.packed_linears``): at 16 rows MKL's ``F.linear`` ran SmolLM2-135M's
@@ -635,7 +637,8 @@ def generate(
             before temperature/top-k/top-p (e.g. ILQL steering). It changes sampling only, not ``logprobs``.
             It must leave at least one finite logit per row.
         generator: source of the sampling noise; the same generator state gives the same samples (one
-            ``torch.rand(B, 1)`` draw per step, on the policy's device).
+            ``torch.rand(B, 1)`` draw per step, on the policy's device; with ``max_num_seqs`` one
+            ``torch.rand(B, max_new_tokens)`` table before decoding).
         stop_token_ids: more ids that end a response like ``eos_token_id``.
         stopping: optional per-row stop rule, ``f(responses [B, t] int64) -> [B] bool``, called after each
             step with the response tokens so far (finished rows hold ``pad_token_id`` after their end); True

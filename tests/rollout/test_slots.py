@@ -319,3 +319,30 @@ def test_a_grpo_run_with_slots_trains(monkeypatch, tmp_path):
     for row in rows:
         assert all(row[k] is not None and abs(row[k]) < 1e6 for k in ("actor_loss", "grad_norm", "rewards"))
         assert row["grad_norm"] > 0 and row["response_len"] > 0
+
+
+@pytest.mark.slow
+def test_compiled_step(models):
+    """``compile=True`` with slots: one compiled graph for the S rows; the tokens of the eager run, the logprobs
+    to 1e-5, and a second call with another seed does not compile again (fast)."""
+    import time
+
+    model, td = models["llama"], PROMPTS
+    kw = dict(num_samples=3, logits_processor=_eos_at(td["prompts"].shape[1]), max_num_seqs=3)
+    eager = _run(model, td, 5, **kw)
+    compiled = _run(model, td, 5, compile=True, **kw)
+    assert torch.equal(eager["responses"], compiled["responses"])
+    torch.testing.assert_close(eager["logprobs"], compiled["logprobs"], atol=1e-5, rtol=0)
+    start = time.perf_counter()
+    _run(model, td, 6, compile=True, **kw)
+    assert time.perf_counter() - start < 30
+
+
+def test_a_nan_distribution_raises_once_after_decoding(models):
+    def nan_late(ids, logits):  # the samples of prompt 2 (one real token) get NaN logits at their 3rd token
+        logits = logits.clone()
+        logits[(ids[:, 4] == PAD) & (ids.shape[1] - 6 == 2)] = float("nan")  # column 4: padding in prompt 2 only
+        return logits
+
+    with pytest.raises(FloatingPointError, match="non-finite probabilities"):
+        _run(models["gpt2"], PROMPTS, 0, num_samples=2, logits_processor=nan_late, max_num_seqs=3)
