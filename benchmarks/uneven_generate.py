@@ -201,7 +201,9 @@ def main(argv=None) -> dict:
         "max_num_seqs": S,
     }
     if S is not None:
-        result["uneven_slots_over_uniform_slots"] = rows["uneven_slots"]["seconds"] / rows["uniform_slots"]["seconds"]
+        result["uneven_slots_over_uniform_slots"] = (
+            rows["uneven_slots"]["seconds"] / rows["uniform_slots"]["seconds"]
+        )
         result["uneven_slots_over_uniform"] = rows["uneven_slots"]["seconds"] / rows["uniform_off"]["seconds"]
     for name, row in rows.items():
         print(

@@ -420,9 +420,16 @@ def decode_with_slots(
     trash = B  # the extra row of ``out`` that empty slots write to
     rows_of = torch.arange(B + 1, device=device).clamp(max=B - 1) // K
     out = _new_samples(
-        prompts.index_select(0, rows_of), prompt_mask.index_select(0, rows_of), N, P + N, pad_token_id, return_entropy
+        prompts.index_select(0, rows_of),
+        prompt_mask.index_select(0, rows_of),
+        N,
+        P + N,
+        pad_token_id,
+        return_entropy,
     )
-    decoder = setup_decoder(policy, S, int(_SLOT_CACHE_SPANS * (P + N)), device, compile, within_context=False)
+    decoder = setup_decoder(
+        policy, S, int(_SLOT_CACHE_SPANS * (P + N)), device, compile, within_context=False
+    )
     if not decoder.static:
         raise ValueError(
             f"generate(max_num_seqs=...) needs a static KV cache, which {type(policy).__name__} does not support "

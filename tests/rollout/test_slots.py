@@ -42,7 +42,10 @@ def _eos_at(prompt_len: int):
 
     def process(ids, logits):
         t = ids.shape[1] - prompt_len + 1  # the response length once this step's token is appended
-        key = ids[:, prompt_len - 2 : prompt_len + 1].long() * torch.tensor([31, 17, 7])[: ids.shape[1] - prompt_len + 2]
+        key = (
+            ids[:, prompt_len - 2 : prompt_len + 1].long()
+            * torch.tensor([31, 17, 7])[: ids.shape[1] - prompt_len + 2]
+        )
         h = key.sum(1) % 101
         at = torch.where(h < 20, N + 1, 2 + h % (N - 3))
         logits = logits.clone()
@@ -52,14 +55,20 @@ def _eos_at(prompt_len: int):
     return process
 
 
-def _alone(model, td, *, num_samples, seed, max_new_tokens=N, stop=(EOS,), stopping=None, min_new_tokens=0, **kw):
+def _alone(
+    model, td, *, num_samples, seed, max_new_tokens=N, stop=(EOS,), stopping=None, min_new_tokens=0, **kw
+):
     """The reference: each sample decoded on its own from its left-padded prompt row, one full forward of the
     whole sequence per token, sampling with ``next_token`` on ``u[i, t]`` of ``u = torch.rand(B, N)``.
     Returns per sample (tokens, logprobs, entropies, finished)."""
     temperature = kw["temperature"]
     n, P = td["prompts"].shape
     B = n * num_samples
-    u = torch.rand(B, max_new_tokens, generator=torch.Generator().manual_seed(seed)) if temperature > 0 else None
+    u = (
+        torch.rand(B, max_new_tokens, generator=torch.Generator().manual_seed(seed))
+        if temperature > 0
+        else None
+    )
     stop_t = torch.tensor(list(stop), dtype=torch.long)
     rows = []
     for i in range(B):
@@ -68,9 +77,11 @@ def _alone(model, td, *, num_samples, seed, max_new_tokens=N, stop=(EOS,), stopp
         tokens, lps, ents, finished = [], [], [], False
         for t in range(max_new_tokens):
             with torch.no_grad():
-                logits = model(
-                    input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
-                ).logits[:, -1].float()
+                logits = (
+                    model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
+                    .logits[:, -1]
+                    .float()
+                )
             tok, lp = next_token(
                 logits,
                 ids,
@@ -123,9 +134,7 @@ def _run(model, td, seed, **kw):
     return generate(model, td, generator=torch.Generator().manual_seed(seed), **_kw(**kw))
 
 
-@pytest.mark.parametrize(
-    "arch,temperature,k", [("gpt2", 1.0, 2), ("llama", 0.7, 3), ("qwen2", 0.0, 2)]
-)
+@pytest.mark.parametrize("arch,temperature,k", [("gpt2", 1.0, 2), ("llama", 0.7, 3), ("qwen2", 0.0, 2)])
 def test_every_slot_count_equals_the_alone_reference(models, arch, temperature, k):
     model, td = models[arch], PROMPTS
     process = _eos_at(td["prompts"].shape[1])
@@ -182,7 +191,14 @@ def test_every_option_equals_the_alone_reference(models, options):
     entropy = options.pop("return_entropy", False)
     reference = _alone(model, td, num_samples=2, seed=2, stop=stops, **kw, **options)
     out = _run(
-        model, td, 2, num_samples=2, max_num_seqs=3, stop_token_ids=stops[1:], return_entropy=entropy, **kw,
+        model,
+        td,
+        2,
+        num_samples=2,
+        max_num_seqs=3,
+        stop_token_ids=stops[1:],
+        return_entropy=entropy,
+        **kw,
         **options,
     )
     _check_against(out, reference, entropy=entropy)
@@ -225,8 +241,22 @@ def test_generate_texts_passes_it_on(models):
 
     tokenizer = tiny_tokenizer(V)
     kw = dict(max_new_tokens=6, num_samples=2, stop_strings=["a"])
-    a = generate_texts(models["gpt2"], tokenizer, ["hi", "a longer one"], generator=torch.Generator().manual_seed(0), max_num_seqs=1, **kw)
-    b = generate_texts(models["gpt2"], tokenizer, ["hi", "a longer one"], generator=torch.Generator().manual_seed(0), max_num_seqs=4, **kw)
+    a = generate_texts(
+        models["gpt2"],
+        tokenizer,
+        ["hi", "a longer one"],
+        generator=torch.Generator().manual_seed(0),
+        max_num_seqs=1,
+        **kw,
+    )
+    b = generate_texts(
+        models["gpt2"],
+        tokenizer,
+        ["hi", "a longer one"],
+        generator=torch.Generator().manual_seed(0),
+        max_num_seqs=4,
+        **kw,
+    )
     assert torch.equal(a["responses"], b["responses"]) and a["response_text"] == b["response_text"]
 
 
@@ -291,7 +321,9 @@ def test_the_loops_pass_it_on(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(phases, "generate_rollout", fake)
         m.setattr(phases, "score_rollout", lambda batch, reward: batch["rewards"])
-        batch = TensorDict({"prompt_text": ["a", "a", "b", "b"], "action_mask": torch.ones(4, 2)}, batch_size=[4])
+        batch = TensorDict(
+            {"prompt_text": ["a", "a", "b", "b"], "action_mask": torch.ones(4, 2)}, batch_size=[4]
+        )
         cfg = reinforce.ReinforceConfig(adv_estimator="remax", num_generations_per_prompt=2, max_num_seqs=3)
         state = SimpleNamespace(
             policy=torch.nn.Linear(1, 1), make_env=None, tokenizer=None, reward=None, metrics=StepMetrics()
@@ -313,7 +345,9 @@ def test_a_grpo_run_with_slots_trains(monkeypatch, tmp_path):
 
     calls = []
     original = generate_mod.decode_with_slots
-    monkeypatch.setattr(generate_mod, "decode_with_slots", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr(
+        generate_mod, "decode_with_slots", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    )
     rows = run_pinned_setup("reinforce", tmp_path, "slots", max_num_seqs=4, max_num_steps=2, val_at_end=False)
     assert len(calls) == 2 and len(rows) == 2
     for row in rows:
@@ -341,7 +375,9 @@ def test_compiled_step(models):
 def test_a_nan_distribution_raises_once_after_decoding(models):
     def nan_late(ids, logits):  # the samples of prompt 2 (one real token) get NaN logits at their 3rd token
         logits = logits.clone()
-        logits[(ids[:, 4] == PAD) & (ids.shape[1] - 6 == 2)] = float("nan")  # column 4: padding in prompt 2 only
+        logits[(ids[:, 4] == PAD) & (ids.shape[1] - 6 == 2)] = float(
+            "nan"
+        )  # column 4: padding in prompt 2 only
         return logits
 
     with pytest.raises(FloatingPointError, match="non-finite probabilities"):
