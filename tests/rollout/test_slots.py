@@ -78,7 +78,12 @@ def _alone(
         for t in range(max_new_tokens):
             with torch.no_grad():
                 logits = (
-                    model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
+                    model(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        position_ids=position_ids_from_mask(mask),
+                        use_cache=False,
+                    )
                     .logits[:, -1]
                     .float()
                 )
@@ -136,6 +141,7 @@ def _run(model, td, seed, **kw):
 
 @pytest.mark.parametrize("arch,temperature,k", [("gpt2", 1.0, 2), ("llama", 0.7, 3), ("qwen2", 0.0, 2)])
 def test_every_slot_count_equals_the_alone_reference(models, arch, temperature, k):
+    """S = 1, 2, 3 and B (every sample in one batch): the reference's tokens and logprobs."""
     model, td = models[arch], PROMPTS
     process = _eos_at(td["prompts"].shape[1])
     reference = _alone(model, td, num_samples=k, seed=5, temperature=temperature, logits_processor=process)
