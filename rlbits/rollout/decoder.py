@@ -15,6 +15,10 @@ FutureWarning on every call).
 On CPU with at most 64 rows, the decode step of GPT-2/Llama/Mistral/Qwen2/Qwen3 models runs the backbone
 and applies the LM head itself to the last position only (see ``_small_batch_head``): the head's own forward
 in the eager step, ``(W @ h.T).T`` in the compiled one; the logits agree to float rounding.
+
+For ``generate``'s slots (``max_num_seqs``), the static cache's columns are not positions: ``cache_kv`` reads a
+prefill's keys and values, ``write_kv`` copies a prompt's into any cache row before the shared write column,
+``shift_columns`` moves the live columns to the front, ``set_write_column`` sets that column.
 """
 
 from __future__ import annotations
