@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlbits.models.forward import policy_logprobs, position_ids_from_mask
+from rlbits.models.heads import ILQLModel
 from rlbits.models.steered import SteeredPolicy
 from rlbits.models.tiny import tiny_causal_lm
 from rlbits.rollout import decoder as decoder_mod
@@ -287,8 +288,7 @@ class _NoStaticCache(torch.nn.Module):
 def test_refused_models(models):
     with pytest.raises(ValueError, match="_NoStaticCache does not support"):
         _run(_NoStaticCache(models["gpt2"]), PROMPTS, 0, max_num_seqs=2)
-    steered = SteeredPolicy.__new__(SteeredPolicy)
-    torch.nn.Module.__init__(steered)
+    steered = SteeredPolicy(ILQLModel(tiny_causal_lm(vocab_size=V), seed=0), 1.0)
     with pytest.raises(ValueError, match="does not support SteeredPolicy"):
         _run(steered, PROMPTS, 0, max_num_seqs=2)
 
