@@ -1,5 +1,5 @@
-"""Benchmark: ``generate`` on an uneven workload, ``continuous_batching`` off vs on, against a uniform workload
-with the same total generated tokens (issue 28).
+"""Benchmark: ``generate`` on an uneven workload, static batch vs ``continuous_batching`` (compaction) vs
+``max_num_seqs`` slots, against a uniform workload with the same total generated tokens (issue 28).
 
 The workload: B prompts of 16 random tokens, one sample each, temperature 1, a budget of ``--budget`` new
 tokens. Each row's response length is drawn from a fixed seed (``uneven_lengths``): 90% of the rows uniform in
@@ -9,6 +9,12 @@ are the model's own). The row's length is read from its first prompt token (a ro
 treats each row on its own, as ``continuous_batching`` requires. The uniform workload gives every row
 ``ceil(total / B)`` tokens (the same total, spread evenly).
 
+Configurations: ``uneven_off`` (one static batch of B rows), ``uneven_on`` (``continuous_batching``: finished
+rows compacted out), ``uniform_off``; with ``--max-num-seqs S`` also ``uneven_slots`` and ``uniform_slots``
+(``generate(max_num_seqs=S)``: S slots that the B samples take in turn; pays when B is several times S, e.g.
+``--batch 256 --max-num-seqs 32``). The ratios: each uneven configuration over the uniform one of the same
+engine (static for off and on, slots for slots).
+
 Models (random weights, fp32 unless ``--dtype bf16``): ``gpt2`` (the shared tiny GPT-2 of
 ``benchmarks/_workload.py``: 4 layers, width 256, V = 32k), ``smollm2`` (SmolLM2-135M's shape), ``tiny``
 (``rlbits.models.tiny``, for a smoke run). Timing: one process, each configuration warmed up once, then the
@@ -17,6 +23,7 @@ tokens/s = generated tokens / wall time. The 1-minute load average is recorded.
 
     python benchmarks/uneven_generate.py --model gpt2 --batch 32 --budget 128
     python benchmarks/uneven_generate.py --model smollm2 --batch 16 --budget 256 --runs 3
+    python benchmarks/uneven_generate.py --model gpt2 --batch 256 --budget 128 --max-num-seqs 32
     python benchmarks/uneven_generate.py --model tiny --batch 8 --budget 16 --runs 1   # smoke
 
 Writes ``benchmarks/results/uneven_generate_{model}.json`` (``--out`` to change).
@@ -98,6 +105,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--compile", action="store_true", help="generate(compile=True)")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None, help="also time generate(max_num_seqs=S) on both workloads"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -124,14 +134,16 @@ def main(argv=None) -> dict:
     uneven = uneven_lengths(B, args.budget, args.seed)
     total = sum(uneven)
     uniform = [math.ceil(total / B)] * B
+    S = args.max_num_seqs
     configs = {
-        "uneven_off": (uneven, False),
-        "uneven_on": (uneven, True),
-        "uniform_off": (uniform, False),
-        "uniform_on": (uniform, True),
+        "uneven_off": (uneven, False, None),
+        "uneven_on": (uneven, True, None),
+        "uniform_off": (uniform, False, None),
     }
+    if S is not None:
+        configs.update(uneven_slots=(uneven, False, S), uniform_slots=(uniform, False, S))
 
-    def run(lengths, on):
+    def run(lengths, on, slots):
         out = generate(
             model,
             td,
@@ -143,6 +155,7 @@ def main(argv=None) -> dict:
             logits_processor=_forced_lengths(lengths, eos, args.device),
             compile=args.compile,
             continuous_batching=on,
+            max_num_seqs=slots,
         )
         if args.device != "cpu":
             torch.cuda.synchronize()
@@ -150,14 +163,14 @@ def main(argv=None) -> dict:
 
     times: dict[str, list[float]] = {name: [] for name in configs}
     tokens = {}
-    for name, (lengths, on) in configs.items():  # warm-up (and compile)
-        out = run(lengths, on)
+    for name, (lengths, on, slots) in configs.items():  # warm-up (and compile)
+        out = run(lengths, on, slots)
         tokens[name] = int(out["action_mask"].sum())
         assert out["action_mask"].sum(1).tolist() == [min(n, args.budget) for n in lengths], name
     for _ in range(args.runs):
-        for name, (lengths, on) in configs.items():
+        for name, (lengths, on, slots) in configs.items():
             start = time.perf_counter()
-            run(lengths, on)
+            run(lengths, on, slots)
             times[name].append(time.perf_counter() - start)
     rows = {
         name: {
@@ -185,7 +198,13 @@ def main(argv=None) -> dict:
         "results": rows,
         "uneven_on_over_uniform": rows["uneven_on"]["seconds"] / rows["uniform_off"]["seconds"],
         "uneven_off_over_uniform": rows["uneven_off"]["seconds"] / rows["uniform_off"]["seconds"],
+        "max_num_seqs": S,
     }
+    if S is not None:
+        result["uneven_slots_over_uniform_slots"] = (
+            rows["uneven_slots"]["seconds"] / rows["uniform_slots"]["seconds"]
+        )
+        result["uneven_slots_over_uniform"] = rows["uneven_slots"]["seconds"] / rows["uniform_off"]["seconds"]
     for name, row in rows.items():
         print(
             f"{name:12s} {row['seconds']:8.3f} s  {row['tokens']:7d} tokens  {row['tokens_per_s']:9.1f} tok/s"
@@ -193,6 +212,12 @@ def main(argv=None) -> dict:
     print(
         f"uneven / uniform (same tokens): off {result['uneven_off_over_uniform']:.2f}x, "
         f"on {result['uneven_on_over_uniform']:.2f}x"
+        + (
+            f", slots {result['uneven_slots_over_uniform_slots']:.2f}x over uniform slots "
+            f"({result['uneven_slots_over_uniform']:.2f}x over uniform off)"
+            if S is not None
+            else ""
+        )
     )
     out_path = Path(args.out or Path(__file__).parent / "results" / f"uneven_generate_{args.model}.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -481,6 +481,15 @@ class OnlineConfig(PolicyConfig):
     ``generate`` call of the loops: rollouts, multi-turn episodes, validation, ReMax's greedy baseline and
     the preference loop's offline pairs. A ``logits_processor`` sees only the rows still decoding.
     docs/packing.md."""
+    max_num_seqs: int | None = ranged(None, ge=1, at_most=MAX_ROWS)
+    """Decode with this many slots (vLLM's and verl's name: the most rows decoded at once;
+    ``generate(max_num_seqs=...)``): a rollout's samples wait in order and take a slot as a sample finishes,
+    so a few long responses no longer hold the whole batch (``continuous_batching`` has no effect with it).
+    The sampling noise is laid out per sample (one ``torch.rand(samples, max_new_tokens)`` table per
+    ``generate`` call), so the samples, and every number after them, differ from None's for the same seed;
+    they do not depend on the slot count. Rollouts, validation, ReMax's greedy baseline and the preference
+    loop's offline pairs; not multi-turn episodes (refused). Needs a model with a static KV cache. None: one
+    batch of all the samples (today's numbers). docs/generation.md."""
     logprob_head: Literal["auto", "fused", "unfused"] = "auto"
     """How the training and reference forwards apply the output layer
     (``rlbits.models.forward.policy_logprobs``): ``fused`` never holds a microbatch's [b, R, V] logits
@@ -693,6 +702,11 @@ class PolicyGradientConfig(OnlineConfig):
             raise ConfigError(
                 "partial_rollouts: true continues a rollout with the weights that arrive during it, which only "
                 f"async_schedule: eager does (with async_mode: ranks); got async_schedule: {self.async_schedule}"
+            )
+        if self.partial_rollouts and self.max_num_seqs is not None:
+            raise ConfigError(
+                "partial_rollouts: true recomputes the whole decode batch's cache when weights arrive, which "
+                f"max_num_seqs: {self.max_num_seqs} (slots at different steps) cannot; set max_num_seqs: null"
             )
         if self.async_mode == "ranks" and self.loop not in ("reinforce", "ppo"):
             raise ConfigError(

@@ -137,6 +137,7 @@ def run_episodes(
     compile: bool = False,
     pack_weights: bool | None = None,
     continuous_batching: bool = False,
+    max_num_seqs: int | None = None,
 ) -> TensorDictBase:
     """The rollout of a multi-turn task: ``num_samples`` episodes per prompt (groups contiguous), each with its
     own env ``make_env(prompt, **env_options(make_env, cfg))``, run by ``generate_episodes`` with ``cfg``'s
@@ -156,7 +157,7 @@ def run_episodes(
             max_episode_tokens=cfg.max_episode_tokens, reward_placement=cfg.turn_reward,
             max_env_workers=cfg.max_env_workers, env_timeout_s=cfg.env_timeout_s, compile=compile,
             group_size=num_samples, pack_weights=pack_weights, max_turns=cfg.max_rollout_turns,
-            continuous_batching=continuous_batching,
+            continuous_batching=continuous_batching, max_num_seqs=max_num_seqs,
         )
 
 
@@ -248,7 +249,7 @@ def sample(state: Any, batch: TensorDictBase, cfg: RunConfig, policy: torch.nn.M
     common = dict(
         num_samples=cfg.num_generations_per_prompt, generator=state.sampling_generator,
         compile=cfg.compile_generate, pack_weights=pack_weights(cfg),
-        continuous_batching=cfg.continuous_batching,
+        continuous_batching=cfg.continuous_batching, max_num_seqs=cfg.max_num_seqs,
     )
     on_step = getattr(state, "decode_hook", None)  # partial rollouts (rlbits.loops.staleness, eager schedule)
     if state.make_env is not None:
@@ -398,17 +399,19 @@ def evaluate_policy(
     gen = generator(cfg.seed, env.rank, "validation", next(policy.parameters()).device)
     options = generation_options(cfg, validation=True)
     continuous_batching = getattr(cfg, "continuous_batching", False)  # an online loop's field
+    max_num_seqs = getattr(cfg, "max_num_seqs", None)
     with autocast(policy, cfg):
         if make_env is not None:
             _check_single_turn(cfg, validation=True)
             batch = run_episodes(
                 policy, tokenizer, prompts, make_env, cfg, temperature=options["temperature"], generator=gen,
-                continuous_batching=continuous_batching,
+                continuous_batching=continuous_batching, max_num_seqs=max_num_seqs,
             )
         else:
             batch = generate_rollout(
                 policy, tokenizer, prompts, generator=gen, logits_processor=logits_processor,
-                chunk_size=getattr(cfg, "val_batch_size", None), continuous_batching=continuous_batching, **options,
+                chunk_size=getattr(cfg, "val_batch_size", None), continuous_batching=continuous_batching,
+                max_num_seqs=max_num_seqs, **options,
             )
     rewards = score_rollout(batch, reward).double().cpu()
     lengths = batch["action_mask"].sum(-1).double().cpu()

@@ -207,6 +207,7 @@ def sample_pairs(
             generator=gen,
             pack_weights=phases.pack_weights(cfg),
             continuous_batching=cfg.continuous_batching,
+            max_num_seqs=cfg.max_num_seqs,
         )
         rewards = phases.score_rollout(batch, reward).float().cpu()
         total += rewards.sum().item()

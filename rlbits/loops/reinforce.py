@@ -285,7 +285,7 @@ def greedy_baseline(state: State, batch: TensorDictBase, cfg: ReinforceConfig) -
     prompts = phases.prompt_texts(batch)[::k]
     common = dict(
         temperature=0.0, compile=cfg.compile_generate, pack_weights=phases.pack_weights(cfg),
-        continuous_batching=cfg.continuous_batching,
+        continuous_batching=cfg.continuous_batching, max_num_seqs=cfg.max_num_seqs,
     )
     with phases.decoding(state, cfg) as model:
         if state.make_env is not None:

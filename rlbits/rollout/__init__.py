@@ -16,11 +16,15 @@ _LAZY = {
     "stop_strings_stopping": "rlbits.rollout.generate",
     # decoder: the KV cache, prefill and one decode step
     "Decoder": "rlbits.rollout.decoder",
+    "cache_kv": "rlbits.rollout.decoder",
     "compiled_decode_step": "rlbits.rollout.decoder",
     "decode_one_token": "rlbits.rollout.decoder",
     "prefill": "rlbits.rollout.decoder",
     "select_rows": "rlbits.rollout.decoder",
+    "set_write_column": "rlbits.rollout.decoder",
     "setup_decoder": "rlbits.rollout.decoder",
+    "shift_columns": "rlbits.rollout.decoder",
+    "write_kv": "rlbits.rollout.decoder",
     # sampling: the next token from logits
     "LogitsProcessor": "rlbits.rollout.sampling",
     "inverse_cdf_sample": "rlbits.rollout.sampling",

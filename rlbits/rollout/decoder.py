@@ -15,6 +15,10 @@ FutureWarning on every call).
 On CPU with at most 64 rows, the decode step of GPT-2/Llama/Mistral/Qwen2/Qwen3 models runs the backbone
 and applies the LM head itself to the last position only (see ``_small_batch_head``): the head's own forward
 in the eager step, ``(W @ h.T).T`` in the compiled one; the logits agree to float rounding.
+
+For ``generate``'s slots (``max_num_seqs``), the static cache's columns are not positions: ``cache_kv`` reads a
+prefill's keys and values, ``write_kv`` copies a prompt's into any cache row before the shared write column,
+``shift_columns`` moves the live columns to the front, ``set_write_column`` sets that column.
 """
 
 from __future__ import annotations
@@ -208,12 +212,18 @@ def compiled_decode_step(device_type: str = "cpu"):
 
 
 def setup_decoder(
-    policy: torch.nn.Module, rows: int, total: int, device: torch.device, compile: bool
+    policy: torch.nn.Module,
+    rows: int,
+    total: int,
+    device: torch.device,
+    compile: bool,
+    within_context: bool = True,
 ) -> Decoder:
     """How the decode loop calls ``policy`` for ``rows`` rows and ``total`` = P + max_new_tokens positions:
     the small-batch head, the KV cache (static where the model supports it), and with ``compile`` the
     compiled step, whose static cache is rounded up to a multiple of ``_COMPILE_CACHE_BUCKET`` (at most the
-    model's context) so prompt batches of different lengths reuse one compiled graph."""
+    model's context unless ``within_context`` is False: the slot decoder's columns are not positions) so
+    prompt batches of different lengths reuse one compiled graph."""
     split = _small_batch_head(policy, rows, device)
     compiled = None
     cache_len = total
@@ -221,7 +231,7 @@ def setup_decoder(
     step_split = split_head(policy) if compile and _make_cache(policy, total) is not None else None
     if step_split is not None:
         cache_len = -(-total // _COMPILE_CACHE_BUCKET) * _COMPILE_CACHE_BUCKET
-        limit = context_length(policy)
+        limit = context_length(policy) if within_context else None
         cache_len = min(cache_len, limit[1]) if limit is not None else cache_len
         backbone, head = step_split
         compiled = (compiled_decode_step(device.type), backbone, head.weight, cache_argument(backbone))
@@ -290,4 +300,77 @@ def decode_one_token(
     return _forward_last(decoder, new_ids, mask, position_ids)
 
 
-__all__ = ["Decoder", "compiled_decode_step", "decode_one_token", "prefill", "select_rows", "setup_decoder"]
+def _static_layers(decoder: Decoder) -> list:
+    """The layers of the decoder's ``StaticCache``; ValueError if it has none or a layer of another kind
+    (a sliding-window layer keeps a rolling window, which the slot copies below do not handle)."""
+    from transformers.cache_utils import StaticLayer
+
+    layers = list(getattr(decoder.cache, "layers", None) or []) if decoder.static else []
+    if not layers or any(type(layer) is not StaticLayer for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers}) or ["none"]
+        raise ValueError(
+            f"generate(max_num_seqs=...) needs a static KV cache of plain StaticLayer layers; "
+            f"{type(decoder.policy).__name__} gives {kinds}"
+        )
+    return layers
+
+
+def cache_kv(decoder: Decoder) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the ``(keys, values)`` [rows, heads, cache_len, head_dim] of the decoder's static cache after
+    a ``prefill`` (for ``write_kv``)."""
+    return [(layer.keys, layer.values) for layer in _static_layers(decoder)]
+
+
+def write_kv(
+    decoder: Decoder,
+    rows: torch.Tensor,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    src_rows: torch.Tensor,
+    column: int,
+    cache_rows: int,
+) -> None:
+    """Copy the prefilled prompts ``kv`` (per layer ``(keys, values)`` [n, heads, P, head_dim], from
+    ``cache_kv``) rows ``src_rows`` [A] int64 into the decoder's cache rows ``rows`` [A] int64 at columns
+    ``[column - P, column)``, in place (``generate``'s slots: a new sample takes a slot). The first call
+    allocates the cache's tensors, ``cache_rows`` rows. Keys are stored as the model computed them
+    (RoPE already applied from ``position_ids``), so they hold at any column."""
+    layers = _static_layers(decoder)
+    P = kv[0][0].shape[2]
+    for layer, (keys, values) in zip(layers, kv, strict=True):
+        if not layer.is_initialized:
+            batch = cache_rows
+            layer.lazy_initialization(
+                keys.new_empty((batch, *keys.shape[1:])), values.new_empty((batch, *values.shape[1:]))
+            )
+        layer.keys[rows, :, column - P : column] = keys.index_select(0, src_rows)
+        layer.values[rows, :, column - P : column] = values.index_select(0, src_rows)
+
+
+def set_write_column(decoder: Decoder, column: int) -> None:
+    """Make ``column`` the cache column the next ``decode_one_token`` writes (in place: the compiled step reads
+    the static cache's counter at its address)."""
+    for layer in _static_layers(decoder):
+        layer.cumulative_length.fill_(column)
+
+
+def shift_columns(decoder: Decoder, start: int, length: int) -> None:
+    """Move the cache columns ``[start, start + length)`` of every row to ``[0, length)``, in place, and make
+    ``length`` the next write column (``generate``'s slots reuse the front of the cache so)."""
+    for layer in _static_layers(decoder):
+        layer.keys[:, :, :length] = layer.keys[:, :, start : start + length].clone()
+        layer.values[:, :, :length] = layer.values[:, :, start : start + length].clone()
+    set_write_column(decoder, length)
+
+
+__all__ = [
+    "Decoder",
+    "cache_kv",
+    "compiled_decode_step",
+    "decode_one_token",
+    "prefill",
+    "select_rows",
+    "set_write_column",
+    "setup_decoder",
+    "shift_columns",
+    "write_kv",
+]

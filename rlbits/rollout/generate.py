@@ -9,7 +9,9 @@ loop reads a value on the host except one "have all rows finished?" check per st
 ``_EOS_CHECK_EVERY`` steps on an accelerator, where a sync per step would stall the launch queue). A step
 whose distribution holds NaN gets a NaN logprob, and ``generate`` raises ``FloatingPointError`` once after
 the loop. With ``continuous_batching`` the finished rows leave the decode batch at those checks (the
-rows still decoding, compacted with their KV cache rows to a power of two; the same noise per row).
+rows still decoding, compacted with their KV cache rows to a power of two; the same noise per row). With
+``max_num_seqs`` the decode batch is a fixed number of slots that the samples take in turn as samples finish
+(``decode_with_slots``; one noise table per call, so other samples than without it).
 
 On CPU the eager steps run every linear layer through oneDNN on weights reordered once per call
 (``pack_weights``, ``rlbits.models.packed.packed_linears``): at 16 rows MKL's ``F.linear`` ran SmolLM2-135M's
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,7 +43,17 @@ from rlbits.batch import build_batch, group_ids
 from rlbits.functional import entropy_from_logits
 from rlbits.models.forward import context_length
 from rlbits.models.packed import packed_linears
-from rlbits.rollout.decoder import Decoder, decode_one_token, prefill, select_rows, setup_decoder
+from rlbits.rollout.decoder import (
+    Decoder,
+    cache_kv,
+    decode_one_token,
+    prefill,
+    select_rows,
+    set_write_column,
+    setup_decoder,
+    shift_columns,
+    write_kv,
+)
 from rlbits.rollout.sampling import LogitsProcessor, next_token
 from rlbits.text import decode, tokenize_prompts
 
@@ -52,6 +65,10 @@ _EOS_CHECK_EVERY_CPU = 1
 # Fewest rows ``continuous_batching`` compacts the compiled step's batch to: each row count is one more
 # compiled graph (and CUDA graph), so the counts are the powers of two from here up.
 _COMPILED_MIN_ROWS = 8
+# ``max_num_seqs``: the slot decoder's KV cache holds this many live spans (P + max_new_tokens columns) of
+# columns; when the shared write column reaches its end the last span moves to the front (``decode_with_slots``),
+# one copy every (spans - 1) * (P + max_new_tokens) steps.
+_SLOT_CACHE_SPANS = 2.0
 # Fewest new tokens for which ``pack_weights=None`` packs the weights (see ``generate``).
 _PACK_MIN_NEW_TOKENS = 4
 
@@ -320,6 +337,237 @@ def decode_n_tokens(
     return steps
 
 
+def _by_length(slots: list[int], lengths: list[int]) -> dict[int, list[int]]:
+    """``slots`` grouped by their response length so far, ``{t: [slot, ...]}``, slots ascending in each."""
+    groups: dict[int, list[int]] = {}
+    for s in slots:
+        groups.setdefault(lengths[s], []).append(s)
+    return groups
+
+
+def _process_slots(
+    logits_processor: LogitsProcessor | None,
+    groups: dict[int, list[int]],
+    input_ids: torch.Tensor,
+    sid: torch.Tensor,
+    prompt_len: int,
+    ban: torch.Tensor | None,
+    _ids: torch.Tensor,
+    logits: torch.Tensor,
+    *,
+    device: torch.device,
+) -> torch.Tensor:
+    """The slots' logits processor for ``next_token``: the caller's ``logits_processor`` once per response length
+    t in ``groups`` (``{t: [slot, ...]}``), on those slots' ids ``input_ids[sid[slots], :P + t]`` and logits
+    (what ``generate`` without slots passes for those rows); then the stop ids ``ban`` [S, V] bool set to -inf
+    (before ``min_new_tokens``; before the repetition penalty, which leaves -inf as it is, so the order of
+    ``generate`` holds). ``logits`` [S, V] is ``next_token``'s copy: edited in place."""
+    if logits_processor is not None:
+        for t, group in groups.items():
+            g = torch.tensor(group, device=device)
+            rows = sid.index_select(0, g)
+            part = logits.index_select(0, g)
+            done = logits_processor(input_ids[rows, : prompt_len + t], part)
+            if not isinstance(done, torch.Tensor) or done.shape != part.shape:
+                got = tuple(done.shape) if isinstance(done, torch.Tensor) else type(done).__name__
+                raise ValueError(
+                    f"logits_processor must return logits of shape {tuple(part.shape)} [B, V], got {got}"
+                )
+            logits.index_copy_(0, g, done.to(logits.dtype))
+    return logits if ban is None else logits.masked_fill(ban, float("-inf"))
+
+
+def decode_with_slots(
+    policy: torch.nn.Module,
+    prompts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    num_samples: int,
+    max_num_seqs: int,
+    compile: bool,
+    stop: torch.Tensor,
+    stopping: StoppingFn | None,
+    pad_token_id: int,
+    min_new_tokens: int = 0,
+    return_entropy: bool = False,
+    **sampling: Any,
+) -> _Samples:
+    """Sample ``num_samples`` responses per prompt, at most ``max_num_seqs`` rows decoding at once (``generate``'s
+    ``max_num_seqs``): the decode batch has S = min(max_num_seqs, B) slots; the B samples (sample i of prompt
+    i // K) wait in order, and whenever the host sees a slot's sample finished (a stop id, ``stopping``, or
+    ``max_new_tokens`` tokens) the next waiting sample takes the slot. Returns ``_Samples`` of the B samples
+    (``input_ids`` [B, P + N]).
+
+    The KV cache (``setup_decoder``, ``S`` rows, ``_SLOT_CACHE_SPANS * (P + N)`` columns) has one write
+    column shared by all slots; positions come from ``position_ids`` and each row attends only where its
+    [S, cache_len] mask is True. A sample taking a slot gets its prompt's prefilled KV copied to the columns
+    ``[c - P, c)`` before the write column c (``write_kv``), its mask set there (on the prompt's real tokens)
+    and cleared everywhere else, and samples its first token from the prompt's logits. When c reaches the
+    cache's end, the last ``P + N`` columns (every live sample's span) move to the front (``shift_columns``).
+    The prompts are prefilled S at a time, when their first sample enters (``prefill``; the K samples of a
+    prompt share it).
+
+    Noise: one table ``u = torch.rand(B, N, generator=generator)`` drawn up front (none at temperature 0);
+    sample i's t-th token samples with ``u[i, t]``. So the tokens depend neither on S nor on when a sample
+    entered its slot (float rounding of the batched matmuls aside). One ``next_token`` call samples every
+    slot; ``logits_processor`` and ``stopping`` are called once per distinct response length t among the
+    occupied slots, on those slots' rows only: ids [A, P + t] and responses [A, t + 1], as ``generate``
+    without slots would pass them for those samples (``_process_slots``).
+    """
+    (n, P), device = prompts.shape, prompts.device
+    N, K = max_new_tokens, num_samples
+    B = n * K
+    S = min(max_num_seqs, B)
+    temperature = sampling["temperature"]
+    logits_processor = sampling.pop("logits_processor")
+    generator = sampling.pop("generator")
+    noise = torch.rand(B, N, generator=generator, device=device) if temperature > 0 else None
+    trash = B  # the extra row of ``out`` that empty slots write to
+    rows_of = torch.arange(B + 1, device=device).clamp(max=B - 1) // K
+    out = _new_samples(
+        prompts.index_select(0, rows_of),
+        prompt_mask.index_select(0, rows_of),
+        N,
+        P + N,
+        pad_token_id,
+        return_entropy,
+    )
+    decoder = setup_decoder(
+        policy, S, int(_SLOT_CACHE_SPANS * (P + N)), device, compile, within_context=False
+    )
+    if not decoder.static:
+        raise ValueError(
+            f"generate(max_num_seqs=...) needs a static KV cache, which {type(policy).__name__} does not support "
+            "here (transformers' StaticCache; not under autocast); use continuous_batching=True instead"
+        )
+    span, width = P + N, decoder.cache_len  # a live sample's columns at most; the cache's columns
+    chunk: dict[str, Any] = {"index": -1}
+
+    def load(j: int) -> None:  # prefill prompts [j*S, (j+1)*S)
+        part = slice(j * S, (j + 1) * S)
+        pre = setup_decoder(policy, prompts[part].shape[0], P, device, False)
+        chunk.update(index=j, logits=prefill(pre, prompts[part], prompt_mask[part], 1), kv=cache_kv(pre))
+
+    sid = torch.full((S,), trash, dtype=torch.long, device=device)  # each slot's sample (trash: empty)
+    tpos = torch.zeros(S, dtype=torch.long, device=device)  # each slot's response length so far
+    fin = torch.ones(S, dtype=torch.bool, device=device)  # finished or empty
+    cache_mask = torch.zeros((S, width), dtype=torch.bool, device=device)
+    host_sid: list[int | None] = [None] * S
+    host_t = [0] * S
+    state = {"column": P, "logits": None, "entered": 0}
+
+    def enter(free: list[int]) -> None:  # the next waiting samples take the slots ``free``
+        column = state["column"]
+        pairs = list(zip(free, range(state["entered"], B), strict=False))
+        state["entered"] += len(pairs)
+        while pairs:
+            j = pairs[0][1] // K // S
+            group = [(s, i) for s, i in pairs if i // K // S == j]
+            pairs = pairs[len(group) :]
+            if chunk["index"] != j:
+                load(j)
+            slots = torch.tensor([s for s, _ in group], device=device)
+            samples = torch.tensor([i for _, i in group], device=device)
+            src = samples // K - j * S
+            write_kv(decoder, slots, chunk["kv"], src, column, S)
+            cache_mask[slots] = False
+            cache_mask[slots, column - P : column] = prompt_mask.index_select(0, samples // K)
+            logits = state["logits"]
+            if logits is None:
+                logits = chunk["logits"].new_zeros((S, chunk["logits"].shape[1]))
+            state["logits"] = logits.index_copy(0, slots, chunk["logits"].index_select(0, src))
+            sid[slots], tpos[slots], fin[slots] = samples, 0, False
+            for s, i in group:
+                host_sid[s], host_t[s] = i, 0
+
+    check_every = _EOS_CHECK_EVERY_CPU if device.type == "cpu" else _EOS_CHECK_EVERY
+    checks = stop.numel() > 0 or stopping is not None
+    enter(list(range(S)))
+    set_write_column(decoder, P)
+    banned_ids = None  # [1, V] the stop ids, banned per row before ``min_new_tokens``
+    if stop.numel() and min_new_tokens:
+        banned_ids = torch.zeros(1, state["logits"].shape[1], dtype=torch.bool, device=device)
+        banned_ids[0, stop] = True
+    steps = 0
+    while True:
+        occupied = [s for s in range(S) if host_sid[s] is not None]
+        if not occupied:
+            break
+        logits, alive = state["logits"], ~fin
+        t_idx = tpos.clamp(max=N - 1)
+        groups = _by_length(occupied, host_t)
+        ban = None
+        if banned_ids is not None and any(host_t[s] < min_new_tokens for s in occupied):
+            ban = (tpos < min_new_tokens)[:, None] & banned_ids
+        process = None
+        if logits_processor is not None or ban is not None:
+            process = functools.partial(
+                _process_slots, logits_processor, groups, out.input_ids, sid, P, ban, device=device
+            )
+        penalised = sampling["repetition_penalty"] != 1
+        tokens, lp = next_token(
+            logits,
+            out.input_ids.index_select(0, sid) if penalised else sid[:, None],
+            input_mask=out.attention_mask.index_select(0, sid) if penalised else None,
+            logits_processor=process,
+            generator=None,
+            uniforms=None if noise is None else noise[sid.clamp(max=B - 1), t_idx][:, None],
+            **sampling,
+        )
+        columns = P + t_idx
+        out.input_ids[sid, columns] = torch.where(alive, tokens, pad_token_id)
+        out.attention_mask[sid, columns] = alive
+        out.logprobs[sid, t_idx] = torch.where(alive, lp, 0.0)
+        if out.entropy is not None:
+            ent = entropy_from_logits(logits, temperature if temperature > 0 else 1.0)
+            out.entropy[sid, t_idx] = torch.where(alive, ent, 0.0)
+        ended = torch.isin(tokens, stop) if stop.numel() else torch.zeros_like(fin)
+        if stopping is not None:
+            for t, group in groups.items():
+                if t + 1 >= min_new_tokens:
+                    g = torch.tensor(group, device=device)
+                    said = stopping(out.input_ids[sid.index_select(0, g), P : P + t + 1]).to(device)
+                    ended = ended.index_copy(0, g, ended.index_select(0, g) | said)
+        fin |= alive & ended
+        out.finished[sid] = fin
+        tpos += 1
+        for s in occupied:
+            host_t[s] += 1
+        steps += 1
+        finished = fin.tolist() if checks and steps % check_every == 0 else None
+        done = [s for s in occupied if host_t[s] == N or (finished is not None and finished[s])]
+        if len(done) == len(occupied) and state["entered"] == B:
+            break
+        if len(done) < len(occupied):  # else every slot takes a new sample: no step needed
+            column = state["column"]
+            if column == width:  # every live span to the front of the cache
+                shift_columns(decoder, column - span, span)
+                cache_mask[:, :span] = cache_mask[:, column - span : column].clone()
+                cache_mask[:, span:] = False
+                column = span
+            cache_mask[:, column] = True  # a slot's own new token (empty slots attend to something)
+            position = (out.position.index_select(0, sid) + tpos[:, None] - 1).clamp(max=P + N - 1)
+            state["logits"] = decode_one_token(decoder, tokens[:, None], cache_mask, position, column + 1)
+            state["column"] = column + 1
+        if done:
+            gone = torch.tensor(done, device=device)
+            sid[gone], fin[gone] = trash, True
+            for s in done:
+                host_sid[s] = None
+            enter(done)
+    take = lambda x: None if x is None else x[:B]  # noqa: E731
+    return dataclasses.replace(
+        out,
+        input_ids=take(out.input_ids),
+        attention_mask=take(out.attention_mask),
+        logprobs=take(out.logprobs),
+        entropy=take(out.entropy),
+        finished=take(out.finished),
+        position=take(out.position),
+    )
+
+
 def _to_batch(
     out: _Samples,
     prompt_rows,
@@ -371,6 +619,7 @@ def generate(
     repetition_penalty: float = 1.0,
     min_new_tokens: int = 0,
     continuous_batching: bool = False,
+    max_num_seqs: int | None = None,
     on_step: Callable[[int], int] | None = None,
 ) -> TensorDict:
     """Sample ``num_samples`` responses per prompt with a KV cache.
@@ -402,7 +651,8 @@ def generate(
             before temperature/top-k/top-p (e.g. ILQL steering). It changes sampling only, not ``logprobs``.
             It must leave at least one finite logit per row.
         generator: source of the sampling noise; the same generator state gives the same samples (one
-            ``torch.rand(B, 1)`` draw per step, on the policy's device).
+            ``torch.rand(B, 1)`` draw per step, on the policy's device; with ``max_num_seqs`` one
+            ``torch.rand(B, max_new_tokens)`` table before decoding).
         stop_token_ids: more ids that end a response like ``eos_token_id``.
         stopping: optional per-row stop rule, ``f(responses [B, t] int64) -> [B] bool``, called after each
             step with the response tokens so far (finished rows hold ``pad_token_id`` after their end); True
@@ -437,6 +687,19 @@ def generate(
             ``stopping`` still gets all B rows; ``logits_processor`` gets the ``[A, P + t]`` ids and
             ``[A, V]`` logits of the A rows in the decode batch, so it must treat each row on its own. False:
             every row decodes until the last one ends.
+        max_num_seqs: decode with this many slots (vLLM's and verl's name: the most rows decoded at once;
+            ``decode_with_slots``): the B = prompts * K samples wait in order and each takes a slot as one
+            finishes (seen at the "all rows finished?" checks), so a few long responses no longer hold the
+            whole batch: the rollout costs about its generated tokens / S steps. The noise is laid out per
+            sample, not per step: one table ``torch.rand(B, max_new_tokens)`` drawn up front (none when
+            greedy), the t-th token of sample i sampled with entry [i, t]; so the samples differ from those
+            of ``max_num_seqs=None`` for the same generator state, and are the same for every S (float
+            rounding of the logits at another batch size aside). ``logits_processor`` and ``stopping`` are
+            called once per distinct response length among the slots, on those slots' rows (ids
+            [A, P + t], responses [A, t]: what they get for those rows without slots), so both must treat each
+            row on its own. Needs a static KV cache (GPT-2/Llama/Mistral/Qwen2/Qwen3 families, no autocast);
+            ``continuous_batching`` has no effect with it. None (default): every row has its own place in
+            one batch of B rows.
         on_step: partial rollouts (``async_mode: ranks`` with ``partial_rollouts``, docs/async.md):
             ``on_step(t) -> version``, called before the prefill (t = 0) and before each later token t, returns
             the version of ``policy``'s weights for token t; the callback may first load new weights into
@@ -460,7 +723,9 @@ def generate(
 
     Raises:
         ValueError: missing keys, mismatched shapes, an empty batch, a row without prompt tokens, a prompt
-            or pad id outside the vocabulary, bad sampling arguments, a ``continuous_batching`` not a bool, or
+            or pad id outside the vocabulary, bad sampling arguments, a ``continuous_batching`` not a bool,
+            ``max_num_seqs`` not None nor an int >= 1, ``max_num_seqs`` with a model without a static cache or
+            one holding a cache of its own (``select_cache_rows``: ``SteeredPolicy``) or with ``on_step``, or
             ``P + max_new_tokens`` beyond the model's context; ``on_step`` returning something other than an int.
         FloatingPointError: a step's distribution held NaN (NaN/inf logits, or a temperature so small that
             ``logits / temperature`` overflows): checked once after decoding, the message names the row.
@@ -479,6 +744,19 @@ def generate(
     )
     if not isinstance(continuous_batching, bool):
         raise ValueError(f"continuous_batching must be a bool, got {continuous_batching!r}")
+    if max_num_seqs is not None:
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be None or an int >= 1, got {max_num_seqs!r}")
+        if getattr(policy, "select_cache_rows", None) is not None:
+            raise ValueError(
+                f"generate(max_num_seqs=...) does not support {type(policy).__name__}: it keeps a KV cache of its "
+                "own (select_cache_rows) that slots cannot refill; use continuous_batching=True instead"
+            )
+        if on_step is not None:
+            raise ValueError(
+                "generate(max_num_seqs=...) does not take on_step (partial rollouts): a weight swap recomputes the "
+                "whole batch's cache, which slots at different steps do not share; use max_num_seqs=None"
+            )
     prompts = prompts_td["prompts"].long()
     prompt_mask = prompts_td["prompt_mask"].bool()
     _check_prompts(policy, prompts, prompt_mask, max_new_tokens, pad_token_id)
@@ -506,12 +784,8 @@ def generate(
         if on_step is not None:
             versions.append(_step_version(on_step, 0))
         if pack_weights and not compile:  # the compiled step traces F.linear, not the packed op
-            packing.enter_context(packed_linears(policy, batch_size=B))
-        decoder = setup_decoder(policy, B, prompts.shape[1] + max_new_tokens, device, compile)
-        out = _new_samples(
-            prompt_rows, mask_rows, max_new_tokens, decoder.cache_len, pad_token_id, return_entropy
-        )
-        logits = prefill(decoder, prompts, prompt_mask, K)
+            rows = B if max_num_seqs is None else min(B, max_num_seqs)
+            packing.enter_context(packed_linears(policy, batch_size=rows))
 
         def swap(t: int, part: _Samples) -> tuple[Decoder, torch.Tensor] | None:
             versions.append(_step_version(on_step, t))
@@ -533,6 +807,28 @@ def generate(
             generator=generator,
             repetition_penalty=repetition_penalty,
         )
+        if max_num_seqs is not None:
+            out = decode_with_slots(
+                policy,
+                prompts,
+                prompt_mask,
+                max_new_tokens,
+                num_samples=K,
+                max_num_seqs=max_num_seqs,
+                compile=compile,
+                stop=stop,
+                stopping=stopping,
+                pad_token_id=pad_token_id,
+                min_new_tokens=min_new_tokens,
+                return_entropy=return_entropy,
+                **sampling,
+            )
+            return _to_batch(out, prompt_rows, mask_rows, max_new_tokens, K, max_new_tokens, temperature)
+        decoder = setup_decoder(policy, B, prompts.shape[1] + max_new_tokens, device, compile)
+        out = _new_samples(
+            prompt_rows, mask_rows, max_new_tokens, decoder.cache_len, pad_token_id, return_entropy
+        )
+        logits = prefill(decoder, prompts, prompt_mask, K)
         steps = decode_n_tokens(
             decoder,
             logits,
@@ -621,13 +917,15 @@ def generate_texts(
     compile: bool = False,
     pack_weights: bool | None = None,
     continuous_batching: bool = False,
+    max_num_seqs: int | None = None,
     on_step: Callable[[int], int] | None = None,
 ) -> TensorDict:
     """``generate`` from prompt strings: tokenize them (``tokenize_prompts``), sample ``num_samples``
     responses each with the policy in eval mode and no gradient, decode the texts (``decode``).
 
-    ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``, ``continuous_batching``, ``on_step``: as
-    ``generate`` (``on_step`` is called by each chunk's call, from t = 0).
+    ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``, ``continuous_batching``, ``max_num_seqs``,
+    ``on_step``: as ``generate`` (with ``chunk_size``, each chunk has its own slots; ``on_step`` is called by
+    each chunk's call, from t = 0).
     ``stop_strings``: a
     response ends after the token that completes one of them (``stop_strings_stopping``; one host sync per
     step). ``chunk_size``: generate the prompts ``chunk_size`` at a time (trlx ``method.chunk_size``; None:
@@ -675,6 +973,7 @@ def generate_texts(
                     compile=compile,
                     pack_weights=pack_weights,
                     continuous_batching=continuous_batching,
+                    max_num_seqs=max_num_seqs,
                     on_step=on_step,
                 )
                 for start in range(0, n, size)

@@ -177,6 +177,7 @@ def generate_episodes(
     pack_weights: bool | None = None,
     max_turns: int | None = None,
     continuous_batching: bool = False,
+    max_num_seqs: int | None = None,
 ) -> TensorDict:
     """Run one episode per env, all turns of the batch decoded together; return one batch row per episode.
 
@@ -226,6 +227,8 @@ def generate_episodes(
         max_turns: a cap on every episode's turns over its env's ``stop.max_turns`` (NeMo-RL's
             ``max_rollout_turns``); None: the envs' own.
         continuous_batching: as ``generate``: a turn's finished rows leave the decode batch (the same samples).
+        max_num_seqs: must be None: ``generate``'s slots call ``stopping`` on subsets of the rows, and a
+            turn's stop rule is per episode row.
 
     Returns:
         TensorDict, batch size [B] (B = ``len(envs)``), on the policy's device, with the keys of
@@ -243,13 +246,19 @@ def generate_episodes(
     Raises:
         ValueError: ``envs`` and ``prompts`` differ in length or are empty, ``B`` is not a multiple of
             ``group_size``, a bad ``reward_placement`` / ``max_env_workers`` / ``env_timeout_s`` /
-            ``max_episode_tokens``, a prompt that is empty or longer than the model's context, or a tokenizer
-            without a pad or EOS id.
+            ``max_episode_tokens``, a ``max_num_seqs`` other than None, a prompt that is empty or longer than
+            the model's context, or a tokenizer without a pad or EOS id.
         TypeError: an env's ``reset`` returns something other than an ``Observation``.
         Exception: whatever an env's ``reset`` raises (a broken prompt is not an episode). A ``step`` that
             raises, or returns something other than a ``StepResult`` with an ``Observation`` and a numeric
             reward, ends its episode with ``"env_error"`` instead.
     """
+    if max_num_seqs is not None:
+        raise ValueError(
+            f"generate_episodes does not support max_num_seqs (got {max_num_seqs!r}): generate's slots call the "
+            "stop rule on subsets of the rows, and a turn's stop rule is per episode row; use "
+            "continuous_batching=True instead"
+        )
     B = len(envs)
     if B == 0 or len(prompts) != B:
         raise ValueError(
