@@ -30,7 +30,7 @@ import base64
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -473,7 +473,7 @@ def serve_rollouts(
     slice of the same draw, and with rank r's sampling generator), each with its own statistics. Of the R
     rollout ranks, each produces the shards it owns (``RankRoles.shards_of``: r with r % R == its index) and
     sends them as one message per batch. Writes nothing to the run directory; returns ``cfg.run_dir``."""
-    from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights, recv_json, send_json
+    from rlbits.distributed.async_ranks import broadcast_json, broadcast_weights, recv_json
     from rlbits.loops.runtime import Setup, setup
 
     roles = _roles()
@@ -489,13 +489,7 @@ def serve_rollouts(
         return Path(cfg.run_dir)
     while True:
         while produced <= version + cfg.max_staleness:
-            out = []
-            for shard in shards:  # in turn, each as its colocated rank draws (no collective runs here)
-                with shard.active(state):
-                    batch = stamp_version(produce(state), version)
-                    rows, position = _metric_rows(state.metrics), _rollout_state(state)
-                    out.append({"batch": encode_batch(batch), "metrics": rows, "rollout_state": position})
-            sends += send_json({"index": produced, "shards": out, "idle_s": idle}, trainers)
+            sends += _send_batch(state, shards, produce, lambda v=version: v, produced, idle, trainers)
             produced, idle = produced + 1, 0.0
             sends = [(w, t) for w, t in sends if not w.is_completed()]
         t0 = time.monotonic()
@@ -557,21 +551,37 @@ def _serve_eager(
             time.sleep(EAGER_POLL_S)
             idle += time.monotonic() - t0
             continue
-        out = []
-        for shard in shards:
-            with shard.active(state):
-                if cfg.partial_rollouts:  # in every shard's statistics: the trainer ranks reduce the same keys
-                    state.metrics.sum("staleness/partial_updates", 0.0)
-                start = version
-                batch = _stamp_oldest(produce(state), start)
-                rows, position = _metric_rows(state.metrics), _rollout_state(state)
-                out.append({"batch": encode_batch(batch), "metrics": rows, "rollout_state": position})
-        sends += send_json({"index": produced, "shards": out, "idle_s": idle}, trainers)
+        sends += _send_batch(
+            state, shards, produce, lambda: version, produced, idle, trainers, partial=cfg.partial_rollouts
+        )
         produced, idle = produced + 1, 0.0
         sends = [(w, t) for w, t in sends if not w.is_completed()]
     sends += send_json({"end": True}, trainers)
     for work, _ in sends:
         work.wait()
+
+
+def _send_batch(
+    state: Any, shards: list[_ShardState], produce: Callable[[Any], TensorDictBase], version: Callable[[], int],
+    index: int, idle_s: float, trainers: Sequence[int], partial: bool = False,
+) -> list[Any]:
+    """Produce batch ``index`` as this rollout rank's ``shards``, in turn, each as its colocated rank draws (no
+    collective runs here), its rows stamped with ``version()`` read just before the shard's production
+    (``_stamp_oldest``), and send it to every trainer rank without waiting; returns the sends' works. With
+    ``partial`` (partial rollouts) every shard's statistics carry ``staleness/partial_updates``, so the
+    trainer ranks reduce the same keys."""
+    from rlbits.distributed.async_ranks import send_json
+
+    out = []
+    for shard in shards:
+        with shard.active(state):
+            if partial:
+                state.metrics.sum("staleness/partial_updates", 0.0)
+            start = version()  # before the production, which may take newer weights (partial rollouts)
+            batch = _stamp_oldest(produce(state), start)
+            rows, position = _metric_rows(state.metrics), _rollout_state(state)
+            out.append({"batch": encode_batch(batch), "metrics": rows, "rollout_state": position})
+    return send_json({"index": index, "shards": out, "idle_s": idle_s}, trainers)
 
 
 def _stamp_oldest(batch: TensorDictBase, version: int) -> TensorDictBase:

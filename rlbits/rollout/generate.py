@@ -208,9 +208,9 @@ def _new_samples(
     )
 
 
-def _take(part: _Samples, keep: torch.Tensor) -> _Samples:
-    """The rows ``keep`` [A] int64 of ``part``, as a new ``_Samples``."""
-    take = lambda x: None if x is None else x.index_select(0, keep)  # noqa: E731
+def _map_rows(part: _Samples, fn: Callable[[torch.Tensor], torch.Tensor]) -> _Samples:
+    """A new ``_Samples`` with ``fn`` applied to each per-row tensor of ``part`` (None stays None)."""
+    take = lambda x: None if x is None else fn(x)  # noqa: E731
     return dataclasses.replace(
         part,
         input_ids=take(part.input_ids),
@@ -220,6 +220,11 @@ def _take(part: _Samples, keep: torch.Tensor) -> _Samples:
         finished=take(part.finished),
         position=take(part.position),
     )
+
+
+def _take(part: _Samples, keep: torch.Tensor) -> _Samples:
+    """The rows ``keep`` [A] int64 of ``part``, as a new ``_Samples``."""
+    return _map_rows(part, lambda x: x.index_select(0, keep))
 
 
 def _put(out: _Samples, part: _Samples, rows: torch.Tensor) -> None:
@@ -556,16 +561,7 @@ def decode_with_slots(
             for s in done:
                 host_sid[s] = None
             enter(done)
-    take = lambda x: None if x is None else x[:B]  # noqa: E731
-    return dataclasses.replace(
-        out,
-        input_ids=take(out.input_ids),
-        attention_mask=take(out.attention_mask),
-        logprobs=take(out.logprobs),
-        entropy=take(out.entropy),
-        finished=take(out.finished),
-        position=take(out.position),
-    )
+    return _map_rows(out, lambda x: x[:B])
 
 
 def _to_batch(

@@ -224,21 +224,29 @@ def test_two_trainer_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path,
     prompt draw, its own sampling generator). So the run equals the colocated 2-rank ``async_mode: simulated``
     run with the same seeds (not a 1-process run: rank 1 samples with its own generator): the same metrics,
     rows (rank 0's, which the samples log shows), versions, queue and weights."""
+    ranks = _two_trainer_run(tiny_path, tmp_path, colocated_3, rollout_ranks=1, timeout=120)
+    assert [r["policy_version"] for r in _samples(ranks)][-1] == 1
+
+
+def _two_trainer_run(tiny_path, tmp_path, colocated, rollout_ranks: int, timeout: int):
+    """Run 2 trainer ranks and ``rollout_ranks`` rollout ranks for 3 steps (reinforce, k = 1) and check the run
+    against the colocated 2-rank simulated run ``colocated``: metrics within 1e-5, staleness, samples, the
+    checkpointed queue and the weights. Returns its run folder."""
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
-    sim, ranks = colocated_3, tmp_path / "ranks"
-    torchrun(str(script), json.dumps(values(tiny_path, ranks, async_mode="ranks", rollout_ranks=1, max_num_steps=3)),
-             nproc=3, timeout=120)
-    got, want = untimed_by_step(metrics(ranks)), untimed_by_step(metrics(sim))
+    ranks = tmp_path / "ranks"
+    cfg = values(tiny_path, ranks, async_mode="ranks", rollout_ranks=rollout_ranks, max_num_steps=3)
+    torchrun(str(script), json.dumps(cfg), nproc=2 + rollout_ranks, timeout=timeout)
+    got, want = untimed_by_step(metrics(ranks)), untimed_by_step(metrics(colocated))
     assert got.keys() == want.keys() == {1, 2, 3}
     for step in want:
         for key, value in want[step].items():
             assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
     assert [m["staleness/max"] for m in metrics(ranks)] == [0, 1, 1]
-    assert _samples(ranks) == _samples(sim)
-    assert [r["policy_version"] for r in _samples(ranks)][-1] == 1
-    _assert_same_queue(_queue(ranks), _queue(sim))
-    _assert_trained_alike(ranks, sim)
+    assert _samples(ranks) == _samples(colocated)
+    _assert_same_queue(_queue(ranks), _queue(colocated))
+    _assert_trained_alike(ranks, colocated)
+    return ranks
 
 
 def _assert_same_queue(queue: dict, colocated: dict) -> None:
@@ -322,22 +330,9 @@ def test_two_rollout_ranks_equal_the_colocated_two_rank_simulated_run(tiny_path,
     """World size 4: two trainer ranks and two rollout ranks, rollout rank j producing shard j of every batch
     (one message per rollout rank and batch; every trainer merges them in trainer-rank order). The run equals
     the colocated 2-rank ``async_mode: simulated`` run, as the one-rollout-rank run does."""
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT)
-    sim, ranks = colocated_3, tmp_path / "ranks"
-    torchrun(str(script), json.dumps(values(tiny_path, ranks, async_mode="ranks", rollout_ranks=2, max_num_steps=3)),
-             nproc=4, timeout=180)
-    got, want = untimed_by_step(metrics(ranks)), untimed_by_step(metrics(sim))
-    assert got.keys() == want.keys() == {1, 2, 3}
-    for step in want:
-        for key, value in want[step].items():
-            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
-    assert [m["staleness/max"] for m in metrics(ranks)] == [0, 1, 1]
+    ranks = _two_trainer_run(tiny_path, tmp_path, colocated_3, rollout_ranks=2, timeout=180)
     assert all(m["time/rollout_idle"] >= 0 for m in metrics(ranks))
-    assert _samples(ranks) == _samples(sim)
-    assert sorted(p.name for p in ranks.iterdir()) == sorted(p.name for p in sim.iterdir())  # rank 0's files only
-    _assert_same_queue(_queue(ranks), _queue(sim))
-    _assert_trained_alike(ranks, sim)
+    assert sorted(p.name for p in ranks.iterdir()) == sorted(p.name for p in colocated_3.iterdir())  # rank 0's only
 
 
 @pytest.mark.slow
