@@ -41,8 +41,22 @@ VARIANTS = {
     "ranks k=0": ["async_mode=ranks", "rollout_ranks=1", "max_staleness=0"],
     "ranks k=1": ["async_mode=ranks", "rollout_ranks=1", "max_staleness=1"],
     "ranks k=1 eager": ["async_mode=ranks", "rollout_ranks=1", "max_staleness=1", "async_schedule=eager"],
-    "colocated": ["num_prompts_per_step=16"],
+    "colocated": [],  # + num_prompts_per_step halved: see colocated_prompts
 }
+
+
+def colocated_prompts(config: Path, overrides: list[str]) -> str:
+    """The colocated run's override: each of its 2 data-parallel ranks draws half the prompts per step, so an
+    optimizer step sees the rows of one ``ranks`` step."""
+    import yaml
+
+    n = yaml.safe_load(config.read_text())["num_prompts_per_step"]
+    for item in overrides:
+        if item.startswith("num_prompts_per_step="):
+            n = int(item.split("=", 1)[1])
+    if n % 2:
+        raise SystemExit(f"num_prompts_per_step must be even to split over 2 colocated ranks, got {n}")
+    return f"num_prompts_per_step={n // 2}"
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -65,12 +79,14 @@ def steady_s_per_step(rows: list[dict], first: int = 5) -> float | None:
     return round((times[last] - times[first]) / (last - first), 4)
 
 
-def launch(name: str, extra: list[str], steps: int, seed: int, workdir: Path, overrides: list[str] = ()) -> dict:
+def launch(
+    name: str, extra: list[str], steps: int, seed: int, workdir: Path, overrides: list[str] = (), config: Path = CONFIG,
+) -> dict:
     """One ``torchrun --nproc_per_node 2`` launch of the workload; its wall time and the metrics above."""
     run_dir = workdir / f"{name.replace(' ', '_').replace('=', '')}_s{seed}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rlbits",
-        "train", str(CONFIG), f"run_dir={run_dir}", f"max_num_steps={steps}", f"val_period={steps}",
+        "train", str(config), f"run_dir={run_dir}", f"max_num_steps={steps}", f"val_period={steps}",
         f"seed={seed}", "progress=false", "tensorboard=false", *overrides, *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -103,13 +119,15 @@ def main() -> int:
         "--overrides", nargs="*", default=[], metavar="KEY=VALUE",
         help="config overrides for every run, e.g. dynamic_sampling=false",
     )
+    parser.add_argument("--config", type=Path, default=CONFIG, help="the workload's config (default: %(default)s)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for name in args.variants:
-                row = launch(name, VARIANTS[name], args.steps, seed, Path(tmp), args.overrides)
+                extra = VARIANTS[name] + ([colocated_prompts(args.config, args.overrides)] if name == "colocated" else [])
+                row = launch(name, extra, args.steps, seed, Path(tmp), args.overrides, args.config)
                 rows.append(row)
                 idle = f"trainer idle {row['trainer_idle_s']}, rollout idle {row['rollout_idle_s']}"
                 print(f"{name:15s} seed {seed}: {row['wall_s']:7.1f} s, {row['steady_s_per_step']} s/step steady, "

@@ -108,7 +108,7 @@ def split_ranks(rollout_ranks: int, device: str = "cpu", timeout_s: float | None
             f"rollout_ranks must be in 1 .. {world // 2} (at most the trainer ranks; world size {world}), got "
             f"{rollout_ranks}"
         )
-    env = init(device, timeout_s=timeout_s)
+    env = init(device, timeout_s=timeout_s, cpu_collectives=True)  # batches: host bytes; weights: on the device
     trainers = tuple(range(world - rollout_ranks))
     ranks = tuple(range(world - rollout_ranks, world))
     trainer_group = dist.new_group(list(trainers))
@@ -207,6 +207,17 @@ def isend_weights(module: torch.nn.Module | None, roles: RankRoles, version: int
     return [(dist.isend(t, dst), t) for dst in roles.rollout_ranks for t in (header, *copies)]
 
 
+def _recv_into(t: torch.Tensor, src: int) -> None:
+    """Receive a tensor ``isend_weights`` sent into ``t`` in place: directly on the CPU, through a host buffer
+    on a device (``isend_weights`` sends host copies, so the eager schedule's weights travel over gloo)."""
+    if t.device.type == "cpu":
+        dist.recv(t, src)
+        return
+    host = torch.empty(t.shape, dtype=t.dtype)
+    dist.recv(host, src)
+    t.copy_(host)
+
+
 class WeightInbox:
     """The ``eager`` schedule's weight updates, rollout-rank side: ``take(module)`` looks, without blocking,
     for a header ``isend_weights`` sent; when one has arrived it receives the weights into ``module``'s
@@ -229,7 +240,7 @@ class WeightInbox:
         if not stop:
             with torch.no_grad():
                 for t in [*module.parameters(), *module.buffers()]:
-                    dist.recv(t.data, TRAINER_RANK)
+                    _recv_into(t.data, TRAINER_RANK)
             self._post()
         return version, bool(stop)
 

@@ -69,7 +69,16 @@ def use_role_env(env: DistEnv) -> None:
     _ROLE_ENV[:] = [env]
 
 
-def init(device: str = "auto", timeout_s: float | None = None) -> DistEnv:
+def _backend(device: torch.device, cpu_collectives: bool = False) -> str:
+    """The process group's backend on ``device``: ``gloo`` on CPU; on CUDA ``nccl``, or with
+    ``cpu_collectives`` ``cpu:gloo,cuda:nccl`` (CUDA tensors over NCCL, CPU tensors over gloo: the
+    ``async_mode: ranks`` queue sends its batches as host bytes while the weights stay on the device)."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
+
+
+def init(device: str = "auto", timeout_s: float | None = None, cpu_collectives: bool = False) -> DistEnv:
     """Return ``(rank, world_size, device)`` from the torchrun environment, initialising the process group.
 
     Without torchrun (no ``WORLD_SIZE`` in the environment, or 1) no process group is created and the
@@ -81,6 +90,8 @@ def init(device: str = "auto", timeout_s: float | None = None) -> DistEnv:
         timeout_s: how long a collective waits for the other ranks before it fails (gloo raises in the
             waiting call; NCCL's watchdog aborts the process); None: torch's default (10 minutes for NCCL,
             30 for gloo). Only applies when this call creates the process group.
+        cpu_collectives: on CUDA, also give CPU tensors a backend (``_backend``). Only applies when this
+            call creates the process group.
 
     Returns:
         A ``DistEnv``.
@@ -96,7 +107,7 @@ def init(device: str = "auto", timeout_s: float | None = None) -> DistEnv:
             torch.cuda.set_device(dev)
         timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
         dist.init_process_group(
-            backend="nccl" if dev.type == "cuda" else "gloo", **timeout, **_elastic_store(rank, world_size)
+            backend=_backend(dev, cpu_collectives), **timeout, **_elastic_store(rank, world_size)
         )
         # Without it, gloo's threads can outlive the interpreter: "terminate called without an active
         # exception" (SIGABRT) at exit after a finished run (seen once, in tutorial 08 under CI).

@@ -307,6 +307,30 @@ def test_rollout_rank_j_owns_the_shards_r_with_r_mod_R_equal_to_j():
     assert [roles.owner_of(r) for r in roles.trainer_ranks] == [3, 4, 3]
 
 
+def test_ranks_mode_on_cuda_sends_host_messages_over_gloo_and_device_weights_over_nccl(monkeypatch):
+    """On CUDA the ranks mode's process group carries both kinds of tensor: its messages are host bytes
+    (gloo) and its weights device tensors (NCCL); a colocated run keeps plain NCCL, and CPU runs gloo. The
+    GPU path itself is not run here (no GPU in CI)."""
+    from rlbits.distributed import async_ranks
+    from rlbits.distributed.env import _backend
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert _backend(cuda, cpu_collectives=True) == "cpu:gloo,cuda:nccl"
+    assert _backend(cuda) == "nccl"
+    assert _backend(cpu, cpu_collectives=True) == _backend(cpu) == "gloo"
+    seen = {}
+
+    def fake_init(device, timeout_s=None, cpu_collectives=False):
+        seen.update(device=device, cpu_collectives=cpu_collectives)
+        raise RuntimeError("stop before any process group")
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(async_ranks, "init", fake_init)
+    with pytest.raises(RuntimeError, match="stop before"):
+        async_ranks.split_ranks(1, "cuda")
+    assert seen == {"device": "cuda", "cpu_collectives": True}
+
+
 def test_more_rollout_ranks_than_trainer_ranks_are_refused(tiny_path, tmp_path, monkeypatch):
     """A shard is one colocated trainer rank's draw: with R > T some rollout rank would have no whole shard,
     so it is refused (before any process group is made), naming both numbers."""
