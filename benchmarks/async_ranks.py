@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlbits.loops.logger import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "grpo_arithmetic.yaml"
 VARIANTS = {
@@ -57,11 +59,6 @@ def colocated_prompts(config: Path, overrides: list[str]) -> str:
     if n % 2:
         raise SystemExit(f"num_prompts_per_step must be even to split over 2 colocated ranks, got {n}")
     return f"num_prompts_per_step={n // 2}"
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
@@ -95,7 +92,7 @@ def launch(
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{name} (seed {seed}) failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     val = [r["val_reward"] for r in rows if "val_reward" in r]
     return {
         "variant": name, "seed": seed, "steps": steps, "wall_s": round(wall, 2),

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlbits.loops.logger import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "real" / "grpo_smollm2_math.yaml"
 CHECK = ["max_new_tokens=256", "dynamic_sampling=false", "val_period=0", "val_at_start=false"]
@@ -52,7 +54,7 @@ def run(setting: str, seed: int, steps: int, config: Path, overrides: list[str],
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{setting} seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir)
     steps_rows = [r for r in rows if r.get("step", 0) >= 1 and "rewards" in r]
     later = [r for r in steps_rows if r["step"] >= 2]
     val = [r["val_reward"] for r in rows if "val_reward" in r]
