@@ -14,13 +14,26 @@ prompts, 24 new tokens, temperature 1.
 - ``heads``: the fused and unfused output layers of ``policy_logprobs`` give the same values and gradients.
 - ``functional_compile``: ``torch.compile(fullgraph=True)`` of the loss and advantage kernels on CUDA
   tensors equals eager, values and gradients.
+- ``continuous_batching``, ``..._compiled``, ``max_num_seqs``, ``..._compiled`` (issue 28): a 4-layer model
+  of SmolLM2's widths, 16 rows with the uneven workload's forced lengths (``uneven_generate``: budget 64,
+  two rows at the budget); decoding with finished rows compacted out, or with 4 slots, eager and as a CUDA
+  graph, against the static batch from the same generator (slots: against 16 slots, since slots lay the
+  noise out per sample): every row ends at its length, the same tokens (fraction), behaviour logprobs
+  within float rounding.
+- ``packed_logprobs``, ``packed_budget``: ``policy_logprobs(pack=True)`` (rows concatenated, attention
+  confined to each row by their position ids) and packed token-budget microbatches (``max_tokens=160``)
+  against the padded forward on those rollouts, fp32: values and gradients (relative) within 1e-5.
 - ``loop_*``: ``rlbits.train`` for 2 steps of GRPO, RLOO with KL, PPO and bf16 GRPO with the compiled
-  decode, on a 2-layer random GPT-2 on the device: every logged loss is finite.
+  decode, and GRPO and PPO with both issue-28 switches on (``pack_sequences``, ``continuous_batching``, a
+  token budget), on a 2-layer random GPT-2 on the device: every logged loss is finite.
 - ``fsdp2_world1``: one process, an NCCL group of 1, the model sharded with ``fully_shard`` per block
   and on the root as ``rlbits.distributed.parallelize.shard`` does at world size > 1: the logprobs, loss
   gradient norm and the weights after one SGD step equal the unsharded model's.
 
-    python benchmarks/gpu_checks.py [--out results/gpu_checks.json]
+    python benchmarks/gpu_checks.py [--only switches loops] [--out results/gpu_checks.json]
+
+``--only`` runs some groups: ``generate`` (generate_fp32, _compile, _bf16), ``heads``, ``functional``,
+``fsdp2``, ``switches`` (continuous batching, slots, packing), ``loops``.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 RESULTS: list[dict] = []
+GROUPS = ("generate", "heads", "functional", "fsdp2", "switches", "loops")
 
 
 def record(name: str, ok: bool, **figures) -> None:
@@ -48,15 +62,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=HERE / "results" / "gpu_checks.json")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script itself")
+    p.add_argument("--only", nargs="+", choices=GROUPS, default=GROUPS, help="the groups of checks to run")
     args = p.parse_args()
+    want = set(args.only).__contains__
 
     import torch
     from _workload import smollm2_config
     from tensordict import TensorDict
     from transformers import AutoModelForCausalLM
 
-    import rlbits
-    from rlbits.loops.phases import bf16_copy
     from rlbits.models.forward import policy_logprobs
     from rlbits.rollout.generate import generate
 
@@ -82,17 +96,38 @@ def main() -> int:
     td = TensorDict(prompts=prompts, prompt_mask=mask, batch_size=[8]).to(dev)
     kw = dict(max_new_tokens=24, temperature=1.0, eos_token_id=None, pad_token_id=0, num_samples=2)
 
-    # generate_fp32
+    # generate_fp32 (its rollouts feed heads and fsdp2 too)
     with torch.no_grad():
         out = generate(model, td, **kw, generator=torch.Generator(dev).manual_seed(1))
         tf = policy_logprobs(model, out)
     diff = (out["logprobs"] - tf)[out["action_mask"]].abs()
-    record(
-        "generate_fp32",
-        diff.max().item() < 1e-3,
-        max_abs_diff=diff.max().item(),
-        tokens=int(out["action_mask"].sum()),
-    )
+    if want("generate"):
+        record(
+            "generate_fp32",
+            diff.max().item() < 1e-3,
+            max_abs_diff=diff.max().item(),
+            tokens=int(out["action_mask"].sum()),
+        )
+        generate_checks(model, td, kw, dev, sync)
+    if want("switches"):
+        switch_checks(dev, g)
+    if want("heads"):
+        heads_check(model, out, dev)
+    if want("functional"):
+        functional_check(dev, g)
+    if want("fsdp2"):
+        fsdp2_check(out, dev, cuda)
+    if want("loops"):
+        loop_checks(dev)
+    return report(args, cuda)
+
+
+def generate_checks(model, td, kw, dev, sync) -> None:
+    import torch
+
+    from rlbits.loops.phases import bf16_copy
+    from rlbits.models.forward import policy_logprobs
+    from rlbits.rollout.generate import generate
 
     # generate_compile
     def timed(compile_):
@@ -131,7 +166,89 @@ def main() -> int:
     record("generate_bf16", d.abs().mean().item() < 0.05 and k1 < 0.5, mean_abs_diff=d.abs().mean().item(),
            max_abs_diff=d.abs().max().item(), k1_per_seq=k1)
 
-    # heads
+
+def switch_checks(dev, g) -> None:
+    """Issue 28's paths on the device: continuous batching and slots against the static batch, packed
+    forward passes against padded ones (see the module docstring)."""
+    import torch
+    from _workload import smollm2_config
+    from tensordict import TensorDict
+    from transformers import AutoModelForCausalLM
+    from uneven_generate import _forced_lengths, uneven_lengths
+
+    from rlbits.models.forward import policy_logprobs
+    from rlbits.rollout.generate import generate
+
+    torch.manual_seed(6)
+    config = smollm2_config(positions=2048)
+    config.num_hidden_layers = 4  # SmolLM2's widths; 4 layers keep each compiled shape's compile short
+    model = AutoModelForCausalLM.from_config(config).to(dev).eval()
+    B, budget = 16, 64
+    eos = config.vocab_size - 1
+    lengths = uneven_lengths(B, budget, 0)
+    prompts = torch.randint(3 + B, eos, (B, 16), generator=g)
+    prompts[:, 0] = torch.arange(B) + 2  # the row id the forced-length processor reads
+    td = TensorDict(prompts=prompts, prompt_mask=torch.ones_like(prompts, dtype=torch.bool), batch_size=[B]).to(dev)
+
+    def sample(**kw):
+        with torch.no_grad():
+            return generate(
+                model, td, max_new_tokens=budget, temperature=1.0, eos_token_id=eos, pad_token_id=0,
+                generator=torch.Generator(dev).manual_seed(4), logits_processor=_forced_lengths(lengths, eos, dev),
+                **kw,
+            )
+
+    static = sample(continuous_batching=False)
+    # slots lay the noise out per sample (generate's docstring), so their reference is B slots: all at once
+    all_slots = sample(max_num_seqs=B)
+    for name, kw, ref in (
+        ("continuous_batching", dict(continuous_batching=True), static),
+        ("continuous_batching_compiled", dict(continuous_batching=True, compile=True), static),
+        ("max_num_seqs", dict(max_num_seqs=4), all_slots),
+        ("max_num_seqs_compiled", dict(max_num_seqs=4, compile=True), all_slots),
+    ):
+        try:
+            start = time.perf_counter()
+            o = sample(**kw)
+            first_s = time.perf_counter() - start
+            ends = o["action_mask"].sum(1).tolist() == lengths
+            both = o["action_mask"] & ref["action_mask"]
+            same = (o["responses"] == ref["responses"])[both].float().mean().item()
+            lp = (o["logprobs"] - ref["logprobs"])[both & (o["responses"] == ref["responses"])]
+            lp = lp.abs().max().item()
+            record(name, ends and same == 1.0 and lp < 1e-3, lengths_match=ends, same_tokens=same,
+                   max_abs_logprob_diff=lp, first_call_s=first_s)
+        except Exception as exc:
+            record(name, False, error=f"{type(exc).__name__}: {exc}"[:300])
+
+    # packed forward passes: values and gradients against the padded forward, on those uneven rollouts
+    model.train()
+    weights = torch.randn(static["responses"].shape, generator=g).to(dev)
+
+    def logprobs_and_grads(**kw):
+        model.zero_grad(set_to_none=True)
+        lp = policy_logprobs(model, static, **kw)
+        (lp * weights * static["action_mask"]).sum().backward()
+        grads = torch.cat([q.grad.flatten() for q in model.parameters() if q.grad is not None])
+        return lp.detach() * static["action_mask"], grads
+
+    try:
+        ref_lp, ref_grads = logprobs_and_grads(pack=False)
+        for name, kw in (("packed_logprobs", dict(pack=True)), ("packed_budget", dict(pack=True, max_tokens=160))):
+            lp, grads = logprobs_and_grads(**kw)
+            value_rel = ((lp - ref_lp).norm() / ref_lp.norm()).item()
+            grad_rel = ((grads - ref_grads).norm() / ref_grads.norm()).item()
+            record(name, value_rel < 1e-5 and grad_rel < 1e-5, value_rel_diff=value_rel, grad_rel_diff=grad_rel,
+                   max_abs_logprob_diff=(lp - ref_lp).abs().max().item())
+    except Exception as exc:
+        record("packed_logprobs", False, error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def heads_check(model, out, dev) -> None:
+    import torch
+
+    from rlbits.models.forward import policy_logprobs
+
     model.train()
     grads = {}
     vals = {}
@@ -146,7 +263,13 @@ def main() -> int:
     record("heads", vdiff < 1e-4 and gdiff < 1e-4, max_abs_logprob_diff=vdiff, grad_rel_diff=gdiff)
     model.zero_grad(set_to_none=True)
 
-    # functional_compile
+
+
+def functional_check(dev, g) -> None:
+    import torch
+
+    import rlbits
+
     B, R = 16, 33
     m = torch.rand(B, R, generator=g) > 0.2
     m[3] = False
@@ -196,7 +319,15 @@ def main() -> int:
             failed.append(f"{name}: {type(exc).__name__}: {exc}"[:200])
     record("functional_compile", not failed, kernels=len(cases), worst_abs_diff=worst, failed=failed)
 
-    # fsdp2_world1
+
+
+def fsdp2_check(out, dev, cuda) -> None:
+    import torch
+    from _workload import smollm2_config
+    from transformers import AutoModelForCausalLM
+
+    from rlbits.models.forward import policy_logprobs
+
     try:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -240,12 +371,17 @@ def main() -> int:
     except Exception as exc:
         record("fsdp2_world1", False, error=f"{type(exc).__name__}: {exc}"[:300])
 
-    # loops: each online loop's real path on the device, as a user calls it (a device mismatch between the
-    # reward and the rollout once failed every rlbits step on CUDA while every CPU test passed)
+
+
+def loop_checks(dev) -> None:
+    """Each online loop's real path on the device, as a user calls it (a device mismatch between the
+    reward and the rollout once failed every rlbits step on CUDA while every CPU test passed)."""
     import math
     import tempfile
 
     import _workload as W
+
+    import rlbits
 
     folder = Path(tempfile.gettempdir()) / "rlbits_gpu_checks_model"
     folder = W.build_model_folder(folder, layers=2, width=64, heads=2)
@@ -255,6 +391,11 @@ def main() -> int:
         ("rloo_kl", {"loop": "reinforce", "adv_estimator": "rloo", "kl_in_reward": True, "kl_coef": 0.05}),
         ("ppo", {"loop": "ppo", "kl_in_reward": True, "kl_coef": 0.05, "ppo_epochs": 2}),
         ("grpo_bf16_compiled", {"loop": "reinforce", "precision": "bf16", "compile_generate": True}),
+        ("grpo_switches_bf16_compiled", {"loop": "reinforce", "precision": "bf16", "compile_generate": True,
+                                         "pack_sequences": True, "continuous_batching": True,
+                                         "max_tokens_per_microbatch": 128}),
+        ("ppo_switches", {"loop": "ppo", "kl_in_reward": True, "kl_coef": 0.05, "pack_sequences": True,
+                          "continuous_batching": True, "max_tokens_per_microbatch": 128}),
     ):
         seen = []
 
@@ -282,10 +423,17 @@ def main() -> int:
         except Exception as exc:
             record(f"loop_{name}", False, error=f"{type(exc).__name__}: {exc}"[:300])
 
+
+
+def report(args, cuda) -> int:
+    import torch
+
     failures = sum(not r["ok"] for r in RESULTS)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
-        "command": "python benchmarks/gpu_checks.py",
+        "command": "python benchmarks/gpu_checks.py" + (
+            "" if set(args.only) == set(GROUPS) else " --only " + " ".join(args.only)
+        ),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),

@@ -15,6 +15,18 @@ rows compacted out), ``uniform_off``; with ``--max-num-seqs S`` also ``uneven_sl
 ``--batch 256 --max-num-seqs 32``). The ratios: each uneven configuration over the uniform one of the same
 engine (static for off and on, slots for slots).
 
+``--hf``: also HF ``model.generate`` on the uneven workload with the same forced lengths (``hf_uneven``);
+``--hf-static``: the same with ``cache_implementation="static"``, which transformers compiles on CUDA
+(``hf_static_uneven``).
+
+Floors and memory: with ``--floor`` the script measures the device's read bandwidth (``bench_decode.
+measured_peaks``: on CUDA a 2 GiB device-to-device copy, bytes read + written) and reports each
+configuration's time over the **memory floor** of the uneven workload: its longest row needs ``budget``
+sequential forward passes (the prefill and budget - 1 decode steps), each reading every weight once, plus
+each generated token reading its row's KV cache once (prompt + tokens so far). That floor holds for any
+batching: continuous batching cannot shorten the longest row. On CUDA each configuration's peak memory
+(``torch.cuda.max_memory_allocated`` over its timed calls) is reported.
+
 Models (random weights, fp32 unless ``--dtype bf16``): ``gpt2`` (the shared tiny GPT-2 of
 ``benchmarks/_workload.py``: 4 layers, width 256, V = 32k), ``smollm2`` (SmolLM2-135M's shape), ``tiny``
 (``rlbits.models.tiny``, for a smoke run). Timing: one process, each configuration warmed up once, then the
@@ -25,6 +37,8 @@ tokens/s = generated tokens / wall time. The 1-minute load average is recorded.
     python benchmarks/uneven_generate.py --model smollm2 --batch 16 --budget 256 --runs 3
     python benchmarks/uneven_generate.py --model gpt2 --batch 256 --budget 128 --max-num-seqs 32
     python benchmarks/uneven_generate.py --model tiny --batch 8 --budget 16 --runs 1   # smoke
+    python benchmarks/uneven_generate.py --model smollm2 --device cuda --dtype bf16 --compile --batch 16 \
+        --budget 256 --hf-static --floor --runs 3                                         # on a GPU
 
 Writes ``benchmarks/results/uneven_generate_{model}.json`` (``--out`` to change).
 """
@@ -108,6 +122,9 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--max-num-seqs", type=int, default=None, help="also time generate(max_num_seqs=S) on both workloads"
     )
+    parser.add_argument("--hf", action="store_true", help="also HF model.generate on the uneven workload")
+    parser.add_argument("--hf-static", action="store_true", help="also HF model.generate with its static cache")
+    parser.add_argument("--floor", action="store_true", help="measure the read bandwidth; report x memory floor")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -142,8 +159,34 @@ def main(argv=None) -> dict:
     }
     if S is not None:
         configs.update(uneven_slots=(uneven, False, S), uniform_slots=(uniform, False, S))
+    if args.hf:
+        configs["hf_uneven"] = (uneven, "hf", None)
+    if args.hf_static:
+        configs["hf_static_uneven"] = (uneven, "hf_static", None)
+    cuda = torch.device(args.device).type == "cuda"
+
+    def run_hf(lengths, static):
+        from transformers import LogitsProcessorList
+
+        with torch.no_grad():
+            ids = model.generate(
+                td["prompts"], attention_mask=td["prompt_mask"].long(), do_sample=True, top_k=None, top_p=None,
+                temperature=1.0, max_new_tokens=args.budget, eos_token_id=eos, pad_token_id=0,
+                logits_processor=LogitsProcessorList([_forced_lengths(lengths, eos, args.device)]),
+                **({"cache_implementation": "static"} if static else {}),
+            )
+        if cuda:
+            torch.cuda.synchronize()
+        responses = ids[:, P:]
+        ended = responses == eos
+        # generated tokens per row: up to and including the first EOS (the budget if none)
+        budget = torch.full((ids.shape[0],), responses.shape[1], device=ids.device)
+        count = torch.where(ended.any(1), ended.int().argmax(1) + 1, budget)
+        return {"action_mask": torch.arange(responses.shape[1], device=ids.device)[None] < count[:, None]}
 
     def run(lengths, on, slots):
+        if on in ("hf", "hf_static"):
+            return run_hf(lengths, on == "hf_static")
         out = generate(
             model,
             td,
@@ -162,21 +205,42 @@ def main(argv=None) -> dict:
         return out
 
     times: dict[str, list[float]] = {name: [] for name in configs}
-    tokens = {}
+    tokens, first, peak_mib = {}, {}, {}
     for name, (lengths, on, slots) in configs.items():  # warm-up (and compile)
+        start = time.perf_counter()
         out = run(lengths, on, slots)
+        first[name] = time.perf_counter() - start
         tokens[name] = int(out["action_mask"].sum())
         assert out["action_mask"].sum(1).tolist() == [min(n, args.budget) for n in lengths], name
     for _ in range(args.runs):
         for name, (lengths, on, slots) in configs.items():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             run(lengths, on, slots)
             times[name].append(time.perf_counter() - start)
+            if cuda:
+                peak_mib[name] = max(peak_mib.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
+    floor_s, read_gbs = None, None
+    if args.floor:
+        from bench_decode import measured_peaks
+
+        read_gbs = measured_peaks(args.threads, args.device, args.dtype)["read_gbs"]
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        cfg = model.config
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_token_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        kv_reads = sum(P + t for n in uneven for t in range(1, n + 1))  # cached columns each new token reads
+        floor_s = (args.budget * weight_bytes + kv_reads * kv_token_bytes) / (read_gbs * 1e9)
     rows = {
         name: {
             "seconds": statistics.median(t),
             "tokens": tokens[name],
             "tokens_per_s": tokens[name] / statistics.median(t),
+            "first_call_s": first[name],
+            "peak_mib": peak_mib.get(name),
+            "x_memory_floor": statistics.median(t) / floor_s if floor_s else None,
         }
         for name, t in times.items()
     }
@@ -199,6 +263,10 @@ def main(argv=None) -> dict:
         "uneven_on_over_uniform": rows["uneven_on"]["seconds"] / rows["uniform_off"]["seconds"],
         "uneven_off_over_uniform": rows["uneven_off"]["seconds"] / rows["uniform_off"]["seconds"],
         "max_num_seqs": S,
+        "memory_floor_s": floor_s,
+        "read_gbs": read_gbs,
+        "device_name": torch.cuda.get_device_name() if cuda else platform.processor(),
+        "command": "python benchmarks/uneven_generate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     if S is not None:
         result["uneven_slots_over_uniform_slots"] = (
@@ -206,9 +274,14 @@ def main(argv=None) -> dict:
         )
         result["uneven_slots_over_uniform"] = rows["uneven_slots"]["seconds"] / rows["uniform_off"]["seconds"]
     for name, row in rows.items():
+        extra = f"  {row['x_memory_floor']:6.1f}x floor" if floor_s else ""
+        extra += f"  peak {row['peak_mib']:8.0f} MiB" if row["peak_mib"] is not None else ""
         print(
-            f"{name:12s} {row['seconds']:8.3f} s  {row['tokens']:7d} tokens  {row['tokens_per_s']:9.1f} tok/s"
+            f"{name:16s} {row['seconds']:8.3f} s  {row['tokens']:7d} tokens  {row['tokens_per_s']:9.1f} tok/s"
+            f"  first {row['first_call_s']:6.1f} s{extra}"
         )
+    if floor_s:
+        print(f"memory floor {floor_s * 1e3:.2f} ms ({read_gbs:.0f} GB/s)")
     print(
         f"uneven / uniform (same tokens): off {result['uneven_off_over_uniform']:.2f}x, "
         f"on {result['uneven_on_over_uniform']:.2f}x"
