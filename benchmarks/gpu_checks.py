@@ -18,8 +18,13 @@ prompts, 24 new tokens, temperature 1.
   of SmolLM2's widths, 16 rows with the uneven workload's forced lengths (``uneven_generate``: budget 64,
   two rows at the budget); decoding with finished rows compacted out, or with 4 slots, eager and as a CUDA
   graph, against the static batch from the same generator (slots: against 16 slots, since slots lay the
-  noise out per sample): every row ends at its length, the same tokens (fraction), behaviour logprobs
-  within float rounding.
+  noise out per sample): every row ends at its length; the behaviour logprobs agree within 1e-4 up to each
+  row's first differing token; at most a quarter of the rows differ. A random-init model's next-token
+  distribution over 49,152 ids is nearly uniform (logprobs about -10.8), so inverse-CDF sampling from
+  the same uniform draw picks another token when rounding at another batch size moves a cumulative
+  probability across the draw: seen on the H200 once in 16 rows (0.995 of the tokens), and on the CPU
+  with the host check every 8 steps, each time with the logprobs before the flip equal to 2e-6. The CPU
+  test suite checks token identity on small vocabularies, where this does not happen.
 - ``packed_logprobs``, ``packed_budget``: ``policy_logprobs(pack=True)`` (rows concatenated, attention
   confined to each row by their position ids) and packed token-budget microbatches (``max_tokens=160``)
   against the padded forward on those rollouts, fp32: values and gradients (relative) within 1e-5.
@@ -213,11 +218,14 @@ def switch_checks(dev, g) -> None:
             first_s = time.perf_counter() - start
             ends = o["action_mask"].sum(1).tolist() == lengths
             both = o["action_mask"] & ref["action_mask"]
-            same = (o["responses"] == ref["responses"])[both].float().mean().item()
-            lp = (o["logprobs"] - ref["logprobs"])[both & (o["responses"] == ref["responses"])]
-            lp = lp.abs().max().item()
-            record(name, ends and same == 1.0 and lp < 1e-3, lengths_match=ends, same_tokens=same,
-                   max_abs_logprob_diff=lp, first_call_s=first_s)
+            differ = both & (o["responses"] != ref["responses"])
+            # each row up to its first differing token (a rounding-level flip, see the module docstring)
+            prefix = both & (differ.int().cumsum(1) == 0)
+            lp = (o["logprobs"] - ref["logprobs"])[prefix].abs().max().item()
+            rows_same = int((~differ.any(1)).sum())
+            record(name, ends and lp < 1e-4 and rows_same >= B - B // 4, lengths_match=ends,
+                   rows_same=f"{rows_same}/{B}", same_tokens=(~differ)[both].float().mean().item(),
+                   max_abs_logprob_diff_before_first_flip=lp, first_call_s=first_s)
         except Exception as exc:
             record(name, False, error=f"{type(exc).__name__}: {exc}"[:300])
 
