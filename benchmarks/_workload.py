@@ -174,7 +174,9 @@ class ForcedLengths:
         import torch
 
         K, device = self.group_size, scores.device
-        lengths = self.lengths.to(device)
+        if self.lengths.device != device:  # once: a copy from pageable host memory each step would sync
+            self.lengths = self.lengths.to(device)
+        lengths = self.lengths
         if self.prompt_len is None:  # the first token: every row of the call is here
             self.prompt_len = input_ids.shape[1]
             if input_ids.shape[0] != len(self.lengths):
