@@ -46,7 +46,7 @@ from rlbits.functional.losses import (
     value_loss,
 )
 from rlbits.functional.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from rlbits.functional.packing import balanced_partition, pack_index, token_budget_partitions
+from rlbits.functional.packing import balanced_partition, pack_bins, pack_index, token_budget_partitions
 from rlbits.functional.policy_losses import (
     POLICY_LOSSES,
     cispo_loss,
@@ -152,6 +152,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "next_action_values",
+    "pack_bins",
     "pack_index",
     "pointwise_reward_loss",
     "positive_example_nll_loss",

@@ -220,7 +220,9 @@ def _is_metrics(weights, raw, log_ratio, mask, level, upper, lower):
         out["rollout_is_min"] = _masked_min(weights, mask)
     clamped = weights.clamp(min=0.0, max=upper)
     mean = masked_mean(clamped, mask)
-    var = (masked_mean(clamped.square(), mask) - mean.square()).clamp(min=0.0)
+    # two passes, not E[w^2] - E[w]^2 (verl's): at weights of 1 +- 1e-7 that difference is fp32 rounding, and
+    # its square root reads about 3e-4 where the true spread is 1e-7
+    var = masked_mean((clamped - mean).square(), mask)
     out["rollout_is_std"] = torch.where(mask.sum() > 1, var.sqrt(), zero)
     normalized = clamped / (mean + 1e-8)
     second_moment = masked_mean(normalized.square(), mask)  # 0 when every weight is 0 (verl: ZeroDivisionError)

@@ -5,7 +5,7 @@ P, responses right-padded to R) and use the position ids ``generate`` used, so t
 ``policy_logprobs(policy, generate(policy, ...))`` reproduces the sampler's ``logprobs``. The logits at
 position ``P - 1 + t`` predict response token ``t``; only those R positions go through the LM head
 (``logits_to_keep``), which at R << P saves most of the [B, P + R, V] logits. With ``pack=True`` (or inside
-``packed_sequences``) each microbatch runs as one row of its real tokens instead (``policy_logprobs``).
+``packed_sequences``) each microbatch runs as bins of its real tokens instead (``policy_logprobs``).
 """
 
 from __future__ import annotations
@@ -212,12 +212,13 @@ def _check_packed_attention() -> None:
 def _packed_rows(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor, response_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One microbatch as one packed row: ``(ids [1, N], position_ids [1, N], at [M], where [b, R])``.
+    """One microbatch packed into bins: ``(ids [n, L], position_ids [n, L], at [M], where [b, R])``.
 
-    The N real tokens of the rows (``attention_mask``) are concatenated in order, the position ids restart
-    at 0 on each row (``rlbits.functional.packing.pack_index``); ``where`` is ``action_mask`` and ``at`` the
-    packed index of the output that predicts each of its M True entries (the token before it, as column
-    ``P - 1 + t`` in the padded layout). Reads the mask on the host (one sync).
+    The real tokens of the rows (``attention_mask``) go into n bins of L = the longest row's real tokens
+    (``rlbits.functional.packing.pack_index``: first-fit decreasing, no padding inside a bin, position ids
+    restarting at 0 on each row, filler at a bin's end); ``where`` is ``action_mask`` and ``at`` the index,
+    into the flattened [n * L] outputs, of the output that predicts each of its M True entries (the token
+    before it, as column ``P - 1 + t`` in the padded layout). Reads the mask on the host (one sync).
 
     Raises:
         ValueError: an action token whose predicting column (``P - 1 + t``) is padding.
@@ -225,7 +226,7 @@ def _packed_rows(
     """
     _check_packed_attention()
     b, t = input_ids.shape
-    flat, positions, packed_at = pack_index(attention_mask)
+    src, positions, packed_at = pack_index(attention_mask)
     p = t - response_len
     predictor = packed_at[:, p - 1 : p - 1 + response_len]
     where = action_mask.bool()
@@ -234,7 +235,8 @@ def _packed_rows(
             "an action token follows a padding column (attention_mask False at column P - 1 + t): a packed "
             "forward needs each row's real tokens contiguous up to its last action token"
         )
-    return input_ids.flatten()[flat][None], positions[None], predictor[where], where
+    ids = torch.where(src >= 0, input_ids.flatten()[src.clamp(min=0)], 0)  # filler: id 0, never read
+    return ids, positions, predictor[where], where
 
 
 def _scatter(where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -252,11 +254,11 @@ def _packed_logprobs(
     tokens = responses[where][None]  # [1, M]
     kwargs = dict(input_ids=ids, position_ids=positions, use_cache=False)  # no attention mask: packed
     if split is None:
-        logits = model(**kwargs).logits[:, at]  # [1, M, V]
+        logits = model(**kwargs).logits.flatten(0, 1)[at][None]  # [1, M, V]
         lp, ent = _logprobs_and_entropy(logits, tokens, temperature, return_entropy, entropy_grad)
     else:
         backbone, lm_head = split
-        hidden = backbone(**kwargs).last_hidden_state[:, at]  # [1, M, H]
+        hidden = backbone(**kwargs).last_hidden_state.flatten(0, 1)[at][None]  # [1, M, H]
         if choose_head(head, 1, hidden.shape[1], lm_head.weight.shape[0], budget_mb) == "fused":
             lp, ent = logprobs_from_hidden(hidden, lm_head.weight, tokens, temperature, return_entropy=True)
         else:
@@ -486,14 +488,16 @@ def policy_logprobs(
     With gradients, a tied input embedding's gradient is built sparse and added onto the output layer's
     dense one (``sparse_tied_embedding_grad``): no [V, H] zero-fill and add per backward.
 
-    Packed (``pack``): each microbatch's rows are concatenated without padding into one row, the position ids
-    restarting at 0 on each row, and the model runs with no attention mask, so transformers confines
-    attention to each row (it reads the row boundaries off the position ids: a block-diagonal causal mask
+    Packed (``pack``): each microbatch's rows are packed without padding into bins as long as its longest row
+    (first-fit decreasing, ``rlbits.functional.pack_index``), the position ids restarting at 0 on each row,
+    and the model runs with no attention mask, so transformers confines attention to each row (it reads the row boundaries off the position ids: a block-diagonal causal mask
     under ``sdpa``/``eager``, variable-length kernels under ``flash_attention_2``: transformers'
     ``masking_utils.find_packed_sequence_indices``, in the models whose code builds its mask with
     ``create_causal_mask``, as GPT-2, Llama, Mistral and Qwen2/3 do in transformers 5);
     the output layer then runs on the action tokens only. Values and gradients equal the padded pass's to
-    float rounding; padding costs nothing.
+    float rounding. The matmuls see about the real tokens (plus each bin's unused tail); attention over a bin
+    costs at most what one padded row costs, so uniform lengths give the padded layout itself (one row a bin,
+    no mask) and a dense block-diagonal mask never grows past [L, L] per bin.
 
     Microbatching bounds the peak memory of the forward pass under ``torch.no_grad()``. With gradients it
     saves nothing (every microbatch's graph is kept until backward): split the batch yourself and
@@ -577,7 +581,7 @@ def critic_values(
         batch: TensorDict (or dict) with ``input_ids``, ``attention_mask``, ``responses``, ``action_mask``.
         microbatch_size: rows per forward pass; None for one pass (see ``policy_logprobs`` on gradients).
         max_tokens: instead of ``microbatch_size``, passes formed by a token budget (``policy_logprobs``).
-        pack: run each microbatch as one packed row (``policy_logprobs``), ``value_model`` called with
+        pack: run each microbatch packed into bins (``policy_logprobs``), ``value_model`` called with
             ``attention_mask=None``; None: packed inside a ``packed_sequences`` block.
 
     Returns:
@@ -585,7 +589,7 @@ def critic_values(
 
     Raises:
         ValueError: a key is missing, shapes disagree, the model returns a tensor that is not [B, P + R]
-            ([1, N] packed), a bad ``microbatch_size`` or ``max_tokens`` (or both given), a row over
+            ([n, L] packed), a bad ``microbatch_size`` or ``max_tokens`` (or both given), a row over
             ``max_tokens``, or (packed) an action token after a padding column.
     """
     input_ids, attention_mask, responses, action_mask = _read_batch(batch)
@@ -599,9 +603,9 @@ def critic_values(
             values = value_model(ids, attention_mask=None, position_ids=positions)
             if values.shape != ids.shape:
                 raise ValueError(
-                    f"value_model returned shape {tuple(values.shape)}; expected [1, N] = {tuple(ids.shape)}"
+                    f"value_model returned shape {tuple(values.shape)}; expected [n, L] = {tuple(ids.shape)}"
                 )
-            parts.append(_scatter(where, values[0, at].float()))
+            parts.append(_scatter(where, values.flatten()[at].float()))
         return _in_row_order(parts, microbatches)
     for mb in microbatches:
         cols, kept = _trim(input_ids[mb], attention_mask[mb], r)

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from rlbits.functional.packing import balanced_partition, pack_index, token_budget_partitions
+from rlbits.functional.packing import balanced_partition, pack_bins, pack_index, token_budget_partitions
 
 
 def best_max_sum(lengths: list[int], k: int) -> int:
@@ -131,13 +131,91 @@ def test_token_budget_partitions_errors():
         token_budget_partitions([3], 0)
 
 
+def test_pack_bins_first_fit_decreasing_hand_computed():
+    # longest first (ties by index): 6 -> bin 0; 5 -> bin 1; 4 -> bin 2 (6 + 4 > 8, 5 + 4 > 8); 3 -> bin 1 (5 + 3);
+    # 2 -> bin 0 (6 + 2); 2 -> bin 2 (4 + 2); the empty row goes nowhere
+    assert pack_bins([2, 6, 5, 0, 4, 3, 2], 8) == [[1, 0], [2, 5], [4, 6]]
+    assert pack_bins([3, 3, 3], 3) == [[0], [1], [2]]  # uniform lengths at capacity: one row a bin
+    assert pack_bins([], 4) == [] and pack_bins([0, 0], 4) == []
+    with pytest.raises(ValueError, match="a row has 9 tokens, more than the bin capacity 8"):
+        pack_bins([2, 9], 8)
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        pack_bins([2, -1], 8)
+
+
+def _first_fit_decreasing(lengths, capacity):
+    """The obviously right reference: try every open bin in order for each row, longest row first."""
+    bins, loads = [], []
+    for length, i in sorted(((x, i) for i, x in enumerate(lengths) if x > 0), key=lambda li: (-li[0], li[1])):
+        for b in range(len(bins)):
+            if loads[b] + length <= capacity:
+                bins[b].append(i)
+                loads[b] += length
+                break
+        else:
+            bins.append([i])
+            loads.append(length)
+    return bins
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pack_bins_against_a_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(0, 30, (1,), generator=g))
+    lengths = torch.randint(0, 40, (n,), generator=g).tolist()
+    capacity = max(lengths, default=0) + int(torch.randint(0, 20, (1,), generator=g))
+    bins = pack_bins(lengths, max(capacity, 1))
+    assert bins == _first_fit_decreasing(lengths, max(capacity, 1))
+    assert sorted(i for b in bins for i in b) == [i for i, x in enumerate(lengths) if x > 0]
+    assert all(sum(lengths[i] for i in b) <= max(capacity, 1) for b in bins)
+
+
 def test_pack_index_hand_computed():
+    # rows of 2, 4 and 1 real tokens; bins of L = 4: [row 1], [row 0, row 2, filler]
     mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.bool)
-    flat, positions, packed_at = pack_index(mask)
-    assert flat.tolist() == [1, 2, 4, 5, 6, 7, 10]
-    assert positions.tolist() == [0, 1, 0, 1, 2, 3, 0]
-    assert packed_at.tolist() == [[-1, 0, 1, -1], [2, 3, 4, 5], [-1, -1, 6, -1]]
+    src, positions, packed_at = pack_index(mask)
+    assert src.tolist() == [[4, 5, 6, 7], [1, 2, 10, -1]]
+    assert positions.tolist() == [[0, 1, 2, 3], [0, 1, 0, 0]]
+    assert packed_at.tolist() == [[-1, 4, 5, -1], [0, 1, 2, 3], [-1, -1, 6, -1]]
     x = torch.arange(12).view(3, 4)
-    assert x.flatten()[flat].tolist() == [1, 2, 4, 5, 6, 7, 10]
+    assert x.flatten()[src.clamp(min=0)].masked_fill(src < 0, -1).tolist() == [[4, 5, 6, 7], [1, 2, 10, -1]]
+    # a wider bin: all three rows in one, then filler restarting at 0
+    src, positions, packed_at = pack_index(mask, capacity=8)
+    assert src.tolist() == [[4, 5, 6, 7, 1, 2, 10, -1]]
+    assert positions.tolist() == [[0, 1, 2, 3, 0, 1, 0, 0]]
     with pytest.raises(ValueError, match=r"mask must be \[B, T\]"):
         pack_index(torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="capacity 3 is shorter than the longest row"):
+        pack_index(mask, capacity=3)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_pack_index_against_a_loop(seed):
+    """Every real token lands once, in its row's contiguous run of its bin, with its position id; filler
+    slots carry -1 and positions that restart at 0; a token's ``packed_at`` is its slot."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 12, (1,), generator=g))
+    mask = torch.rand(B, T, generator=g) < 0.6
+    src, positions, packed_at = pack_index(mask)
+    n, L = src.shape
+    lengths = mask.sum(1).tolist()
+    assert L == max(max(lengths), 1)
+    flat_src, flat_pos = src.flatten().tolist(), positions.flatten().tolist()
+    seen = []
+    for r in range(B):
+        cols = [c for c in range(T) if mask[r, c]]
+        slots = [int(packed_at[r, c]) for c in cols]
+        assert all(int(packed_at[r, c]) == -1 for c in range(T) if not mask[r, c])
+        if slots:
+            assert slots == list(range(slots[0], slots[0] + len(slots)))  # contiguous, in order
+            assert slots[0] // L == slots[-1] // L  # within one bin
+        for k, (c, s) in enumerate(zip(cols, slots, strict=True)):
+            assert flat_src[s] == r * T + c and flat_pos[s] == k
+        seen += slots
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == sum(lengths)
+    for b in range(n):
+        filler = [j for j in range(L) if flat_src[b * L + j] == -1]
+        if filler:
+            assert filler == list(range(filler[0], L))  # at the bin's end
+            assert [flat_pos[b * L + j] for j in filler] == list(range(len(filler)))
+

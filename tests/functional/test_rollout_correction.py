@@ -474,6 +474,21 @@ def test_on_policy_weights_are_one(mode):
     _close(metrics["k3_kl"], 0.0)
 
 
+def test_is_std_of_near_one_weights_is_their_spread_not_rounding():
+    """fp32 weights 1 +- 1e-6: the std is their true spread (float64 reference), not the square root of the
+    rounding left in E[w^2] - E[w]^2 (about 3e-4; seen as a pack_sequences run's rollout_is_std of 3.5e-4
+    beside the padded run's 0.0)."""
+    _, rollout, mask = _inputs(13)
+    gen = torch.Generator().manual_seed(13)
+    rollout = rollout.float()
+    old = rollout + 1e-6 * torch.randn(rollout.shape, generator=gen)
+    w, _, metrics = rc.ROLLOUT_CORRECTIONS["tis"](old, rollout, mask)
+    ref = w.double()[mask]
+    want = float(((ref - ref.mean()) ** 2).mean().sqrt())
+    assert 0 < want < 1e-5
+    assert abs(float(metrics["rollout_is_std"]) - want) < 1e-7
+
+
 @pytest.mark.parametrize("mode", sorted(rc.ROLLOUT_CORRECTIONS))
 def test_empty_mask_gives_zeros(mode):
     old, rollout, _ = _inputs(12)

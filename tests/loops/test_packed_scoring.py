@@ -17,7 +17,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlbits.functional.packing import token_budget_partitions
+from rlbits.functional.packing import pack_bins, token_budget_partitions
 from rlbits.loops import phases, ppo, preference, reinforce
 from rlbits.loops.metrics import StepMetrics
 from rlbits.loops.preference import stack_pairs
@@ -141,8 +141,13 @@ def test_token_budget_of_a_forward_pass(pack):
     assert_close(want, got, "logprobs")
     parts = token_budget_partitions(lengths, 20, padded=not pack)
     assert len(seen) == len(parts) > 1
-    if pack:
-        assert [s[1] for s in seen] == [sum(lengths[i] for i in p) for p in parts]
+    if pack:  # each pass: its rows in first-fit-decreasing bins as long as its longest row
+        want_shapes = []
+        for part in parts:
+            part_lengths = [lengths[i] for i in part]
+            want_shapes.append((len(pack_bins(part_lengths, max(part_lengths))), max(part_lengths)))
+        assert [tuple(s) for s in seen] == want_shapes
+        assert any(n > 1 for n, _ in want_shapes) and any(n < len(p) for (n, _), p in zip(want_shapes, parts, strict=True))
     with pytest.raises(ValueError, match="more than the budget max_tokens=3"):
         forward.policy_logprobs(model, batch, max_tokens=3, pack=pack)
     with pytest.raises(ValueError, match="give microbatch_size .* or max_tokens"):
