@@ -13,7 +13,9 @@ Variants, each the loop's own ``update`` phase (``rlbits.loops.reinforce.update`
 ``rlbits.loops.ppo.update`` for PPO: 4 epochs, a critic of the same shape):
 
 - ``padded``: ``microbatch_size`` rows (``--microbatch``), each microbatch padded to its longest row;
-- ``packed``: ``pack_sequences=True``, the same rows per microbatch;
+- ``packed``: ``pack_sequences=True``, the same rows per microbatch (bins as long as the longest row);
+- ``packed_one_row``: the same, with each microbatch's real tokens in one row [1, N] (``pack_index`` with a
+  capacity of all N tokens: the layout before bins, whose dense [N, N] mask made a uniform update slower);
 - ``budget``: ``max_tokens_per_microbatch`` (``--tokens``; default the padded microbatch's worst case
   ``microbatch x (16 + budget)``), padded;
 - ``packed_budget``: both switches.
@@ -27,6 +29,7 @@ Run it on a quiet machine: ``python benchmarks/packing.py --model standard --row
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -87,8 +90,23 @@ def build_model(name: str, smoke: bool):
     return disable_dropout(GPT2LMHeadModel(config)).train(), config.vocab_size
 
 
+@contextlib.contextmanager
+def one_row_packing():
+    """Packing as one row [1, N] per microbatch: ``pack_index`` with a capacity of all the real tokens."""
+    from rlbits.models import forward
+
+    original = forward.pack_index
+    forward.pack_index = lambda mask, capacity=None: original(mask, capacity=max(int(mask.sum()), 1))
+    try:
+        yield
+    finally:
+        forward.pack_index = original
+
+
 def update_seconds(algo: str, policy, batch, switches: dict, args) -> float:
     """Seconds of one update phase of ``algo`` (learning rate 0: the same weights, the same work, every repeat)."""
+    switches = dict(switches)
+    layout = one_row_packing() if switches.pop("one_row", False) else contextlib.nullcontext()
     common = dict(microbatch_size=args.microbatch, precision=args.precision, **switches)
     gens = dict(sampling_generator=torch.Generator(), minibatch_generator=torch.Generator().manual_seed(1),
                 stream=PromptStream(["unused"], seed=0))
@@ -104,9 +122,10 @@ def update_seconds(algo: str, policy, batch, switches: dict, args) -> float:
                           policy_optimizer=torch.optim.SGD(policy.parameters(), lr=0.0),
                           value_optimizer=torch.optim.SGD(value_model.parameters(), lr=0.0), kl_coef=0.0, **gens)
         phase = ppo.update
-    start = time.perf_counter()
-    phase(state, batch, cfg)
-    return time.perf_counter() - start
+    with layout:
+        start = time.perf_counter()
+        phase(state, batch, cfg)
+        return time.perf_counter() - start
 
 
 def main() -> None:
@@ -130,9 +149,10 @@ def main() -> None:
     policy, vocab = build_model(args.model, args.smoke)
     args.value_model = disable_dropout(ValueModel.from_policy(policy, seed=1)).train()
     variants = {
-        "padded": {},
+        "padded": {"pack_sequences": False},
         "packed": {"pack_sequences": True},
-        "budget": {"max_tokens_per_microbatch": tokens},
+        "packed_one_row": {"pack_sequences": True, "one_row": True},
+        "budget": {"pack_sequences": False, "max_tokens_per_microbatch": tokens},
         "packed_budget": {"pack_sequences": True, "max_tokens_per_microbatch": tokens},
     }
     for workload in ("uneven", "uniform"):

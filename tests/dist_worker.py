@@ -80,6 +80,7 @@ def main(algo: str, out: str, overrides: dict | None = None) -> None:
         cfg = ppo.PPOConfig(
             ppo_epochs=2, num_minibatches=1, microbatch_size=3, clip_eps=0.1, value_clip_eps=0.2,
             entropy_coef=0.01, kl_in_reward=False, kl_loss_coef=0.05, learning_rate=0.5, max_grad_norm=0.5,
+            pack_sequences=False,  # the padded update: the reference the packed cases are compared with
         )
         cfg = dataclasses.replace(cfg, **(overrides or {}))
         policy, value_model = prepare(policy, cfg, env), prepare(value_model, cfg, env)
@@ -97,7 +98,7 @@ def main(algo: str, out: str, overrides: dict | None = None) -> None:
     else:
         cfg = reinforce.ReinforceConfig(
             adv_estimator=algo, num_generations_per_prompt=K, num_prompts_per_step=2, num_iterations=1, num_minibatches=1,
-            microbatch_size=3, kl_loss_coef=0.05, learning_rate=0.5, max_grad_norm=0.5,
+            microbatch_size=3, kl_loss_coef=0.05, learning_rate=0.5, max_grad_norm=0.5, pack_sequences=False,
         )
         cfg = dataclasses.replace(cfg, **(overrides or {}))
         policy = prepare(policy, cfg, env)

@@ -127,16 +127,18 @@ class RunConfig:
     no-gradient scoring passes before the update (reference, old logprobs, critic values) split by the same
     budget (``rlbits.loops.phases.scoring_args``; verl's ``log_prob_max_token_len_per_gpu`` defaults to it).
     None: ``microbatch_size`` rows, in the update and the scoring passes. docs/packing.md."""
-    pack_sequences: bool = False
-    """Packed updates: each microbatch's rows [b, T] are concatenated without padding into one row [1, N]
-    (N real tokens), position ids restarting per row and attention confined to each row (transformers reads
-    the rows off the position ids: a block-diagonal causal mask under sdpa/eager, variable-length kernels
-    under flash_attention_2), and the logprobs, entropies and values are scattered back to [b, R]
-    (``rlbits.models.forward.policy_logprobs(pack=True)``). The loss and gradients equal the padded update's
-    to float rounding. The scoring passes before the update (reference, old logprobs, critic values) pack
-    too, with the padded passes' results to float rounding. For PPO, REINFORCE and the preference loop
-    (their objectives' ``policy_logprobs`` / ``critic_values``); ILQL and the reward model refuse it (a
-    ValueError at the first update). docs/packing.md."""
+    pack_sequences: bool = True
+    """Packed updates: each microbatch's rows [b, T] are packed without padding into bins as long as its
+    longest row (first-fit decreasing, ``rlbits.functional.pack_index``), position ids restarting per row and
+    attention confined to each row (transformers reads the rows off the position ids: a block-diagonal causal
+    mask under sdpa/eager, variable-length kernels under flash_attention_2), and the logprobs, entropies and
+    values are scattered back to [b, R] (``rlbits.models.forward.policy_logprobs(pack=True)``). The loss and
+    gradients equal the padded update's to float rounding; uniform lengths give the padded layout itself (one
+    row a bin). The scoring passes before the update (reference, old logprobs, critic values) pack too. A
+    model whose attention crosses packed rows is refused at its first packed pass (a ValueError naming it).
+    For PPO, REINFORCE and the preference loop (their objectives' ``policy_logprobs`` / ``critic_values``);
+    off by default in ILQL and the reward model, whose objectives run their own forward passes and refuse it
+    (a ValueError at the first update). docs/packing.md."""
     val_period: int = ranged(10, ge=0)
     """Validate every this many steps (0 disables periodic validation)."""
     val_at_start: bool = True

@@ -85,6 +85,9 @@ class ILQLConfig(LoRAConfig):
 
     loop: str = "ilql"
     """Which loop runs this config; ``ilql`` for this one."""
+    pack_sequences: bool = False
+    """Off: ILQL's objective runs its own forward passes (Q and V heads), so ``True`` is refused at the first
+    update; ``max_tokens_per_microbatch`` works."""
     max_num_steps: int = 400
     """Optimizer steps (one batch of ``batch_size`` offline samples each)."""
     learning_rate: float = 3e-4

@@ -54,6 +54,9 @@ class RewardModelConfig(RunConfig):
 
     loop: str = "reward_model"
     """Which loop runs this config; ``reward_model`` for this one."""
+    pack_sequences: bool = False
+    """Off: the reward model's objective runs its own forward passes, so ``True`` is refused at the first
+    update."""
     model: str | None = None
     """Local HF folder of the backbone (an encoder such as BERT/MiniLM, or a causal LM), loaded as
     ``AutoModelForSequenceClassification`` with ``num_labels=1`` and a new score head; None = the

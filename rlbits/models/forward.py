@@ -15,7 +15,8 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -209,6 +210,41 @@ def _check_packed_attention() -> None:
         ) from e
 
 
+# Modules whose packed forward was seen to confine attention to each packed row (``_check_confined``).
+_CONFINED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_confined(module: torch.nn.Module, call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Once per module: its packed forward ``call(ids [1, 4], position_ids [1, 4]) -> [1, 4, ...]`` keeps each
+    packed row to itself. Two bins ``[a, b | c, c]`` and ``[b, a | c, c]`` (positions ``0, 1, 0, 1``) must give
+    the second row the same outputs: it cannot see the first. A model whose attention ignores the row
+    boundaries (its code does not read them off the position ids) would mix rows silently; this refuses it.
+    Under ``torch.no_grad()``, with the same random state for both calls (dropout).
+
+    Raises:
+        ValueError: the second row's outputs depend on the first row's tokens.
+    """
+    if module in _CONFINED:
+        return
+    device = next((t.device for t in module.parameters()), torch.device("cpu"))
+    positions = torch.tensor([[0, 1, 0, 1]], device=device)
+    outputs = []
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for first in ([1, 2], [2, 1]):
+            torch.manual_seed(0)
+            ids = torch.tensor([[*first, 3, 3]], device=device)
+            outputs.append(call(ids, positions)[:, 2:].float())
+    a, b = outputs
+    if (a - b).abs().max() > 1e-3 * a.abs().max().clamp(min=1e-6):
+        raise ValueError(
+            f"{type(module).__name__} attends across packed rows: its outputs for one row change with the tokens "
+            "of the row packed before it (its attention does not read row boundaries off the position ids, as "
+            "transformers' create_causal_mask does for GPT-2, Llama, Mistral and Qwen2/3); set "
+            "pack_sequences=False for this model"
+        )
+    _CONFINED[module] = True
+
+
 def _packed_rows(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor, response_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,6 +289,10 @@ def _packed_logprobs(
     ids, positions, at, where = _packed_rows(input_ids, attention_mask, action_mask, r)
     tokens = responses[where][None]  # [1, M]
     kwargs = dict(input_ids=ids, position_ids=positions, use_cache=False)  # no attention mask: packed
+    if split is None:
+        _check_confined(model, lambda i, p: model(input_ids=i, position_ids=p, use_cache=False).logits)
+    else:
+        _check_confined(split[0], lambda i, p: split[0](input_ids=i, position_ids=p, use_cache=False).last_hidden_state)
     if split is None:
         logits = model(**kwargs).logits.flatten(0, 1)[at][None]  # [1, M, V]
         lp, ent = _logprobs_and_entropy(logits, tokens, temperature, return_entropy, entropy_grad)
@@ -600,6 +640,7 @@ def critic_values(
     if packed:
         for mb in microbatches:
             ids, positions, at, where = _packed_rows(input_ids[mb], attention_mask[mb], action_mask[mb], r)
+            _check_confined(value_model, lambda i, p: value_model(i, attention_mask=None, position_ids=p))
             values = value_model(ids, attention_mask=None, position_ids=positions)
             if values.shape != ids.shape:
                 raise ValueError(

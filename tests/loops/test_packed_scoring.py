@@ -32,7 +32,7 @@ from test_golden import mismatches, run_pinned_setup  # noqa: E402
 from test_packed_update import SPLITS as UPDATE_SPLITS  # noqa: E402
 from test_packed_update import multiturn, policy  # noqa: E402
 
-OFF = {"microbatch_size": 3}
+OFF = {"microbatch_size": 3, "pack_sequences": False}
 SPLITS = {name: split for name, split in UPDATE_SPLITS.items() if split != OFF}  # the update tests' splits
 SCORES = ("ref_logprobs", "old_logprobs", "rollout_is_weights", "values")
 
@@ -117,7 +117,9 @@ def test_preference_reference_equals_the_padded_one(split):
 
 
 def test_scoring_args():
-    cfg = reinforce.ReinforceConfig(microbatch_size=5)
+    cfg = reinforce.ReinforceConfig(microbatch_size=5)  # packing is on by default
+    assert phases.scoring_args(cfg) == {"microbatch_size": 5, "max_tokens": None, "pack": True}
+    cfg = reinforce.ReinforceConfig(microbatch_size=5, pack_sequences=False)
     assert phases.scoring_args(cfg) == {"microbatch_size": 5, "max_tokens": None, "pack": False}
     cfg = reinforce.ReinforceConfig(microbatch_size=5, pack_sequences=True, max_tokens_per_microbatch=64)
     assert phases.scoring_args(cfg) == {"microbatch_size": None, "max_tokens": 64, "pack": True}
@@ -135,6 +137,7 @@ def test_token_budget_of_a_forward_pass(pack):
     handle = backbone.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
     with torch.no_grad():
         want = forward.policy_logprobs(model, batch, microbatch_size=1)
+        forward.policy_logprobs(model, batch, pack=True)  # the model's one-off row check (two [1, 4] calls)
         seen.clear()
         got = forward.policy_logprobs(model, batch, max_tokens=20, pack=pack)
     handle.remove()
@@ -191,7 +194,7 @@ def test_a_run_logs_the_same_metrics_with_the_switches_on(loop, tmp_path, monkey
         forward, "_packed_rows", lambda *a: scoring_packs.append(torch.is_grad_enabled()) or original(*a)
     )
     correction = {"rollout_correction": {"mode": "tis"}}
-    off = run_pinned_setup(loop, tmp_path, "off", **correction)
+    off = run_pinned_setup(loop, tmp_path, "off", **correction, pack_sequences=False)
     assert not scoring_packs
     on = run_pinned_setup(loop, tmp_path, "on", **correction, pack_sequences=True, max_tokens_per_microbatch=40)
     assert scoring_packs.count(False) >= 2 * 3  # the scoring passes (no gradient) of every step packed

@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_worker import K, V, fixed_batch  # noqa: E402
 
 # The split under test: packed rows, token budgets (packed and padded), beside the reference (one row each).
-REFERENCE = {"microbatch_size": 1}
+REFERENCE = {"microbatch_size": 1, "pack_sequences": False}
 SPLITS = {
     "packed": {"pack_sequences": True, "microbatch_size": 3},
     "packed_budget": {"pack_sequences": True, "max_tokens_per_microbatch": 24},
-    "padded_budget": {"max_tokens_per_microbatch": 30},
-    "padded_rows": {"microbatch_size": 3},
+    "padded_budget": {"max_tokens_per_microbatch": 30, "pack_sequences": False},
+    "padded_rows": {"microbatch_size": 3, "pack_sequences": False},
 }
 
 

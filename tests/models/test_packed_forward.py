@@ -96,3 +96,55 @@ def test_packed_forward_refuses_an_action_token_after_padding():
     batch["attention_mask"][0, P - 1] = False  # the column predicting the first response token
     with pytest.raises(ValueError, match="an action token follows a padding column"):
         policy_logprobs(model, batch, pack=True)
+
+
+class AttendsAcrossRows(torch.nn.Module):
+    """A causal LM that ignores packed row boundaries: it always passes an all-ones attention mask, so a packed
+    bin is one sequence to it (as a model whose attention does not read the position ids would be)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, position_ids=None, use_cache=False, **kw):
+        mask = kw.pop("attention_mask", None)
+        mask = torch.ones_like(input_ids) if mask is None else mask
+        return self.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=use_cache)
+
+
+def test_a_model_that_attends_across_packed_rows_is_refused():
+    """Packing needs attention confined to each row; a model that mixes rows would give wrong logprobs
+    silently, so its first packed pass raises (the padded pass still works)."""
+    torch.manual_seed(0)
+    model = AttendsAcrossRows(tiny_causal_lm("gpt2", V, seed=0))
+    batch = ragged_batch(3)
+    with torch.no_grad():
+        policy_logprobs(model, batch)
+        with pytest.raises(ValueError, match="AttendsAcrossRows attends across packed rows.*pack_sequences=False"):
+            policy_logprobs(model, batch, pack=True)
+
+    class LeakyCritic(ValueModel):
+        def forward(self, input_ids, attention_mask=None, position_ids=None):
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            return super().forward(input_ids, mask, position_ids)
+
+    critic = LeakyCritic(ValueModel.from_policy(tiny_causal_lm("gpt2", V, seed=0)).backbone)
+    with torch.no_grad():
+        critic_values(critic, batch)
+        with pytest.raises(ValueError, match="LeakyCritic attends across packed rows"):
+            critic_values(critic, batch, pack=True)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_row_check_runs_once_per_model(arch, monkeypatch):
+    """Models that confine attention pass the check, once: later packed passes skip it."""
+    from rlbits.models import forward
+
+    model = tiny_causal_lm(arch, V, seed=0)
+    calls = []
+    original = forward._check_confined
+    monkeypatch.setattr(forward, "_check_confined", lambda m, call: calls.append(m in forward._CONFINED) or original(m, call))
+    with torch.no_grad():
+        for _ in range(2):
+            policy_logprobs(model, ragged_batch(4), pack=True)
+    assert calls == [False, True]
