@@ -10,7 +10,7 @@
 # 1-minute load average is printed before each part, and each script records its own. JSON goes to
 # benchmarks/results/ (the names benchmarks/RESULTS.md cites), logs to $LOGS (default /tmp/issue28_cpu).
 set -u
-PY=${PY:-python}
+PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
 LOGS=${LOGS:-/tmp/issue28_cpu}
 R=benchmarks/results
 mkdir -p "$LOGS"
