@@ -220,11 +220,13 @@ def pack_index(mask: torch.Tensor, capacity: int | None = None) -> tuple[torch.T
     slot = torch.tensor(start, dtype=torch.long, device=device)[:, None] + rank
     packed_at = torch.where(m, slot, torch.full_like(slot, -1))
     n = len(bins)
-    src = torch.full((n * L,), -1, dtype=torch.long, device=device)
-    real = m.flatten().nonzero().squeeze(-1)
-    src[packed_at.flatten()[real]] = real
+    # Scatter every [B, T] entry to its slot; padding goes to one spare slot past the end, dropped (no
+    # host sync to find the real entries).
+    target = torch.where(m, slot, n * L).flatten()
+    src = torch.full((n * L + 1,), -1, dtype=torch.long, device=device)
+    src.index_put_((target,), torch.arange(m.numel(), device=device))
     # filler restarts at 0 after each bin's rows; real slots then take their own position ids
     positions = torch.arange(L, device=device)[None, :] - torch.tensor(used, device=device)[:, None]
-    positions = positions.flatten()
-    positions[packed_at.flatten()[real]] = rank.flatten()[real]
-    return src.view(n, L), positions.view(n, L), packed_at
+    positions = torch.cat([positions.flatten(), positions.new_zeros(1)])
+    positions.index_put_((target,), rank.flatten())
+    return src[:-1].view(n, L), positions[:-1].view(n, L), packed_at

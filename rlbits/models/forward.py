@@ -288,17 +288,18 @@ def _packed_logprobs(
     output layer runs on the action tokens only; 0 elsewhere."""
     ids, positions, at, where = _packed_rows(input_ids, attention_mask, action_mask, r)
     tokens = responses[where][None]  # [1, M]
-    kwargs = dict(input_ids=ids, position_ids=positions, use_cache=False)  # no attention mask: packed
+    net = model if split is None else split[0]
+
+    def run(i, p):  # no attention mask: packed; the policy's logits, or the backbone's hidden states
+        out = net(input_ids=i, position_ids=p, use_cache=False)
+        return out.logits if split is None else out.last_hidden_state
+
+    _check_confined(net, run)
+    outputs = run(ids, positions).flatten(0, 1)[at][None]  # [1, M, V] logits or [1, M, H] hidden states
     if split is None:
-        _check_confined(model, lambda i, p: model(input_ids=i, position_ids=p, use_cache=False).logits)
+        lp, ent = _logprobs_and_entropy(outputs, tokens, temperature, return_entropy, entropy_grad)
     else:
-        _check_confined(split[0], lambda i, p: split[0](input_ids=i, position_ids=p, use_cache=False).last_hidden_state)
-    if split is None:
-        logits = model(**kwargs).logits.flatten(0, 1)[at][None]  # [1, M, V]
-        lp, ent = _logprobs_and_entropy(logits, tokens, temperature, return_entropy, entropy_grad)
-    else:
-        backbone, lm_head = split
-        hidden = backbone(**kwargs).last_hidden_state.flatten(0, 1)[at][None]  # [1, M, H]
+        hidden, lm_head = outputs, split[1]
         if choose_head(head, 1, hidden.shape[1], lm_head.weight.shape[0], budget_mb) == "fused":
             lp, ent = logprobs_from_hidden(hidden, lm_head.weight, tokens, temperature, return_entropy=True)
         else:
@@ -530,8 +531,8 @@ def policy_logprobs(
 
     Packed (``pack``): each microbatch's rows are packed without padding into bins as long as its longest row
     (first-fit decreasing, ``rlbits.functional.pack_index``), the position ids restarting at 0 on each row,
-    and the model runs with no attention mask, so transformers confines attention to each row (it reads the row boundaries off the position ids: a block-diagonal causal mask
-    under ``sdpa``/``eager``, variable-length kernels under ``flash_attention_2``: transformers'
+    and the model runs with no attention mask, so transformers confines attention to each row (it reads the
+    row boundaries off the position ids: a block-diagonal causal mask under ``sdpa``/``eager``, variable-length kernels under ``flash_attention_2``: transformers'
     ``masking_utils.find_packed_sequence_indices``, in the models whose code builds its mask with
     ``create_causal_mask``, as GPT-2, Llama, Mistral and Qwen2/3 do in transformers 5);
     the output layer then runs on the action tokens only. Values and gradients equal the padded pass's to

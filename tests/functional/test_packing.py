@@ -163,11 +163,11 @@ def test_pack_bins_against_a_reference(seed):
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(0, 30, (1,), generator=g))
     lengths = torch.randint(0, 40, (n,), generator=g).tolist()
-    capacity = max(lengths, default=0) + int(torch.randint(0, 20, (1,), generator=g))
-    bins = pack_bins(lengths, max(capacity, 1))
-    assert bins == _first_fit_decreasing(lengths, max(capacity, 1))
+    capacity = max(1, max(lengths, default=0) + int(torch.randint(0, 20, (1,), generator=g)))
+    bins = pack_bins(lengths, capacity)
+    assert bins == _first_fit_decreasing(lengths, capacity)
     assert sorted(i for b in bins for i in b) == [i for i, x in enumerate(lengths) if x > 0]
-    assert all(sum(lengths[i] for i in b) <= max(capacity, 1) for b in bins)
+    assert all(sum(lengths[i] for i in b) <= capacity for b in bins)
 
 
 def test_pack_index_hand_computed():
