@@ -24,7 +24,10 @@ measured_peaks``: on CUDA a 2 GiB device-to-device copy, bytes read + written) a
 configuration's time over the **memory floor** of the uneven workload: its longest row needs ``budget``
 sequential forward passes (the prefill and budget - 1 decode steps), each reading every weight once, plus
 each generated token reading its row's KV cache once (prompt + tokens so far). That floor holds for any
-batching: continuous batching cannot shorten the longest row. On CUDA each configuration's peak memory
+batching: continuous batching cannot shorten the longest row. It also reports the **roofline** time of both
+workloads (``roofline_seconds``: each forward pass costs the larger of its bytes over the bandwidth and its
+FLOPs over the measured matmul peak, rows leaving as they end) and their ratio: the best uneven / uniform ratio
+any engine can reach on the machine, beside the measured one. On CUDA each configuration's peak memory
 (``torch.cuda.max_memory_allocated`` over its timed calls) is reported.
 
 Models (random weights, fp32 unless ``--dtype bf16``): ``gpt2`` (the shared tiny GPT-2 of
@@ -68,6 +71,82 @@ def uneven_lengths(batch: int, budget: int, seed: int = 0) -> list[int]:
     lengths = [budget] * long_rows + [rng.randint(1, max(1, budget // 8)) for _ in range(batch - long_rows)]
     rng.shuffle(lengths)
     return lengths
+
+
+def roofline_seconds(
+    lengths: list[int],
+    prompt_len: int,
+    *,
+    weight_bytes: float,
+    matmul_params: float,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    kv_token_bytes: float,
+    read_gbs: float,
+    peak_gflops: float,
+) -> float:
+    """Seconds to generate ``lengths`` (one row each, ``prompt_len``-token prompts) at the roofline, with every
+    row leaving the batch as soon as it ends (what ``continuous_batching`` aims at).
+
+    Pass 0 is the prefill (every row's prompt); pass s >= 1 feeds token s of every row longer than s. Each pass
+    costs ``max(bytes / read_gbs, flops / peak_gflops)`` (Williams et al. 2009, "Roofline"): bytes = every weight
+    once plus each fed token's KV cache (prompt and tokens so far, ``kv_token_bytes`` per position); flops =
+    ``2 * matmul_params`` per fed token plus attention, ``4 * layers * heads * head_dim`` per attended position.
+    No engine can do better on a machine with that bandwidth and peak, so the ratio of two workloads' roofline
+    times is the best uneven / uniform ratio any batching can reach there.
+    """
+    attn = 4 * layers * heads * head_dim
+
+    def cost(rows: int, context: int, fed: int) -> float:  # ``rows`` rows feed ``fed`` tokens each
+        flops = rows * fed * 2 * matmul_params + rows * attn * sum(range(context - fed + 1, context + 1))
+        read = weight_bytes + rows * context * kv_token_bytes
+        return max(read / (read_gbs * 1e9), flops / (peak_gflops * 1e9))
+
+    total = cost(len(lengths), prompt_len, prompt_len)
+    for s in range(1, max(lengths)):
+        live = sum(n > s for n in lengths)
+        total += cost(live, prompt_len + s, 1)
+    return total
+
+
+def _matmul_params(model) -> int:
+    """Weights that every fed token multiplies: the linear (and GPT-2 ``Conv1D``) layers, the LM head included
+    (a tied head counts once, as the head; the embedding lookup itself is free)."""
+    import torch
+
+    return sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
+    )
+
+
+def _floors(model, dtype, uneven: list[int], uniform: list[int], prompt_len: int, budget: int, peaks: dict):
+    """The uneven workload's memory floor in seconds, and both workloads' ``roofline_seconds`` and their ratio,
+    for ``peaks`` = ``{"read_gbs", "matmul_gflops"}``."""
+    import torch
+
+    read_gbs = peaks["read_gbs"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_token_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    kv_reads = sum(prompt_len + t for n in uneven for t in range(1, n + 1))  # cached columns each new token reads
+    floor_s = (budget * weight_bytes + kv_reads * kv_token_bytes) / (read_gbs * 1e9)
+    shape = {
+        "weight_bytes": weight_bytes, "matmul_params": _matmul_params(model), "layers": cfg.num_hidden_layers,
+        "heads": cfg.num_attention_heads, "head_dim": head_dim, "kv_token_bytes": kv_token_bytes,
+        "read_gbs": read_gbs, "peak_gflops": peaks["matmul_gflops"],
+    }
+    roofline = {
+        "uneven_s": roofline_seconds(uneven, prompt_len, **shape),
+        "uniform_s": roofline_seconds(uniform, prompt_len, **shape),
+        "shape": shape,
+    }
+    roofline["uneven_over_uniform"] = roofline["uneven_s"] / roofline["uniform_s"]
+    return floor_s, roofline
 
 
 def _model(name: str, dtype):
@@ -124,7 +203,19 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--hf", action="store_true", help="also HF model.generate on the uneven workload")
     parser.add_argument("--hf-static", action="store_true", help="also HF model.generate with its static cache")
-    parser.add_argument("--floor", action="store_true", help="measure the read bandwidth; report x memory floor")
+    parser.add_argument(
+        "--floor", action="store_true",
+        help="measure the read bandwidth and matmul peak; report x memory floor and the roofline ratio",
+    )
+    parser.add_argument(
+        "--roofline-only", nargs=2, type=float, metavar=("READ_GBS", "PEAK_GFLOPS"),
+        help="print the roofline times of both workloads for this bandwidth and peak (e.g. a GPU's, measured "
+        "there) and exit: nothing is timed",
+    )
+    parser.add_argument(
+        "--skip-off", action="store_true",
+        help="leave out uneven_off (the static batch: at 256 rows of SmolLM2's shape on a CPU, minutes a call)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -157,6 +248,8 @@ def main(argv=None) -> dict:
         "uneven_on": (uneven, True, None),
         "uniform_off": (uniform, False, None),
     }
+    if args.skip_off:
+        del configs["uneven_off"]
     if S is not None:
         configs.update(uneven_slots=(uneven, False, S), uniform_slots=(uniform, False, S))
     if args.hf:
@@ -204,6 +297,16 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()
         return out
 
+    peaks = None
+    if args.roofline_only:
+        peaks = {"read_gbs": args.roofline_only[0], "matmul_gflops": args.roofline_only[1]}
+        _, roofline = _floors(model, dtype, uneven, uniform, P, args.budget, peaks)
+        print(
+            f"roofline ({peaks['read_gbs']:.0f} GB/s, {peaks['matmul_gflops']:.0f} GFLOP/s), {B} rows: uneven "
+            f"{roofline['uneven_s'] * 1e3:.1f} ms, uniform {roofline['uniform_s'] * 1e3:.1f} ms, uneven / uniform "
+            f"{roofline['uneven_over_uniform']:.2f}x"
+        )
+        return {"roofline": roofline, "batch": B, "budget": args.budget, "lengths": uneven}
     times: dict[str, list[float]] = {name: [] for name in configs}
     tokens, first, peak_mib = {}, {}, {}
     for name, (lengths, on, slots) in configs.items():  # warm-up (and compile)
@@ -221,18 +324,13 @@ def main(argv=None) -> dict:
             times[name].append(time.perf_counter() - start)
             if cuda:
                 peak_mib[name] = max(peak_mib.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
-    floor_s, read_gbs = None, None
+    floor_s, read_gbs, peak_gflops, roofline = None, None, None, None
     if args.floor:
         from bench_decode import measured_peaks
 
-        read_gbs = measured_peaks(args.threads, args.device, args.dtype)["read_gbs"]
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        cfg = model.config
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_token_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        kv_reads = sum(P + t for n in uneven for t in range(1, n + 1))  # cached columns each new token reads
-        floor_s = (args.budget * weight_bytes + kv_reads * kv_token_bytes) / (read_gbs * 1e9)
+        peaks = measured_peaks(args.threads, args.device, args.dtype)
+        floor_s, roofline = _floors(model, dtype, uneven, uniform, P, args.budget, peaks)
+        read_gbs, peak_gflops = peaks["read_gbs"], peaks["matmul_gflops"]
     rows = {
         name: {
             "seconds": statistics.median(t),
@@ -261,10 +359,14 @@ def main(argv=None) -> dict:
         "torch": torch.__version__,
         "results": rows,
         "uneven_on_over_uniform": rows["uneven_on"]["seconds"] / rows["uniform_off"]["seconds"],
-        "uneven_off_over_uniform": rows["uneven_off"]["seconds"] / rows["uniform_off"]["seconds"],
+        "uneven_off_over_uniform": (
+            rows["uneven_off"]["seconds"] / rows["uniform_off"]["seconds"] if "uneven_off" in rows else None
+        ),
         "max_num_seqs": S,
         "memory_floor_s": floor_s,
         "read_gbs": read_gbs,
+        "matmul_gflops": peak_gflops,
+        "roofline": roofline,
         "device_name": torch.cuda.get_device_name() if cuda else platform.processor(),
         "command": "python benchmarks/uneven_generate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
@@ -282,9 +384,15 @@ def main(argv=None) -> dict:
         )
     if floor_s:
         print(f"memory floor {floor_s * 1e3:.2f} ms ({read_gbs:.0f} GB/s)")
+        print(
+            f"roofline ({read_gbs:.0f} GB/s, {peak_gflops:.0f} GFLOP/s): uneven {roofline['uneven_s'] * 1e3:.1f} ms, "
+            f"uniform {roofline['uniform_s'] * 1e3:.1f} ms, uneven / uniform {roofline['uneven_over_uniform']:.2f}x "
+            "(the best any batching reaches on this machine)"
+        )
+    off = result["uneven_off_over_uniform"]
     print(
-        f"uneven / uniform (same tokens): off {result['uneven_off_over_uniform']:.2f}x, "
-        f"on {result['uneven_on_over_uniform']:.2f}x"
+        "uneven / uniform (same tokens): " + (f"off {off:.2f}x, " if off is not None else "")
+        + f"on {result['uneven_on_over_uniform']:.2f}x"
         + (
             f", slots {result['uneven_slots_over_uniform_slots']:.2f}x over uniform slots "
             f"({result['uneven_slots_over_uniform']:.2f}x over uniform off)"
