@@ -5,7 +5,9 @@
 # (uneven_generate.py: the uneven workload in bf16 with the compiled decode, against HF generate with its
 # static cache, the memory floor and peak memory), step (bench_step.py: the uneven SmolLM2-shape
 # GRPO and RLOO steps, switches on, compiled decode, bf16, against TRL 1.16), step_off (the same with the
-# switches off), gpt2 (the tiny GPT-2 uneven workload, switches on, against TRL 1.16).
+# switches off), gpt2 (the tiny GPT-2 uneven workload, switches on, against TRL 1.16), gpt2_decode (that
+# workload's rollout alone, bf16 compiled, against HF's static cache, with the roofline and a profile of one
+# call: launches, graph replays and host syncs per decode step).
 #
 # Wheels the machine lacks (tensordict, torchrl, transformers, TRL, datasets; benchmarks/RESULTS.md) are
 # installed from .whl/ when present. Each part has its own time limit (T_CHECKS, T_DECODE, T_STEP, ...
@@ -54,6 +56,10 @@ for part in "${parts[@]}"; do
             --switches on --compile-generate 1 --mode interleaved --steps 3 --trl116-python "$PY" \
             --only rlbits-grpo-on-bf16 trl-grpo-bf16 rlbits-rloo-on-bf16 trl-rloo-bf16 \
             --out "$OUT/bench_step_uneven_cuda_bf16.json" 2>&1 | tee "$OUT/gpt2.log" ;;
+    gpt2_decode)
+        timeout "${T_GPT2_DECODE:-150}" $PY benchmarks/uneven_generate.py --model gpt2 --device cuda --dtype bf16 \
+            --compile --batch 32 --budget 128 --hf-static --floor --runs 3 --profile "$OUT/profile_gpt2_decode.txt" \
+            --out "$OUT/uneven_generate_gpt2_cuda_bf16.json" 2>&1 | tee "$OUT/gpt2_decode.log" ;;
     *) echo "unknown part: $part" ;;
     esac
 done

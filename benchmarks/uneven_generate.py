@@ -149,6 +149,32 @@ def _floors(model, dtype, uneven: list[int], uniform: list[int], prompt_len: int
     return floor_s, roofline
 
 
+def _profile_call(call, cuda: bool, steps: int, path: Path) -> None:
+    """Profile one ``call`` (a generate of ``steps`` decode steps) and write to ``path`` the ops by self time
+    (host, and device on CUDA) and, per decode step, the kernel launches, CUDA graph replays and host syncs:
+    where a compiled decode step's time goes beyond its graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        call()
+    events = prof.key_averages()
+    count = {e.key: e.count for e in events}
+    per_step = {
+        name: count.get(name, 0) / steps
+        for name in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaStreamSynchronize", "cudaMemcpyAsync",
+                     "cudaDeviceSynchronize", "aten::item", "aten::_local_scalar_dense")
+    }
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    text = [f"one uneven_on call, {steps} decode steps; per step: " + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items())]
+    text.append(events.table(sort_by="self_cpu_time_total", row_limit=40))
+    if cuda:
+        text.append(events.table(sort_by=sort, row_limit=25))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(text) + "\n")
+    print(text[0])
+
+
 def _model(name: str, dtype):
     import torch
 
@@ -215,6 +241,11 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--skip-off", action="store_true",
         help="leave out uneven_off (the static batch: at 256 rows of SmolLM2's shape on a CPU, minutes a call)",
+    )
+    parser.add_argument(
+        "--profile", type=Path, metavar="TXT",
+        help="after timing, profile one uneven_on call (torch.profiler, CPU and CUDA) and write its op table and "
+        "per-step launch and sync counts here",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
@@ -324,6 +355,8 @@ def main(argv=None) -> dict:
             times[name].append(time.perf_counter() - start)
             if cuda:
                 peak_mib[name] = max(peak_mib.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
+    if args.profile:
+        _profile_call(lambda: run(*configs["uneven_on"]), cuda, max(uneven), args.profile)
     floor_s, read_gbs, peak_gflops, roofline = None, None, None, None
     if args.floor:
         from bench_decode import measured_peaks
