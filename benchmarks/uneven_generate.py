@@ -167,6 +167,11 @@ def _profile_call(call, cuda: bool, steps: int, path: Path) -> None:
     }
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     text = [f"one uneven_on call, {steps} decode steps; per step: " + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items())]
+    # Compiles, graph breaks and CUDA graph skips over the whole process (warm-up and timed calls included):
+    # a count that grows with the calls means a re-compile or re-record per rollout.
+    from torch._dynamo.utils import counters
+
+    text.append("torch._dynamo counters: " + repr({k: dict(v) for k, v in counters.items() if v}))
     text.append(events.table(sort_by="self_cpu_time_total", row_limit=40))
     if cuda:
         text.append(events.table(sort_by=sort, row_limit=25))
