@@ -149,6 +149,22 @@ def _floors(model, dtype, uneven: list[int], uniform: list[int], prompt_len: int
     return floor_s, roofline
 
 
+def _cuda_graph_counts() -> dict | None:
+    """The current device's CUDA graph tree: recorded root graphs and recordings made because no recorded
+    graph matched (inductor's private ``debug_fail_counter``); None where the API is not there."""
+    import torch
+
+    try:
+        from torch._inductor.cudagraph_trees import get_manager
+
+        manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        if manager is None:
+            return None
+        return {"roots": sum(len(v) for v in manager.roots.values()), "rerecords": manager.debug_fail_counter}
+    except (ImportError, AttributeError) as error:
+        return {"unavailable": repr(error)}
+
+
 def _profile_call(call, cuda: bool, steps: int, path: Path) -> None:
     """Profile one ``call`` (a generate of ``steps`` decode steps) and write to ``path`` the ops by self time
     (host, and device on CUDA) and, per decode step, the kernel launches, CUDA graph replays and host syncs:
@@ -156,8 +172,10 @@ def _profile_call(call, cuda: bool, steps: int, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    before = _cuda_graph_counts() if cuda else None
     with profile(activities=activities) as prof:
         call()
+    after = _cuda_graph_counts() if cuda else None
     events = prof.key_averages()
     count = {e.key: e.count for e in events}
     per_step = {
@@ -172,6 +190,8 @@ def _profile_call(call, cuda: bool, steps: int, path: Path) -> None:
     from torch._dynamo.utils import counters
 
     text.append("torch._dynamo counters: " + repr({k: dict(v) for k, v in counters.items() if v}))
+    if cuda:  # a rollout that records CUDA graphs anew (e.g. its KV cache at new addresses) pays for it each time
+        text.append(f"CUDA graph trees before / after the profiled call: {before} / {after}")
     text.append(events.table(sort_by="self_cpu_time_total", row_limit=40))
     if cuda:
         text.append(events.table(sort_by=sort, row_limit=25))
