@@ -183,7 +183,7 @@ def _profile_call(call, cuda: bool, steps: int, path: Path) -> None:
         for name in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaStreamSynchronize", "cudaMemcpyAsync",
                      "cudaDeviceSynchronize", "aten::item", "aten::_local_scalar_dense")
     }
-    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     text = [f"one uneven_on call, {steps} decode steps; per step: " + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items())]
     # Compiles, graph breaks and CUDA graph skips over the whole process (warm-up and timed calls included):
     # a count that grows with the calls means a re-compile or re-record per rollout.
