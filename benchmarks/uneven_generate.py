@@ -149,9 +149,19 @@ def _floors(model, dtype, uneven: list[int], uniform: list[int], prompt_len: int
     return floor_s, roofline
 
 
+def _roofline_line(roofline: dict, rows: int) -> str:
+    shape = roofline["shape"]
+    return (
+        f"roofline ({shape['read_gbs']:.0f} GB/s, {shape['peak_gflops']:.0f} GFLOP/s), {rows} rows: uneven "
+        f"{roofline['uneven_s'] * 1e3:.1f} ms, uniform {roofline['uniform_s'] * 1e3:.1f} ms, uneven / uniform "
+        f"{roofline['uneven_over_uniform']:.2f}x"
+    )
+
+
 def _cuda_graph_counts() -> dict | None:
     """The current device's CUDA graph tree: recorded root graphs and recordings made because no recorded
-    graph matched (inductor's private ``debug_fail_counter``); None where the API is not there."""
+    graph matched (inductor's private ``debug_fail_counter``); None before any graph, ``{"unavailable": ...}``
+    where this torch lacks the private API."""
     import torch
 
     try:
@@ -353,15 +363,11 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()
         return out
 
-    peaks = None
     if args.roofline_only:
-        peaks = {"read_gbs": args.roofline_only[0], "matmul_gflops": args.roofline_only[1]}
-        _, roofline = _floors(model, dtype, uneven, uniform, P, args.budget, peaks)
-        print(
-            f"roofline ({peaks['read_gbs']:.0f} GB/s, {peaks['matmul_gflops']:.0f} GFLOP/s), {B} rows: uneven "
-            f"{roofline['uneven_s'] * 1e3:.1f} ms, uniform {roofline['uniform_s'] * 1e3:.1f} ms, uneven / uniform "
-            f"{roofline['uneven_over_uniform']:.2f}x"
-        )
+        _, roofline = _floors(model, dtype, uneven, uniform, P, args.budget, dict(
+            read_gbs=args.roofline_only[0], matmul_gflops=args.roofline_only[1]
+        ))
+        print(_roofline_line(roofline, B))
         return {"roofline": roofline, "batch": B, "budget": args.budget, "lengths": uneven}
     times: dict[str, list[float]] = {name: [] for name in configs}
     tokens, first, peak_mib = {}, {}, {}
@@ -442,11 +448,7 @@ def main(argv=None) -> dict:
         )
     if floor_s:
         print(f"memory floor {floor_s * 1e3:.2f} ms ({read_gbs:.0f} GB/s)")
-        print(
-            f"roofline ({read_gbs:.0f} GB/s, {peak_gflops:.0f} GFLOP/s): uneven {roofline['uneven_s'] * 1e3:.1f} ms, "
-            f"uniform {roofline['uniform_s'] * 1e3:.1f} ms, uneven / uniform {roofline['uneven_over_uniform']:.2f}x "
-            "(the best any batching reaches on this machine)"
-        )
+        print(_roofline_line(roofline, B) + " (the best any batching reaches on this machine)")
     off = result["uneven_off_over_uniform"]
     print(
         "uneven / uniform (same tokens): " + (f"off {off:.2f}x, " if off is not None else "")
