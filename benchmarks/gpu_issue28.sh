@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 28's checks and figures on a lent GPU, in one call: bash benchmarks/gpu_issue28.sh [PART ...]
 #
-# Parts (default: checks decode step): checks (gpu_checks.py's switches and loops groups), decode
+# Parts (default: gpt2_decode gpt2 checks, what issue 28 still needs from a GPU; the earlier default was
+# checks decode step): checks (gpu_checks.py's switches and loops groups), decode
 # (uneven_generate.py: the uneven workload in bf16 with the compiled decode, against HF generate with its
 # static cache, the memory floor and peak memory), step (bench_step.py: the uneven SmolLM2-shape
 # GRPO and RLOO steps, switches on, compiled decode, bf16, against TRL 1.16), step_off (the same with the
@@ -28,7 +29,7 @@ $PY -c "import torch, transformers, tensordict; print('torch', torch.__version__
 transformers.__version__, 'tensordict', tensordict.__version__)" | tee -a "$OUT/gpu.txt"
 
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(checks decode step)
+[ ${#parts[@]} -eq 0 ] && parts=(gpt2_decode gpt2 checks)
 step() {  # bench_step on the uneven SmolLM2-shape workload, bf16, compiled decode; $1 = out name, rest: workers
     local name=$1
     shift
