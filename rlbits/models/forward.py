@@ -639,10 +639,14 @@ def critic_values(
     packed = _packing(pack)
     microbatches = _microbatches(attention_mask, microbatch_size, max_tokens, packed)
     if packed:
+
+        def run(i, p):  # no attention mask: packed
+            return value_model(i, attention_mask=None, position_ids=p)
+
         for mb in microbatches:
             ids, positions, at, where = _packed_rows(input_ids[mb], attention_mask[mb], action_mask[mb], r)
-            _check_confined(value_model, lambda i, p: value_model(i, attention_mask=None, position_ids=p))
-            values = value_model(ids, attention_mask=None, position_ids=positions)
+            _check_confined(value_model, run)
+            values = run(ids, positions)
             if values.shape != ids.shape:
                 raise ValueError(
                     f"value_model returned shape {tuple(values.shape)}; expected [n, L] = {tuple(ids.shape)}"
