@@ -24,6 +24,7 @@ prefill's keys and values, ``write_kv`` copies a prompt's into any cache row bef
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +65,53 @@ def _make_cache(policy: torch.nn.Module, max_len: int):
         return StaticCache(config=config, max_cache_len=max_len)
     except Exception:  # a config the static layers do not understand: use the dynamic cache
         return None
+
+
+@functools.cache
+def _written_columns_layer() -> type:
+    """A ``StaticLayer`` whose attention reads only the cache columns written so far (built once, as
+    transformers is imported lazily)."""
+    from transformers.cache_utils import StaticLayer
+
+    class WrittenColumnsLayer(StaticLayer):
+        """A ``StaticLayer`` that hands attention its first ``columns`` columns (None: all ``max_cache_len``),
+        and sizes the mask to match. The eager decode sets ``columns`` to the context length before each
+        forward, so a step reads P + t columns of keys and values, not P + max_new_tokens: the columns not yet
+        written are masked out anyway, and reading them cost a long-budget rollout most of its attention time
+        (``benchmarks/RESULTS.md``). The compiled step keeps ``columns`` None: one shape for its graph."""
+
+        columns: int | None = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            if self.columns is None:
+                return keys, values
+            return keys[:, :, : self.columns], values[:, :, : self.columns]
+
+        def get_mask_sizes(self, *args, **kwargs):
+            kv_length, kv_offset = super().get_mask_sizes(*args, **kwargs)
+            return (kv_length if self.columns is None else self.columns), kv_offset
+
+    return WrittenColumnsLayer
+
+
+def _view_written_columns(cache) -> bool:
+    """Make every layer of a ``StaticCache`` a ``WrittenColumnsLayer`` (in place), if every layer is a plain
+    ``StaticLayer`` (sliding-window and other layers keep their own masks); returns whether it did."""
+    from transformers.cache_utils import StaticLayer
+
+    layers = list(getattr(cache, "layers", None) or [])
+    if not layers or any(type(layer) is not StaticLayer for layer in layers):
+        return False
+    for layer in layers:
+        layer.__class__ = _written_columns_layer()  # the class adds no state: ``columns`` defaults to None
+    return True
+
+
+def _set_columns(cache, columns: int) -> None:
+    """The next forward's attention reads the first ``columns`` columns of every layer."""
+    for layer in cache.layers:
+        layer.columns = columns
 
 
 def _repeat_rows(cache, k: int) -> None:
@@ -137,7 +185,8 @@ class Decoder:
     takes the cache under (``rlbits.models.forward.cache_argument``). ``cache``: the KV cache, a
     ``StaticCache`` of ``cache_len`` positions when ``static``, else None until the prefill returns HF's
     ``DynamicCache``. ``compiled``: ``(step, backbone, head weight, cache keyword)`` of the compiled decode
-    step, or None (eager).
+    step, or None (eager). ``written_columns``: the eager steps' attention reads only the columns written so
+    far (``WrittenColumnsLayer``).
     """
 
     policy: torch.nn.Module
@@ -148,6 +197,7 @@ class Decoder:
     cache_len: int
     static: bool
     compiled: tuple[Callable, torch.nn.Module, torch.Tensor, str] | None
+    written_columns: bool = False
 
 
 def _forward_last(decoder: Decoder, input_ids, attention_mask, position_ids) -> torch.Tensor:
@@ -236,6 +286,8 @@ def setup_decoder(
         backbone, head = step_split
         compiled = (compiled_decode_step(device.type), backbone, head.weight, cache_argument(backbone))
     cache = _make_cache(policy, cache_len)
+    # Eager steps read only the written columns; the compiled step keeps one shape for its graph.
+    written_columns = cache is not None and compiled is None and _view_written_columns(cache)
     return Decoder(
         policy=policy,
         split=split,
@@ -245,6 +297,7 @@ def setup_decoder(
         cache_len=cache_len,
         static=cache is not None,
         compiled=compiled,
+        written_columns=written_columns,
     )
 
 
@@ -266,10 +319,11 @@ def prefill(
         [B*K, V] float32 logits of each prompt's last position.
     """
     B, P = prompts.shape
-    prefill_mask = torch.zeros(
-        (B, decoder.cache_len if decoder.static else P), dtype=torch.bool, device=prompts.device
-    )
+    width = decoder.cache_len if decoder.static and not decoder.written_columns else P
+    prefill_mask = torch.zeros((B, width), dtype=torch.bool, device=prompts.device)
     prefill_mask[:, :P] = prompt_mask
+    if decoder.written_columns:
+        _set_columns(decoder.cache, P)
     logits = _forward_last(decoder, prompts, prefill_mask, position_ids_from_mask(prompt_mask))
     if num_samples > 1:
         logits = logits.repeat_interleave(num_samples, dim=0)
@@ -285,8 +339,8 @@ def decode_one_token(
     length: int,
 ) -> torch.Tensor:
     """Feed one new token per row, ``new_ids`` [B, 1] at ``position_ids`` [B, 1], through the policy and its
-    cache; returns the next [B, V] float32 logits. ``attention_mask`` [B, cache_len] covers the cache (of
-    which the dynamic cache reads the first ``length`` columns)."""
+    cache; returns the next [B, V] float32 logits. ``attention_mask`` [B, cache_len] covers the cache, of
+    which the eager step reads the first ``length`` columns (the written ones; the compiled step reads all)."""
     if decoder.compiled is not None:
         step, backbone, weight, cache_arg = decoder.compiled
         if new_ids.device.type == "cuda":
@@ -296,7 +350,9 @@ def decode_one_token(
         return step(
             backbone, weight, new_ids.contiguous(), attention_mask, position_ids, decoder.cache, cache_arg
         )
-    mask = attention_mask if decoder.static else attention_mask[:, :length]
+    if decoder.written_columns:
+        _set_columns(decoder.cache, length)
+    mask = attention_mask if decoder.static and not decoder.written_columns else attention_mask[:, :length]
     return _forward_last(decoder, new_ids, mask, position_ids)
 
 
@@ -305,8 +361,9 @@ def _static_layers(decoder: Decoder) -> list:
     (a sliding-window layer keeps a rolling window, which the slot copies below do not handle)."""
     from transformers.cache_utils import StaticLayer
 
+    plain = (StaticLayer, _written_columns_layer())
     layers = list(getattr(decoder.cache, "layers", None) or []) if decoder.static else []
-    if not layers or any(type(layer) is not StaticLayer for layer in layers):
+    if not layers or any(type(layer) not in plain for layer in layers):
         kinds = sorted({type(layer).__name__ for layer in layers}) or ["none"]
         raise ValueError(
             f"generate(max_num_seqs=...) needs a static KV cache of plain StaticLayer layers; "
