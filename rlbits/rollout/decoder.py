@@ -3,7 +3,10 @@
 
 KV cache: a ``transformers.StaticCache`` allocated up front for ``P + max_new_tokens`` positions when the
 model supports it (``_can_compile_fullgraph``), with the attention mask kept as a [B, P + max_new_tokens]
-buffer whose future columns are 0. Left padding works with it for GPT-2, Llama and Qwen2 in transformers
+buffer whose future columns are 0. Its layers are ``DecodeLayer``s: rows are views of buffers allocated once
+(repeating and dropping rows copy within them, so the tensors keep their addresses), and the eager step's
+attention reads only the columns written so far. The compiled step's cache is kept between calls, one per
+policy (``_compiled_cache``): its CUDA graphs are recorded on the cache's addresses. Left padding works with it for GPT-2, Llama and Qwen2 in transformers
 5.x (tested against HF ``generate`` and the ``DynamicCache`` path): padding is masked at every step and
 positions come from ``position_ids``, not from the cache index. Fixed shapes make the memory predictable
 and the step compilable; on CPU the speed is the same as ``DynamicCache`` within 2% (4-layer GPT-2, V =
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -68,21 +72,72 @@ def _make_cache(policy: torch.nn.Module, max_len: int):
 
 
 @functools.cache
-def _written_columns_layer() -> type:
-    """A ``StaticLayer`` whose attention reads only the cache columns written so far (built once, as
-    transformers is imported lazily)."""
+def _decode_layer() -> type:
+    """``DecodeLayer``, built once (transformers is imported lazily)."""
     from transformers.cache_utils import StaticLayer
 
-    class WrittenColumnsLayer(StaticLayer):
-        """A ``StaticLayer`` that hands attention its first ``columns`` columns (None: all ``max_cache_len``),
-        and sizes the mask to match. The eager decode sets ``columns`` to the context length before each
-        forward, so a step reads P + t columns of keys and values, not P + max_new_tokens: the columns not yet
-        written are masked out anyway, and reading them cost a long-budget rollout most of its attention time
-        (``benchmarks/RESULTS.md``). The compiled step keeps ``columns`` None: one shape for its graph."""
+    class DecodeLayer(StaticLayer):
+        """A ``StaticLayer`` for ``generate``'s decode loop.
+
+        Rows: ``keys``/``values`` are views of the first rows of buffers allocated once for ``capacity`` rows
+        (``full``), so repeating rows for the K samples of a prompt and dropping finished rows
+        (``repeat_rows``, ``select_rows``) copy within the buffers instead of allocating new tensors: the
+        tensors keep their addresses, which a CUDA graph of the compiled step records (a new address means
+        recording it again). A forward of another row count (the prefill) takes that many rows.
+
+        Columns: with ``columns`` set, attention gets the first ``columns`` columns and a mask sized to
+        match. The eager decode sets it to the context length before each forward, so a step reads the
+        P + t columns written so far, not all P + max_new_tokens: the rest are masked out anyway, and reading
+        them cost a long-budget rollout most of its attention time (``benchmarks/RESULTS.md``). The compiled
+        step keeps ``columns`` None: one shape for its graph.
+        """
 
         columns: int | None = None
+        capacity: int = 0
+        full: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        def lazy_initialization(self, key_states, value_states):
+            rows = key_states.shape[0]
+            self.capacity = max(self.capacity, rows)
+            super().lazy_initialization(
+                key_states.new_empty((self.capacity, *key_states.shape[1:])),
+                value_states.new_empty((self.capacity, *value_states.shape[1:])),
+            )
+            self.full = (self.keys, self.values)
+            self.use_rows(rows)
+
+        def use_rows(self, rows: int) -> None:
+            """Views of the buffers' first ``rows`` rows (contents as they are)."""
+            keys, values = self.full
+            self.keys, self.values, self.batch_size = keys[:rows], values[:rows], rows
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.keys)  # the compiled step updates them in place
+                torch._dynamo.mark_static_address(self.values)
+
+        def _put_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            if keys.shape[0] > self.capacity:  # more rows than the buffers hold: new, larger buffers
+                self.capacity = keys.shape[0]
+                self.full = (torch.empty_like(keys), torch.empty_like(values))
+            self.use_rows(keys.shape[0])
+            self.keys.copy_(keys)
+            self.values.copy_(values)
+
+        def repeat_rows(self, k: int) -> None:
+            """Row i -> rows i*k .. i*k+k-1, in place."""
+            self._put_rows(self.keys.repeat_interleave(k, dim=0), self.values.repeat_interleave(k, dim=0))
+
+        def select_rows(self, rows: torch.Tensor) -> None:
+            """Keep ``rows`` [A] int64, in that order, in place."""
+            self._put_rows(self.keys.index_select(0, rows), self.values.index_select(0, rows))
 
         def update(self, key_states, value_states, *args, **kwargs):
+            if self.is_initialized and key_states.shape[0] != self.keys.shape[0]:
+                if key_states.shape[0] <= self.capacity:
+                    self.use_rows(key_states.shape[0])
+                else:
+                    self.is_initialized = False  # the update below allocates buffers for these rows
+            if self.is_initialized and (key_states.dtype, key_states.device) != (self.keys.dtype, self.keys.device):
+                self.is_initialized = False  # the policy changed dtype or device since these buffers were made
             keys, values = super().update(key_states, value_states, *args, **kwargs)
             if self.columns is None:
                 return keys, values
@@ -92,20 +147,45 @@ def _written_columns_layer() -> type:
             kv_length, kv_offset = super().get_mask_sizes(*args, **kwargs)
             return (kv_length if self.columns is None else self.columns), kv_offset
 
-    return WrittenColumnsLayer
+    return DecodeLayer
 
 
-def _view_written_columns(cache) -> bool:
-    """Make every layer of a ``StaticCache`` a ``WrittenColumnsLayer`` (in place), if every layer is a plain
-    ``StaticLayer`` (sliding-window and other layers keep their own masks); returns whether it did."""
+def _decode_layers(cache, rows: int) -> bool:
+    """Make every layer of a ``StaticCache`` a ``DecodeLayer`` for ``rows`` rows (in place), if every layer is
+    a plain ``StaticLayer`` (sliding-window and other layers keep their own rows and masks); returns whether
+    it did."""
     from transformers.cache_utils import StaticLayer
 
     layers = list(getattr(cache, "layers", None) or [])
-    if not layers or any(type(layer) is not StaticLayer for layer in layers):
+    if not layers or any(type(layer) is not StaticLayer or layer.is_initialized for layer in layers):
         return False
     for layer in layers:
-        layer.__class__ = _written_columns_layer()  # the class adds no state: ``columns`` defaults to None
+        layer.__class__ = _decode_layer()  # adds no state of its own until its lazy initialization
+        # instance attributes from the start: the compiled step's guards check the layer's attribute names
+        layer.capacity, layer.columns, layer.full = rows, None, None
     return True
+
+
+# The compiled step's KV cache, one per policy (dropped with it), kept between ``generate`` calls: its
+# CUDA graph records the cache tensors' addresses, and a new cache each rollout would be recorded again.
+_compiled_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled_cache(policy: torch.nn.Module, cache_len: int, rows: int):
+    """The policy's kept cache when it has ``cache_len`` columns and room for ``rows`` rows (reset: nothing
+    written), else a new one, kept in its place; None where the model has no static cache."""
+    cache = _compiled_caches.get(policy)
+    layers = list(getattr(cache, "layers", None) or [])
+    if layers and all(layer.max_cache_len == cache_len and layer.capacity >= rows for layer in layers):
+        for layer in layers:
+            layer.columns = None
+            if layer.is_initialized:
+                layer.cumulative_length.zero_()  # in place: the graph reads it at its address
+        return cache
+    cache = _make_cache(policy, cache_len)
+    if cache is not None and _decode_layers(cache, rows):
+        _compiled_caches[policy] = cache
+    return cache
 
 
 def _set_columns(cache, columns: int) -> None:
@@ -120,7 +200,9 @@ def _repeat_rows(cache, k: int) -> None:
     from transformers.cache_utils import StaticLayer
 
     for layer in cache.layers:
-        if isinstance(layer, StaticLayer):
+        if isinstance(layer, _decode_layer()):
+            layer.repeat_rows(k)
+        elif isinstance(layer, StaticLayer):
             layer.keys = layer.keys.repeat_interleave(k, dim=0)
             layer.values = layer.values.repeat_interleave(k, dim=0)
             layer.batch_size = layer.keys.shape[0]
@@ -131,12 +213,15 @@ def _repeat_rows(cache, k: int) -> None:
 
 
 def _select_cache_rows(cache, rows: torch.Tensor) -> None:
-    """Keep only ``rows`` [A] int64 of a KV cache, in that order, in place (new tensors of A rows)."""
+    """Keep only ``rows`` [A] int64 of a KV cache, in that order, in place."""
     from transformers.cache_utils import StaticLayer
 
     for layer in cache.layers:
         if isinstance(layer, StaticLayer):
             if not getattr(layer, "is_initialized", True):
+                continue
+            if isinstance(layer, _decode_layer()):
+                layer.select_rows(rows)
                 continue
             layer.keys = layer.keys.index_select(0, rows)
             layer.values = layer.values.index_select(0, rows)
@@ -186,7 +271,7 @@ class Decoder:
     ``StaticCache`` of ``cache_len`` positions when ``static``, else None until the prefill returns HF's
     ``DynamicCache``. ``compiled``: ``(step, backbone, head weight, cache keyword)`` of the compiled decode
     step, or None (eager). ``written_columns``: the eager steps' attention reads only the columns written so
-    far (``WrittenColumnsLayer``).
+    far (``DecodeLayer``).
     """
 
     policy: torch.nn.Module
@@ -285,9 +370,12 @@ def setup_decoder(
         cache_len = min(cache_len, limit[1]) if limit is not None else cache_len
         backbone, head = step_split
         compiled = (compiled_decode_step(device.type), backbone, head.weight, cache_argument(backbone))
-    cache = _make_cache(policy, cache_len)
-    # Eager steps read only the written columns; the compiled step keeps one shape for its graph.
-    written_columns = cache is not None and compiled is None and _view_written_columns(cache)
+    if compiled is not None:
+        cache = _compiled_cache(policy, cache_len, rows)
+        written_columns = False  # one shape for the compiled step's graph
+    else:  # the eager steps read only the written columns
+        cache = _make_cache(policy, cache_len)
+        written_columns = cache is not None and _decode_layers(cache, rows)
     return Decoder(
         policy=policy,
         split=split,
@@ -361,7 +449,7 @@ def _static_layers(decoder: Decoder) -> list:
     (a sliding-window layer keeps a rolling window, which the slot copies below do not handle)."""
     from transformers.cache_utils import StaticLayer
 
-    plain = (StaticLayer, _written_columns_layer())
+    plain = (StaticLayer, _decode_layer())
     layers = list(getattr(decoder.cache, "layers", None) or []) if decoder.static else []
     if not layers or any(type(layer) not in plain for layer in layers):
         kinds = sorted({type(layer).__name__ for layer in layers}) or ["none"]

@@ -660,7 +660,9 @@ def generate(
             approach: static shapes, static KV cache; on CUDA replayed as a CUDA graph). Only where the
             static cache and the split head apply (GPT-2/Llama/Mistral/Qwen2/Qwen3 families, no autocast);
             else ignored. The first call per batch size and cache length compiles (tens of seconds); the
-            samples equal the eager ones up to float rounding of the logits.
+            samples equal the eager ones up to float rounding of the logits. The compiled step's KV cache
+            stays allocated between calls (one per policy, freed with it), so the CUDA graphs recorded
+            on its addresses replay in later rollouts instead of being recorded again.
         pack_weights: run the eager decode's linear layers through oneDNN on weights reordered once per
             call (``rlbits.models.packed.packed_linears``): on CPU several times faster matmuls at decode
             batch sizes, the same logits to float rounding, one extra copy of the weights in memory during

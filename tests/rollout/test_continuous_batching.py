@@ -352,6 +352,40 @@ def test_compiled_step_with_compaction(models, monkeypatch):
 
 
 @pytest.mark.slow
+def test_compiled_step_keeps_its_cache_addresses(models, monkeypatch):
+    """``compile=True``: every step of two calls, at 16 rows and after compaction at 8, gets the KV cache at
+    the same addresses (a CUDA graph records them; a new address means recording it again), and each call
+    samples what the eager decode samples."""
+    from rlbits.rollout import decoder as decoder_mod
+
+    td = _prompts(list(range(1, 9)), seed=1)
+    kw = _kw(num_samples=2, logits_processor=_eos_processor(td["prompts"].shape[1]), temperature=0.8)
+    seen = []  # per compiled step: (rows, keys' and write counters' addresses of every layer)
+    original = decoder_mod.compiled_decode_step
+
+    def spy(device_type="cpu"):
+        step = original(device_type)
+
+        def run(*args):
+            layers = args[5].layers
+            keys = tuple(layer.keys.data_ptr() for layer in layers)
+            counters = tuple(layer.cumulative_length.data_ptr() for layer in layers)
+            seen.append((args[2].shape[0], keys, counters))
+            return step(*args)
+
+        return run
+
+    monkeypatch.setattr(decoder_mod, "compiled_decode_step", spy)
+    for seed in (3, 4):
+        compiled = generate(models["llama"], td, generator=_gen(seed), compile=True, continuous_batching=True, **kw)
+        eager = generate(models["llama"], td, generator=_gen(seed), **kw)
+        assert torch.equal(eager["responses"], compiled["responses"])
+        torch.testing.assert_close(eager["logprobs"], compiled["logprobs"], atol=1e-5, rtol=0)
+    assert {rows for rows, _, _ in seen} == {16, 8}
+    assert len({(keys, counters) for _, keys, counters in seen}) == 1  # both calls, both row counts
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["ppo", "reinforce"])
 def test_a_run_logs_the_same_metrics_with_the_switch_on(loop, tmp_path, monkeypatch):
     """The golden setups of tests/loops/test_golden.py (3 steps, validation) with 48 new tokens, so that rows

@@ -146,12 +146,12 @@ def test_static_and_dynamic_cache_agree(models, monkeypatch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("options", [{}, {"num_samples": 2, "continuous_batching": True}, {"max_num_seqs": 2}])
 def test_eager_steps_read_only_the_written_columns(models, arch, options, monkeypatch):
-    """The eager decode hands attention the P + t columns written so far (``WrittenColumnsLayer``), not the
+    """The eager decode hands attention the P + t columns written so far (``DecodeLayer``), not the
     whole static cache: the same tokens and logprobs (to float rounding) as reading every column, masked."""
     model = models[arch]
     td = _prompts([3, 7, 2, 5])
     kw = dict(max_new_tokens=12, temperature=1.0, eos_token_id=EOS, pad_token_id=PAD, **options)
-    layer = decoder_mod._written_columns_layer()
+    layer = decoder_mod._decode_layer()
     seen = []  # the key columns each forward's first layer hands attention
     update = layer.update
 
@@ -162,15 +162,15 @@ def test_eager_steps_read_only_the_written_columns(models, arch, options, monkey
         return keys, values
 
     monkeypatch.setattr(layer, "update", recording)
-    view = decoder_mod._view_written_columns
+    view = decoder_mod._decode_layers
 
-    def first_layer(cache):
-        done = view(cache)
+    def first_layer(cache, rows):
+        done = view(cache, rows)
         for lay in cache.layers:
             lay._first = cache.layers[0]
         return done
 
-    monkeypatch.setattr(decoder_mod, "_view_written_columns", first_layer)
+    monkeypatch.setattr(decoder_mod, "_decode_layers", first_layer)
     written = generate(model, td, generator=_gen(5), **kw)
     P = td["prompts"].shape[1]
     assert seen[0] == P  # the prefill
@@ -180,7 +180,7 @@ def test_eager_steps_read_only_the_written_columns(models, arch, options, monkey
         width = generate_mod._SLOT_CACHE_SPANS * (P + kw["max_new_tokens"])
         decode = [n for n in seen if n != P]
         assert decode[:3] == [P + 1, P + 2, P + 3] and max(decode) < width
-    monkeypatch.setattr(decoder_mod, "_view_written_columns", lambda cache: False)
+    monkeypatch.setattr(decoder_mod, "_decode_layers", lambda cache, rows: False)
     every = generate(model, td, generator=_gen(5), **kw)
     assert written["responses"].tolist() == every["responses"].tolist()
     torch.testing.assert_close(written["logprobs"], every["logprobs"], atol=1e-5, rtol=0)
