@@ -27,7 +27,9 @@ each generated token reading its row's KV cache once (prompt + tokens so far). T
 batching: continuous batching cannot shorten the longest row. It also reports the **roofline** time of both
 workloads (``roofline_seconds``: each forward pass costs the larger of its bytes over the bandwidth and its
 FLOPs over the measured matmul peak, rows leaving as they end) and their ratio: the best uneven / uniform ratio
-any engine can reach on the machine, beside the measured one. On CUDA each configuration's peak memory
+any engine can reach on the machine, beside the measured one; and the same roofline at the rate of reading the
+weights one matrix at a time (``matrix_read_gbs``), which is what a decode step's one kernel per weight can
+reach. On CUDA each configuration's peak memory
 (``torch.cuda.max_memory_allocated`` over its timed calls) is reported.
 
 Models (random weights, fp32 unless ``--dtype bf16``): ``gpt2`` (the shared tiny GPT-2 of
@@ -147,6 +149,32 @@ def _floors(model, dtype, uneven: list[int], uniform: list[int], prompt_len: int
     }
     roofline["uneven_over_uniform"] = roofline["uneven_s"] / roofline["uniform_s"]
     return floor_s, roofline
+
+
+def matrix_read_gbs(model, device: str) -> float:
+    """GB/s of reading the model's matmul weights one matrix at a time (a sum each, best of 5): what a decode
+    step, one kernel per weight, can read at best. On the 2-core CPUs a 3.5 MB matrix reads at about half the
+    rate of one 1 GiB stream (``bench_decode.measured_peaks``), so the roofline at the stream's rate is a
+    bound no per-layer decode reaches when few rows make every step memory-bound."""
+    import torch
+
+    weights = [
+        m.weight.detach()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
+    ]
+    total = sum(w.numel() * w.element_size() for w in weights)
+    best = float("inf")
+    for _ in range(6):  # the first warms up
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for w in weights:
+            w.sum()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return total / best / 1e9
 
 
 def _roofline_line(roofline: dict, rows: int) -> str:
@@ -388,13 +416,15 @@ def main(argv=None) -> dict:
                 peak_mib[name] = max(peak_mib.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
     if args.profile:
         _profile_call(lambda: run(*configs["uneven_on"]), cuda, max(uneven), args.profile)
-    floor_s, read_gbs, peak_gflops, roofline = None, None, None, None
+    floor_s, read_gbs, peak_gflops, roofline, roofline_matrix = None, None, None, None, None
     if args.floor:
         from bench_decode import measured_peaks
 
         peaks = measured_peaks(args.threads, args.device, args.dtype)
         floor_s, roofline = _floors(model, dtype, uneven, uniform, P, args.budget, peaks)
         read_gbs, peak_gflops = peaks["read_gbs"], peaks["matmul_gflops"]
+        by_matrix = dict(peaks, read_gbs=matrix_read_gbs(model, args.device))
+        roofline_matrix = _floors(model, dtype, uneven, uniform, P, args.budget, by_matrix)[1]
     rows = {
         name: {
             "seconds": statistics.median(t),
@@ -431,6 +461,7 @@ def main(argv=None) -> dict:
         "read_gbs": read_gbs,
         "matmul_gflops": peak_gflops,
         "roofline": roofline,
+        "roofline_matrix_reads": roofline_matrix,
         "device_name": torch.cuda.get_device_name() if cuda else platform.processor(),
         "command": "python benchmarks/uneven_generate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
@@ -449,6 +480,7 @@ def main(argv=None) -> dict:
     if floor_s:
         print(f"memory floor {floor_s * 1e3:.2f} ms ({read_gbs:.0f} GB/s)")
         print(_roofline_line(roofline, B) + " (the best any batching reaches on this machine)")
+        print(_roofline_line(roofline_matrix, B) + " (at the rate of reading the weights one matrix at a time)")
     off = result["uneven_off_over_uniform"]
     print(
         "uneven / uniform (same tokens): " + (f"off {off:.2f}x, " if off is not None else "")
