@@ -115,20 +115,27 @@ def _decode_layer() -> type:
                 torch._dynamo.mark_static_address(self.values)
 
         def _put_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-            if keys.shape[0] > self.capacity:  # more rows than the buffers hold: new, larger buffers
-                self.capacity = keys.shape[0]
-                self.full = (torch.empty_like(keys), torch.empty_like(values))
-            self.use_rows(keys.shape[0])
-            self.keys.copy_(keys)
-            self.values.copy_(values)
+            """Make the first rows ``keys``/``values`` [n, heads, c, head_dim] in their first c columns."""
+            n, c = keys.shape[0], keys.shape[2]
+            if n > self.capacity:  # more rows than the buffers hold: new, larger ones (zeros: the compiled
+                self.capacity = n  # step reads every column, masked, and 0 * NaN would be NaN)
+                shape = (n, *self.keys.shape[1:])
+                self.full = (self.keys.new_zeros(shape), self.values.new_zeros(shape))
+            self.use_rows(n)
+            self.keys[:, :, :c].copy_(keys)
+            self.values[:, :, :c].copy_(values)
 
-        def repeat_rows(self, k: int) -> None:
-            """Row i -> rows i*k .. i*k+k-1, in place."""
-            self._put_rows(self.keys.repeat_interleave(k, dim=0), self.values.repeat_interleave(k, dim=0))
+        def repeat_rows(self, k: int, columns: int | None = None) -> None:
+            """Row i -> rows i*k .. i*k+k-1, in place; only the first ``columns`` columns (None: all) are
+            copied, the written ones."""
+            keys, values = self.keys[:, :, :columns], self.values[:, :, :columns]
+            self._put_rows(keys.repeat_interleave(k, dim=0), values.repeat_interleave(k, dim=0))
 
-        def select_rows(self, rows: torch.Tensor) -> None:
-            """Keep ``rows`` [A] int64, in that order, in place."""
-            self._put_rows(self.keys.index_select(0, rows), self.values.index_select(0, rows))
+        def select_rows(self, rows: torch.Tensor, columns: int | None = None) -> None:
+            """Keep ``rows`` [A] int64, in that order, in place; only the first ``columns`` columns (None: all)
+            are copied: a compaction early in a long budget moves a fraction of the cache."""
+            keys, values = self.keys[:, :, :columns], self.values[:, :, :columns]
+            self._put_rows(keys.index_select(0, rows), values.index_select(0, rows))
 
         def update(self, key_states, value_states, *args, **kwargs):
             if self.is_initialized and key_states.shape[0] != self.keys.shape[0]:
@@ -194,14 +201,14 @@ def _set_columns(cache, columns: int) -> None:
         layer.columns = columns
 
 
-def _repeat_rows(cache, k: int) -> None:
+def _repeat_rows(cache, k: int, columns: int | None = None) -> None:
     """Repeat every row of a prefilled KV cache ``k`` times in place (row i -> rows i*k .. i*k+k-1), so
-    the K samples of a prompt share one prefill."""
+    the K samples of a prompt share one prefill; a ``DecodeLayer`` copies the first ``columns`` columns."""
     from transformers.cache_utils import StaticLayer
 
     for layer in cache.layers:
         if isinstance(layer, _decode_layer()):
-            layer.repeat_rows(k)
+            layer.repeat_rows(k, columns)
         elif isinstance(layer, StaticLayer):
             layer.keys = layer.keys.repeat_interleave(k, dim=0)
             layer.values = layer.values.repeat_interleave(k, dim=0)
@@ -212,8 +219,9 @@ def _repeat_rows(cache, k: int) -> None:
             layer.batch_repeat_interleave(k)
 
 
-def _select_cache_rows(cache, rows: torch.Tensor) -> None:
-    """Keep only ``rows`` [A] int64 of a KV cache, in that order, in place."""
+def _select_cache_rows(cache, rows: torch.Tensor, columns: int | None = None) -> None:
+    """Keep only ``rows`` [A] int64 of a KV cache, in that order, in place; a ``DecodeLayer`` copies the first
+    ``columns`` columns (None: all)."""
     from transformers.cache_utils import StaticLayer
 
     for layer in cache.layers:
@@ -221,7 +229,7 @@ def _select_cache_rows(cache, rows: torch.Tensor) -> None:
             if not getattr(layer, "is_initialized", True):
                 continue
             if isinstance(layer, _decode_layer()):
-                layer.select_rows(rows)
+                layer.select_rows(rows, columns)
                 continue
             layer.keys = layer.keys.index_select(0, rows)
             layer.values = layer.values.index_select(0, rows)
@@ -232,12 +240,13 @@ def _select_cache_rows(cache, rows: torch.Tensor) -> None:
             layer.batch_select_indices(rows)
 
 
-def select_rows(decoder: Decoder, rows: torch.Tensor) -> None:
+def select_rows(decoder: Decoder, rows: torch.Tensor, columns: int | None = None) -> None:
     """Keep only ``rows`` [A] int64 (indices into the current rows, ascending) of the decoder's KV cache, so
     the next ``decode_one_token`` runs on A rows (``generate``'s ``continuous_batching`` drops finished rows
-    so). A policy that holds a cache of its own besides the one it is passed (``SteeredPolicy`` with a
-    separate trunk) has its ``select_cache_rows(rows)`` called too."""
-    _select_cache_rows(decoder.cache, rows)
+    so). ``columns``: how many cache columns hold keys and values (the rest are not copied); None: all. A
+    policy that holds a cache of its own besides the one it is passed (``SteeredPolicy`` with a separate
+    trunk) has its ``select_cache_rows(rows)`` called too."""
+    _select_cache_rows(decoder.cache, rows, columns)
     hook = getattr(decoder.policy, "select_cache_rows", None)
     if hook is not None:
         hook(rows)
@@ -415,7 +424,7 @@ def prefill(
     logits = _forward_last(decoder, prompts, prefill_mask, position_ids_from_mask(prompt_mask))
     if num_samples > 1:
         logits = logits.repeat_interleave(num_samples, dim=0)
-        _repeat_rows(decoder.cache, num_samples)
+        _repeat_rows(decoder.cache, num_samples, P)
     return logits
 
 

@@ -195,8 +195,8 @@ def _rows_per_call(policy):
 
 
 def test_decode_work_shrinks():
-    """Each decode step runs the rows still decoding, rounded up to a power of two: the step sizes follow
-    from the response lengths."""
+    """Each eager decode step runs the rows still decoding, compacted once a sixteenth of them have finished:
+    the step sizes follow from the response lengths."""
     policy = tiny_causal_lm("llama", V, seed=3)
     calls = _rows_per_call(policy)
     td = _prompts(list(range(1, 17)), seed=1)  # 16 prompts x 2 samples = 32 rows
@@ -214,7 +214,7 @@ def test_decode_work_shrinks():
     expected, size = [], 32
     for t in range(steps - 1):
         alive = int(((lengths > t + 1) | truncated).sum())
-        size = min(size, generate_mod._compacted_size(alive, size, 1))
+        size = min(size, generate_mod._compacted_size(alive, size, 1, exact=True))
         expected.append(size)
     assert on_calls == expected
     assert sum(on_calls) < 0.6 * sum(off_calls)
@@ -233,6 +233,9 @@ def test_compacted_size():
     ]
     assert [generate_mod._compacted_size(n, 48, 8) for n in (40, 30, 3)] == [48, 32, 8]
     assert generate_mod._compacted_size(3, 6, 8) == 6
+    # the eager step: the rows still decoding, once a sixteenth of the rows (and at least one) have finished
+    assert [generate_mod._compacted_size(n, 32, 1, exact=True) for n in (32, 31, 30, 17, 1)] == [32, 32, 30, 17, 1]
+    assert [generate_mod._compacted_size(n, 8, 1, exact=True) for n in (8, 7, 3)] == [8, 7, 3]
 
 
 def test_continuous_batching_must_be_a_bool(models):
@@ -398,7 +401,7 @@ def test_a_run_logs_the_same_metrics_with_the_switch_on(loop, tmp_path, monkeypa
     compactions = []
     select = generate_mod.select_rows
     monkeypatch.setattr(
-        generate_mod, "select_rows", lambda d, rows: compactions.append(len(rows)) or select(d, rows)
+        generate_mod, "select_rows", lambda d, rows, *a: compactions.append(len(rows)) or select(d, rows, *a)
     )
     off = run_pinned_setup(loop, tmp_path, "off", max_new_tokens=48, continuous_batching=False)
     on = run_pinned_setup(loop, tmp_path, "on", max_new_tokens=48, continuous_batching=True)
