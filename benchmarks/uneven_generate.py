@@ -152,10 +152,11 @@ def _floors(model, dtype, uneven: list[int], uniform: list[int], prompt_len: int
 
 
 def matrix_read_gbs(model, device: str) -> float:
-    """GB/s of reading the model's matmul weights one matrix at a time (a sum each, best of 5): what a decode
-    step, one kernel per weight, can read at best. On the 2-core CPUs a 3.5 MB matrix reads at about half the
-    rate of one 1 GiB stream (``bench_decode.measured_peaks``), so the roofline at the stream's rate is a
-    bound no per-layer decode reaches when few rows make every step memory-bound."""
+    """GB/s of reading the model's matmul weights one matrix at a time (a sum each, best of 5 after a warm-up):
+    what a decode step, one kernel per weight, can read at best. On the 2-core CPU of ``benchmarks/RESULTS.md``
+    SmolLM2's 211 matrices read at 0.6-0.95x the rate of one 1 GiB stream (``bench_decode.measured_peaks``),
+    so the roofline at the stream's rate is a bound no per-layer decode reaches when few rows make every step
+    memory-bound."""
     import torch
 
     weights = [
@@ -164,8 +165,8 @@ def matrix_read_gbs(model, device: str) -> float:
         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
     ]
     total = sum(w.numel() * w.element_size() for w in weights)
-    best = float("inf")
-    for _ in range(6):  # the first warms up
+    seconds = []
+    for _ in range(6):
         if device != "cpu":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -173,8 +174,8 @@ def matrix_read_gbs(model, device: str) -> float:
             w.sum()
         if device != "cpu":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return total / best / 1e9
+        seconds.append(time.perf_counter() - start)
+    return total / min(seconds[1:]) / 1e9  # the first call warms up
 
 
 def _roofline_line(roofline: dict, rows: int) -> str:

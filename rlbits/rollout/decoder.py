@@ -6,8 +6,9 @@ model supports it (``_can_compile_fullgraph``), with the attention mask kept as 
 buffer whose future columns are 0. Its layers are ``DecodeLayer``s: rows are views of buffers allocated once
 (repeating and dropping rows copy within them, so the tensors keep their addresses), and the eager step's
 attention reads only the columns written so far. The compiled step's cache is kept between calls, one per
-policy (``_compiled_cache``): its CUDA graphs are recorded on the cache's addresses. Left padding works with it for GPT-2, Llama and Qwen2 in transformers
-5.x (tested against HF ``generate`` and the ``DynamicCache`` path): padding is masked at every step and
+policy (``_compiled_cache``): its CUDA graphs are recorded on the cache's addresses. Left padding works with
+it for GPT-2, Llama and Qwen2 in transformers 5.x (tested against HF ``generate`` and the ``DynamicCache``
+path): padding is masked at every step and
 positions come from ``position_ids``, not from the cache index. Fixed shapes make the memory predictable
 and the step compilable; on CPU the speed is the same as ``DynamicCache`` within 2% (4-layer GPT-2, V =
 32k, B = 8 and 32, 32 and 200 new tokens: the LM head dominates). Models without static-cache support use
@@ -143,7 +144,8 @@ def _decode_layer() -> type:
                     self.use_rows(key_states.shape[0])
                 else:
                     self.is_initialized = False  # the update below allocates buffers for these rows
-            if self.is_initialized and (key_states.dtype, key_states.device) != (self.keys.dtype, self.keys.device):
+            made = (self.keys.dtype, self.keys.device) if self.is_initialized else None
+            if made is not None and (key_states.dtype, key_states.device) != made:
                 self.is_initialized = False  # the policy changed dtype or device since these buffers were made
             keys, values = super().update(key_states, value_states, *args, **kwargs)
             if self.columns is None:

@@ -279,9 +279,9 @@ def decode_n_tokens(
     With ``compact``, at each of those checks the rows still decoding are kept and the finished ones dropped
     from the decode batch (its KV cache rows included: ``rlbits.rollout.decoder.select_rows``): for the eager
     step once a sixteenth of its rows have finished, for the compiled step once they fit the next power of
-    two, at least ``_COMPILED_MIN_ROWS`` (finished rows fill the rest; ``_compacted_size``). The noise stays the same: every step draws ``torch.rand(B, 1)`` for the
-    whole batch, as without ``compact``, and the rows still in the batch sample with their own draws.
-    ``stopping`` sees the whole batch as without ``compact``; ``logits_processor`` sees the rows in the
+    two, at least ``_COMPILED_MIN_ROWS`` (finished rows fill the rest; ``_compacted_size``). The noise stays
+    the same: every step draws ``torch.rand(B, 1)`` for the whole batch, as without ``compact``, and the rows
+    still in the batch sample with their own draws. ``stopping`` sees the whole batch as without ``compact``; ``logits_processor`` sees the rows in the
     decode batch only.
 
     ``swap(t, part)``, before each step t >= 1 (``part``: the decode batch): None to go on, or a new
