@@ -112,16 +112,16 @@ def roofline_seconds(
     return total
 
 
-def _matmul_params(model) -> int:
-    """Weights that every fed token multiplies: the linear (and GPT-2 ``Conv1D``) layers, the LM head included
+def _matmul_weights(model) -> list:
+    """The weights every fed token multiplies: the linear (and GPT-2 ``Conv1D``) layers', the LM head included
     (a tied head counts once, as the head; the embedding lookup itself is free)."""
     import torch
 
-    return sum(
-        m.weight.numel()
+    return [
+        m.weight.detach()
         for m in model.modules()
         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
-    )
+    ]
 
 
 def _floors(model, dtype, uneven: list[int], uniform: list[int], prompt_len: int, budget: int, peaks: dict):
@@ -138,7 +138,7 @@ def _floors(model, dtype, uneven: list[int], uniform: list[int], prompt_len: int
     kv_reads = sum(prompt_len + t for n in uneven for t in range(1, n + 1))  # cached columns each new token reads
     floor_s = (budget * weight_bytes + kv_reads * kv_token_bytes) / (read_gbs * 1e9)
     shape = {
-        "weight_bytes": weight_bytes, "matmul_params": _matmul_params(model), "layers": cfg.num_hidden_layers,
+        "weight_bytes": weight_bytes, "matmul_params": sum(w.numel() for w in _matmul_weights(model)), "layers": cfg.num_hidden_layers,
         "heads": cfg.num_attention_heads, "head_dim": head_dim, "kv_token_bytes": kv_token_bytes,
         "read_gbs": read_gbs, "peak_gflops": peaks["matmul_gflops"],
     }
@@ -159,11 +159,7 @@ def matrix_read_gbs(model, device: str) -> float:
     memory-bound."""
     import torch
 
-    weights = [
-        m.weight.detach()
-        for m in model.modules()
-        if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
-    ]
+    weights = _matmul_weights(model)
     total = sum(w.numel() * w.element_size() for w in weights)
     seconds = []
     for _ in range(6):

@@ -187,7 +187,6 @@ def _compiled_cache(policy: torch.nn.Module, cache_len: int, rows: int):
     layers = list(getattr(cache, "layers", None) or [])
     if layers and all(layer.max_cache_len == cache_len and layer.capacity >= rows for layer in layers):
         for layer in layers:
-            layer.columns = None
             if layer.is_initialized:
                 layer.cumulative_length.zero_()  # in place: the graph reads it at its address
         return cache
